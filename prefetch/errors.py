@@ -1,0 +1,127 @@
+"""The package's one exception hierarchy.
+
+Every error a user can cause or meet derives from :class:`PrefetchError`; the CLI turns any of them
+into one ``Error: ...`` line (plus an optional ``Hint: ...``) and a non-zero exit. Errors subclass a
+builtin where that is true, so callers can also catch them as ``FileNotFoundError`` and the like.
+
+::
+
+    PrefetchError
+    ├── ConfigError (ValueError)             a malformed URI, flag, size or config file field
+    ├── SourceError                          anything the remote side said or failed to say
+    │   ├── NotFoundError (FileNotFoundError)
+    │   │   ├── BucketNotFoundError          S3 bucket does not exist
+    │   │   ├── RepoNotFoundError            Hub repository does not exist (or is hidden)
+    │   │   ├── RevisionNotFoundError        branch, tag or commit unknown
+    │   │   └── NoMatchingFilesError         include/exclude patterns matched nothing
+    │   ├── AccessDeniedError (PermissionError)  401/403, bad or missing credentials / token
+    │   ├── SourceChangedError               the object changed under a pinned download (ETag/412)
+    │   └── TransientSourceError             timeouts, resets, 5xx, throttling (retried)
+    ├── TransferError                        a download could not be completed
+    │   └── InsufficientSpaceError (OSError) not enough free space (before or during the pull)
+    ├── VerifyError
+    │   ├── ChecksumMismatchError            carries path, algorithm, expected, actual
+    │   └── MissingChecksumError             --require-checksum and the source has none
+    ├── LayoutError                          the destination cannot be written / is not ours
+    │   └── LockTimeoutError                 another pull holds the model's lock for too long
+    └── NodeGateError                        the Kubernetes API refused a node label/taint change
+"""
+
+from __future__ import annotations
+
+
+class PrefetchError(Exception):
+    """Root of every error model-prefetch raises on purpose."""
+
+    hint: str | None = None
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        if hint is not None:
+            self.hint = hint
+
+
+class ConfigError(PrefetchError, ValueError):
+    """Bad user input: a URI, a flag value, a config file field."""
+
+
+class SourceError(PrefetchError):
+    """The source (S3, Hub) refused or failed a request."""
+
+
+class NotFoundError(SourceError, FileNotFoundError):
+    """Something named by the user does not exist at the source."""
+
+
+class BucketNotFoundError(NotFoundError):
+    pass
+
+
+class RepoNotFoundError(NotFoundError):
+    pass
+
+
+class RevisionNotFoundError(NotFoundError):
+    pass
+
+
+class NoMatchingFilesError(NotFoundError):
+    pass
+
+
+class AccessDeniedError(SourceError, PermissionError):
+    pass
+
+
+class SourceChangedError(SourceError):
+    """The remote object changed while we were downloading it (ETag no longer matches)."""
+
+
+class TransientSourceError(SourceError):
+    """A failure worth retrying: timeout, connection reset, 5xx, throttling.
+
+    ``retry_after`` is the server's requested delay in seconds, when it gave one.
+    """
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class TransferError(PrefetchError):
+    pass
+
+
+class InsufficientSpaceError(TransferError, OSError):
+    pass
+
+
+class VerifyError(PrefetchError):
+    pass
+
+
+class ChecksumMismatchError(VerifyError):
+    def __init__(self, path: str, algorithm: str, expected: str, actual: str) -> None:
+        super().__init__(
+            f"checksum mismatch for {path}: {algorithm} expected {expected}, got {actual}"
+        )
+        self.path = path
+        self.algorithm = algorithm
+        self.expected = expected
+        self.actual = actual
+
+
+class MissingChecksumError(VerifyError):
+    pass
+
+
+class LayoutError(PrefetchError):
+    pass
+
+
+class LockTimeoutError(LayoutError, TimeoutError):
+    pass
+
+
+class NodeGateError(PrefetchError):
+    pass
