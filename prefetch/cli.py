@@ -1,0 +1,245 @@
+"""The ``prefetch`` command line.
+
+Results go to stdout (one JSON object with ``--json``); everything meant for a person (progress,
+warnings, errors) goes to stderr. Every PrefetchError becomes one ``Error: ...`` line, an optional
+``Hint: ...`` line and exit status 1; set PREFETCH_DEBUG=1 for a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from prefetch import __version__
+from prefetch.errors import ConfigError, LayoutError, PrefetchError
+from prefetch.progress import NullProgress, ProgressSink, TerminalProgress
+from prefetch.retry import RetryPolicy
+from prefetch.spec import ModelSpec, parse_source_uri
+from prefetch.transfer import TransferConfig
+from prefetch.units import format_bytes, parse_size
+
+F = TypeVar("F", bound=Callable[..., Any])
+log = logging.getLogger("prefetch")
+
+
+def fail(exc: PrefetchError) -> None:
+    click.echo(f"Error: {exc}", err=True)
+    if exc.hint:
+        click.echo(f"Hint: {exc.hint}", err=True)
+
+
+class _Group(click.Group):
+    """Turns package errors into one clear line and exit 1, never a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        debug = os.environ.get("PREFETCH_DEBUG", "") not in ("", "0")
+        try:
+            return super().invoke(ctx)
+        except PrefetchError as exc:
+            if debug:
+                raise
+            fail(exc)
+            ctx.exit(1)
+        except KeyboardInterrupt:
+            click.echo("Interrupted; partial downloads are kept and resume next time.", err=True)
+            ctx.exit(130)
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise
+        except OSError as exc:
+            if debug:
+                raise
+            click.echo(f"Error: {exc}", err=True)
+            ctx.exit(1)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="prefetch")
+@click.option("-v", "--verbose", count=True, help="More log output on stderr (-vv for debug).")
+def main(verbose: int) -> None:
+    """Pre-fetch model weights to local disk, verified, in the Hugging Face cache layout."""
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if verbose < 2:
+        for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "filelock"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def size_option(value: str | None, name: str) -> int | None:
+    if value is None:
+        return None
+    try:
+        return parse_size(value, field=name)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc)) from exc
+
+
+def transfer_options(fn: F) -> F:
+    options = [
+        click.option("--concurrency", type=click.IntRange(1, 512), default=16,
+                     envvar="PREFETCH_CONCURRENCY", show_default=True,
+                     help="Ranged requests in flight, across all files."),
+        click.option("--chunk-size", default="64MiB", envvar="PREFETCH_CHUNK_SIZE",
+                     show_default=True, help="Size of each ranged request (e.g. 16MiB)."),
+        click.option("--require-checksum", is_flag=True,
+                     help="Fail on files the source states no checksum for."),
+        click.option("--no-verify", is_flag=True, help="Skip checksum verification (sizes only)."),
+        click.option("--attempts", type=click.IntRange(1, 100), default=6, show_default=True,
+                     help="Tries per chunk on timeouts, resets, 5xx and throttling."),
+    ]  # fmt: skip
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def make_config(
+    concurrency: int, chunk_size: str, require_checksum: bool, no_verify: bool, attempts: int
+) -> TransferConfig:
+    size = size_option(chunk_size, "--chunk-size")
+    assert size is not None
+    return TransferConfig(
+        concurrency=concurrency,
+        chunk_size=size,
+        buffer_size=min(1024 * 1024, size),
+        verify=not no_verify,
+        require_checksum=require_checksum,
+        retry=RetryPolicy(attempts=attempts),
+    )
+
+
+def stop_on_sigterm() -> threading.Event:
+    """SIGTERM sets the returned event: no new chunks start, resumable state stays."""
+    stop = threading.Event()
+
+    def handler(signum: int, frame: Any) -> None:
+        stop.set()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
+    return stop
+
+
+def writable_destination(dest: str) -> Path:
+    path = Path(dest).expanduser().resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LayoutError(f"cannot create the destination {path}: {exc.strerror}") from exc
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise LayoutError(f"the destination {path} is not writable")
+    return path
+
+
+@main.command()
+@click.argument("uri")
+@click.argument("dest")
+@click.option("--include", multiple=True, help="Only files matching this glob (repeatable).")
+@click.option("--exclude", multiple=True, help="Skip files matching this glob (repeatable).")
+@click.option("--name", default="", help="Model name (a DNS label); default from the URI.")
+@click.option("--endpoint-url", envvar="AWS_ENDPOINT_URL", help="S3 endpoint (default: AWS).")
+@click.option("--delete", is_flag=True, help="Remove local files that are gone from the source.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
+@click.option("--progress/--no-progress", default=None,
+              help="Progress bar (default: when stderr is a terminal).")  # fmt: skip
+@transfer_options
+def pull(
+    uri: str,
+    dest: str,
+    include: tuple[str, ...],
+    exclude: tuple[str, ...],
+    name: str,
+    endpoint_url: str | None,
+    delete: bool,
+    as_json: bool,
+    progress: bool | None,
+    **transfer: Any,
+) -> None:
+    """Download a model from URI (s3://bucket/prefix) into DEST, verified and resumable."""
+    from prefetch.layout import PlainLayout
+    from prefetch.sources import open_source
+    from prefetch.sync import sync
+
+    config = make_config(**transfer)
+    spec = ModelSpec(source=parse_source_uri(uri), name=name, include=include, exclude=exclude)
+    root = writable_destination(dest)
+    source = open_source(spec, endpoint_url=endpoint_url, concurrency=config.concurrency)
+    layout = PlainLayout(root)
+    show = sys.stderr.isatty() if progress is None else progress
+    sink: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()
+    result = sync(spec, source, layout, config, progress=sink, delete=delete,
+                  stop=stop_on_sigterm())  # fmt: skip
+    if result.files_unverified:
+        click.echo(
+            f"Warning: {len(result.files_unverified)} file(s) had no checksum at the source "
+            f"and were checked by size only (e.g. {result.files_unverified[0]}); "
+            "use --require-checksum to refuse them",
+            err=True,
+        )
+    if as_json:
+        click.echo(json.dumps(result.to_json(), sort_keys=True))
+        return
+    if result.up_to_date:
+        click.echo(f"{spec.name}: up to date, 0 bytes downloaded ({result.files} files) in {dest}")
+    else:
+        rate = result.bytes_downloaded / result.seconds if result.seconds else 0
+        click.echo(
+            f"{spec.name}: {result.files_downloaded} files, "
+            f"{format_bytes(result.bytes_downloaded)} downloaded in {result.seconds:.1f}s "
+            f"({format_bytes(rate)}/s), {result.files_verified} verified -> {result.path}"
+        )
+
+
+@main.command("verify")
+@click.argument("dest")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
+def verify_cmd(dest: str, as_json: bool) -> None:
+    """Re-check the files under DEST against the checksums recorded when they were pulled."""
+    from prefetch.layout import PlainLayout
+    from prefetch.sync import verify_local
+
+    root = Path(dest).expanduser().resolve()
+    if not root.is_dir():
+        raise LayoutError(f"{root} does not exist or is not a directory")
+    report = verify_local(PlainLayout(root))
+    if as_json:
+        click.echo(json.dumps({
+            "ok": report.ok,
+            "checked": len(report.checked),
+            "unverifiable": report.unverifiable,
+            "failures": [str(e) for e in report.failures],
+        }, sort_keys=True))  # fmt: skip
+    for failure in report.failures:
+        click.echo(f"Error: {failure}", err=True)
+    if not as_json and report.ok:
+        click.echo(f"{len(report.checked)} files verified under {root}")
+    if report.unverifiable:
+        click.echo(
+            f"Warning: {len(report.unverifiable)} file(s) have no recorded checksum", err=True
+        )
+    if not report.ok:
+        sys.exit(1)
+
+
+@main.command()
+@click.option("--size", default="96MiB", show_default=True, help="Total size of the model.")
+@click.option("--dest", default=None, help="Where to pull to (default: a temporary folder).")
+@click.option("--json", "as_json", is_flag=True, help="Print the pull's JSON summary on stdout.")
+def demo(size: str, dest: str | None, as_json: bool) -> None:
+    """Start a local S3 server, upload a generated model, pull and verify it, stop the server."""
+    from prefetch.demo import run_demo
+
+    total = size_option(size, "--size")
+    assert total is not None
+    run_demo(total, dest, as_json=as_json)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,78 @@
+"""The resume journal beside each ``.incomplete`` file.
+
+One JSON line of header (what the partial file is: source version, size, chunk plan, checksum),
+then one line per finished chunk with its inline hash result. A chunk is journaled only after its
+bytes were written, so after ``kill -9`` the next run re-fetches exactly the chunks without a line.
+A header that no longer matches (object changed, other chunk size) means: start the file over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+
+class Journal:
+    def __init__(self, path: Path, header: dict[str, Any]) -> None:
+        self.path = path
+        self.header = header
+        self.done: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._fh: Any = None
+
+    @classmethod
+    def open(cls, path: Path, header: dict[str, Any], *, partial_exists: bool) -> Journal:
+        """Load a matching journal (keeping its finished chunks) or start a fresh one."""
+        journal = cls(path, header)
+        if partial_exists and path.exists():
+            journal.done = _load(path, header)
+        if not journal.done:
+            tmp = path.with_suffix(path.suffix + ".tmp")
+            tmp.write_text(json.dumps(header, sort_keys=True) + "\n")
+            os.replace(tmp, path)
+        journal._fh = path.open("a", buffering=1)
+        return journal
+
+    def record(self, index: int, result: Any) -> None:
+        line = json.dumps({"i": index, "r": result}) + "\n"
+        with self._lock:
+            self.done[index] = result
+            self._fh.write(line)
+            self._fh.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fh is not None:
+                self._fh.close()
+                self._fh = None
+
+    def remove(self) -> None:
+        self.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+def _load(path: Path, header: dict[str, Any]) -> dict[int, Any]:
+    done: dict[int, Any] = {}
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return {}
+    if not lines:
+        return {}
+    try:
+        if json.loads(lines[0]) != json.loads(json.dumps(header)):
+            return {}
+    except json.JSONDecodeError:
+        return {}
+    for line in lines[1:]:
+        try:
+            entry = json.loads(line)
+            done[int(entry["i"])] = entry["r"]
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            break  # a torn last line from a crash: everything before it stands
+    return done

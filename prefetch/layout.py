@@ -1,0 +1,252 @@
+"""Publish: where verified files land, and the records that say what landed.
+
+A Layout owns every path under the destination. The engine writes partial files into
+``staging_dir()`` (same filesystem, so publishing is one ``os.replace``), calls ``publish`` once per
+verified file, then ``commit`` once per snapshot (records and, for the Hugging Face layout, refs are
+written last, atomically). Two layouts: :class:`PlainLayout` (files at ``DEST/<path>``) here, and
+the Hugging Face cache layout in :mod:`prefetch.hf_layout`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any, Protocol
+
+from filelock import FileLock, Timeout
+
+from prefetch.errors import LayoutError, LockTimeoutError
+from prefetch.snapshot import Checksum, RemoteFile, Snapshot
+from prefetch.spec import ModelSpec
+
+STATE_DIR = ".prefetch"
+
+
+@dataclass(frozen=True)
+class RecordedFile:
+    """A published file as recorded: where it is on disk and what it must hash to."""
+
+    path: str  # relative path in the model
+    local: Path
+    size: int
+    version: str
+    checksum: Checksum | None
+
+
+class Layout(Protocol):
+    root: Path
+
+    def lock_path(self) -> Path: ...
+    def staging_dir(self) -> Path: ...
+    def is_current(self, file: RemoteFile) -> bool: ...
+    def publish(self, file: RemoteFile, staged: Path, checksum: Checksum | None) -> None: ...
+    def commit(self, snapshot: Snapshot, spec: ModelSpec, *, delete: bool) -> list[str]: ...
+    def recorded(self) -> list[RecordedFile]: ...
+    def model_path(self, snapshot: Snapshot) -> Path: ...
+
+
+def safe_join(root: Path, relative: str) -> Path:
+    """``root / relative`` for a relative POSIX path that stays inside root; else LayoutError."""
+    pure = PurePosixPath(relative)
+    if (
+        not relative
+        or pure.is_absolute()
+        or any(part in ("..", "", ".") for part in relative.split("/"))
+        or "\0" in relative
+    ):
+        raise LayoutError(f"refusing unsafe file path from the source: {relative!r}")
+    return root.joinpath(*pure.parts)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def model_lock(path: Path, *, timeout: float) -> Iterator[None]:
+    """The per-model lock shared by the CLI and the agent (an flock on ``path``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(path), timeout=timeout)
+    try:
+        lock.acquire()
+    except Timeout as exc:
+        raise LockTimeoutError(
+            f"another pull of this model holds {path} (waited {timeout:.0f}s)"
+        ) from exc
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+class RecordBook:
+    """What a layout published: ``manifest.json`` plus an append-only log of recent publishes.
+
+    Publishes append one line (cheap, crash-safe); ``compact`` folds the log into the manifest
+    atomically. Keys are layout-defined (a path, or a blob name).
+    """
+
+    def __init__(self, state_dir: Path) -> None:
+        self.manifest = state_dir / "manifest.json"
+        self.log = state_dir / "published.jsonl"
+        self._lock = threading.Lock()
+
+    def load(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"format": 1, "entries": {}}
+        with contextlib.suppress(FileNotFoundError):
+            try:
+                data = json.loads(self.manifest.read_text())
+            except json.JSONDecodeError as exc:
+                raise LayoutError(f"{self.manifest} is corrupt: {exc}") from exc
+        entries: dict[str, Any] = data.setdefault("entries", {})
+        with contextlib.suppress(FileNotFoundError):
+            for line in self.log.read_text().splitlines():
+                try:
+                    item = json.loads(line)
+                except json.JSONDecodeError:
+                    break  # torn last line
+                entries[item["key"]] = item["entry"]
+        return data
+
+    def append(self, key: str, entry: dict[str, Any]) -> None:
+        line = json.dumps({"key": key, "entry": entry}, sort_keys=True) + "\n"
+        with self._lock:
+            self.log.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.log, "a") as fh:
+                fh.write(line)
+
+    def compact(self, data: dict[str, Any]) -> None:
+        with self._lock:
+            atomic_write(self.manifest, json.dumps(data, indent=1, sort_keys=True).encode())
+            with contextlib.suppress(FileNotFoundError):
+                self.log.unlink()
+
+
+def file_entry(file: RemoteFile, checksum: Checksum | None) -> dict[str, Any]:
+    return {
+        "path": file.path,
+        "size": file.size,
+        "version": file.version,
+        "checksum": checksum.to_json() if checksum else None,
+    }
+
+
+def entry_checksum(entry: dict[str, Any]) -> Checksum | None:
+    raw = entry.get("checksum")
+    return Checksum.from_json(raw) if raw else None
+
+
+class PlainLayout:
+    """Files at ``DEST/<path>``, state in ``DEST/.prefetch/`` (records, partials, lock)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.state = root / STATE_DIR
+        self.book = RecordBook(self.state)
+        self._entries: dict[str, Any] | None = None
+
+    def lock_path(self) -> Path:
+        return self.state / "lock"
+
+    def staging_dir(self) -> Path:
+        return self.state / "partial"
+
+    def model_path(self, snapshot: Snapshot) -> Path:
+        return self.root
+
+    def _loaded(self) -> dict[str, Any]:
+        if self._entries is None:
+            self._entries = self.book.load()["entries"]
+        return self._entries
+
+    def is_current(self, file: RemoteFile) -> bool:
+        entry = self._loaded().get(file.path)
+        if entry is None or entry.get("version") != file.version or entry["size"] != file.size:
+            return False
+        try:
+            return safe_join(self.root, file.path).stat().st_size == file.size
+        except FileNotFoundError:
+            return False
+
+    def publish(self, file: RemoteFile, staged: Path, checksum: Checksum | None) -> None:
+        target = safe_join(self.root, file.path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.is_dir():
+            raise LayoutError(f"cannot publish {file.path}: a directory is in the way")
+        fsync_file(staged)
+        os.replace(staged, target)
+        entry = file_entry(file, checksum)
+        self.book.append(file.path, entry)
+        self._loaded()[file.path] = entry
+
+    def commit(self, snapshot: Snapshot, spec: ModelSpec, *, delete: bool) -> list[str]:
+        data = self.book.load()
+        entries: dict[str, Any] = data["entries"]
+        wanted = {f.path for f in snapshot.files}
+        deleted: list[str] = []
+        if delete:
+            for path in sorted(self._local_files()):
+                if path not in wanted and (spec.wants(path) or path in entries):
+                    safe_join(self.root, path).unlink()
+                    entries.pop(path, None)
+                    deleted.append(path)
+            _prune_empty_dirs(self.root, skip=self.state)
+        data.update(
+            source=snapshot.source,
+            revision_id=snapshot.revision_id,
+            files=sorted(wanted),
+        )
+        self.book.compact(data)
+        self._entries = entries
+        return deleted
+
+    def _local_files(self) -> Iterator[str]:
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            if Path(dirpath) == self.root and STATE_DIR in dirnames:
+                dirnames.remove(STATE_DIR)
+            for name in filenames:
+                yield Path(dirpath, name).relative_to(self.root).as_posix()
+
+    def recorded(self) -> list[RecordedFile]:
+        data = self.book.load()
+        entries: dict[str, Any] = data["entries"]
+        paths = data.get("files", sorted(entries))
+        return [
+            RecordedFile(
+                path=p,
+                local=safe_join(self.root, p),
+                size=entries[p]["size"],
+                version=entries[p].get("version", ""),
+                checksum=entry_checksum(entries[p]),
+            )
+            for p in paths
+            if p in entries
+        ]
+
+
+def _prune_empty_dirs(root: Path, *, skip: Path) -> None:
+    for dirpath, _, _ in sorted(os.walk(root), key=lambda t: -len(t[0])):
+        p = Path(dirpath)
+        if p in (root, skip) or skip in p.parents:
+            continue
+        with contextlib.suppress(OSError):
+            p.rmdir()

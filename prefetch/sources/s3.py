@@ -1,0 +1,342 @@
+"""S3 source: list, describe (HEAD with checksums) and ranged GETs pinned to the ETag, via boto3.
+
+The boto3 client is passed in (tests give one pointed at a local server). boto3's own retries
+are turned off by :func:`make_s3_client`: retrying lives in one place (prefetch.retry), around
+whole operations and inside the range task, so a retry resumes from the last byte written.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import botocore.exceptions as bce
+from botocore.config import Config
+
+from prefetch.errors import (
+    AccessDeniedError,
+    BucketNotFoundError,
+    NoMatchingFilesError,
+    SourceChangedError,
+    SourceError,
+    TransientSourceError,
+)
+from prefetch.retry import RetryPolicy, call_with_retries
+from prefetch.snapshot import Checksum, RemoteFile, Snapshot, listing_digest
+from prefetch.spec import SIDECAR_MANIFEST, ModelSpec, SourceURI
+
+log = logging.getLogger(__name__)
+
+#: S3 additional checksums, strongest first, with the response field that carries each.
+_ADDITIONAL = (
+    ("sha256", "ChecksumSHA256"),
+    ("sha1", "ChecksumSHA1"),
+    ("crc64nvme", "ChecksumCRC64NVME"),
+    ("crc32c", "ChecksumCRC32C"),
+    ("crc32", "ChecksumCRC32"),
+)
+_TRANSIENT_CODES = {
+    "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
+    "InternalError", "ServiceUnavailable", "503", "500", "502", "504", "RequestLimitExceeded",
+}  # fmt: skip
+_DENIED_CODES = {
+    "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "401",
+    "ExpiredToken", "InvalidToken", "AllAccessDisabled", "AccountProblem",
+}  # fmt: skip
+_MD5_ETAG = re.compile(r"^[0-9a-f]{32}$")
+_MULTIPART_ETAG = re.compile(r"^[0-9a-f]{32}-(\d+)$")
+_SIDECAR_LINE = re.compile(r"^([0-9a-fA-F]{64}) [ *](.+)$")
+
+
+def make_s3_client(
+    *,
+    endpoint_url: str | None = None,
+    access_key: str | None = None,
+    secret_key: str | None = None,
+    region: str | None = None,
+    max_pool_connections: int = 32,
+    connect_timeout: float = 10,
+    read_timeout: float = 60,
+    profile: str | None = None,
+) -> Any:
+    """A boto3 S3 client tuned for many parallel ranged GETs, with boto3's retries off."""
+    import boto3
+
+    session = boto3.session.Session(profile_name=profile)
+    config = Config(
+        max_pool_connections=max_pool_connections,
+        connect_timeout=connect_timeout,
+        read_timeout=read_timeout,
+        retries={"total_max_attempts": 1, "mode": "standard"},
+        tcp_keepalive=True,
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+    )
+    kwargs: dict[str, Any] = {"config": config}
+    if endpoint_url:
+        kwargs["endpoint_url"] = endpoint_url
+    if access_key and secret_key:
+        kwargs["aws_access_key_id"] = access_key
+        kwargs["aws_secret_access_key"] = secret_key
+    if region or endpoint_url:
+        kwargs["region_name"] = region or session.region_name or "us-east-1"
+    return session.client("s3", **kwargs)
+
+
+def translate(exc: Exception, what: str) -> Exception:
+    """A boto3/botocore exception as the package's error (raise it ``from exc``)."""
+    if isinstance(exc, bce.ClientError):
+        err = exc.response.get("Error", {})
+        code = str(err.get("Code", ""))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        msg = err.get("Message") or code
+        if code == "NoSuchBucket":
+            return BucketNotFoundError(f"{what}: bucket does not exist")
+        if code in ("PreconditionFailed", "412") or status == 412:
+            return SourceChangedError(f"{what}: the object changed during the download")
+        if code in ("NoSuchKey", "404") or status == 404:
+            return SourceChangedError(f"{what}: the object disappeared during the download")
+        if code in _DENIED_CODES or status in (401, 403):
+            return AccessDeniedError(
+                f"{what}: access denied ({code}: {msg})",
+                hint="check the AWS credentials (AWS_PROFILE, AWS_ACCESS_KEY_ID, IRSA role) "
+                "and that they may s3:ListBucket and s3:GetObject here",
+            )
+        if code in _TRANSIENT_CODES or status >= 500 or status == 429:
+            return TransientSourceError(f"{what}: {code or status}: {msg}")
+        return SourceError(f"{what}: {code or status}: {msg}")
+    if isinstance(exc, bce.NoCredentialsError | bce.PartialCredentialsError):
+        return AccessDeniedError(
+            f"{what}: no AWS credentials found",
+            hint="set AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or use IRSA",
+        )
+    if isinstance(exc, bce.EndpointConnectionError | bce.ConnectTimeoutError):
+        return TransientSourceError(f"{what}: cannot connect to the S3 endpoint: {exc}")
+    if isinstance(
+        exc,
+        bce.ReadTimeoutError
+        | bce.ResponseStreamingError
+        | bce.ConnectionClosedError
+        | bce.IncompleteReadError
+        | bce.HTTPClientError
+        | ConnectionError
+        | TimeoutError,
+    ):
+        return TransientSourceError(f"{what}: {type(exc).__name__}: {exc}")
+    if isinstance(exc, bce.ParamValidationError):
+        return SourceError(f"{what}: invalid request: {exc}")
+    return SourceError(f"{what}: {type(exc).__name__}: {exc}")
+
+
+class _S3RangeReader:
+    def __init__(self, body: Any, what: str) -> None:
+        self._body = body
+        self._what = what
+
+    def readinto(self, buf: memoryview, /) -> int:
+        try:
+            return int(self._body.readinto(buf))
+        except Exception as exc:
+            raise translate(exc, self._what) from exc
+
+    def close(self) -> None:
+        self._body.close()
+
+
+class S3Source:
+    """Objects under ``s3://bucket/prefix``; a file's path is its key relative to the prefix."""
+
+    def __init__(self, client: Any, uri: SourceURI, *, retry: RetryPolicy | None = None) -> None:
+        if uri.scheme != "s3":
+            raise ValueError(f"not an S3 URI: {uri}")
+        self._client = client
+        self._uri = uri
+        self._retry = retry or RetryPolicy()
+
+    def _call(self, what: str, fn: Any, **kwargs: Any) -> Any:
+        def once() -> Any:
+            try:
+                return fn(**kwargs)
+            except Exception as exc:
+                raise translate(exc, what) from exc
+
+        return call_with_retries(once, self._retry, what=what)
+
+    # -- resolve -----------------------------------------------------------------------------
+
+    def resolve(self, spec: ModelSpec) -> Snapshot:
+        bucket, prefix = self._uri.location, self._uri.path
+        where = f"s3://{bucket}/{prefix}"
+        files: list[RemoteFile] = []
+        sidecar: RemoteFile | None = None
+        seen_any = False
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": 1000}
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = self._call(f"listing {where}", self._client.list_objects_v2, **kwargs)
+            for obj in page.get("Contents", []):
+                key: str = obj["Key"]
+                rel = key[len(prefix) :]
+                if not rel or rel.endswith("/"):
+                    continue  # the prefix itself, or a "folder" marker
+                seen_any = True
+                remote = RemoteFile(
+                    path=rel,
+                    size=int(obj["Size"]),
+                    version=str(obj.get("ETag", "")).strip('"'),
+                    locator=key,
+                )
+                if rel == SIDECAR_MANIFEST:
+                    sidecar = remote
+                elif spec.wants(rel):
+                    files.append(remote)
+            if not page.get("IsTruncated"):
+                break
+            token = page.get("NextContinuationToken")
+        if not seen_any:
+            raise NoMatchingFilesError(f"no objects under {where}")
+        if not files:
+            raise NoMatchingFilesError(
+                f"no object under {where} matches the include/exclude patterns",
+                hint=f"include={list(spec.include)} exclude={list(spec.exclude)}",
+            )
+        if sidecar is not None:
+            files = self._apply_sidecar(sidecar, files)
+        files.sort(key=lambda f: f.path)
+        digest = listing_digest([(f.path, f.size, f.version) for f in files])
+        return Snapshot(
+            source=str(self._uri),
+            revision_id=spec.hf_revision or digest,
+            files=tuple(files),
+            requested_revision=None,
+            repo_id=spec.repo_id,
+            extra={"listing_digest": digest},
+        )
+
+    def _apply_sidecar(self, sidecar: RemoteFile, files: list[RemoteFile]) -> list[RemoteFile]:
+        what = f"reading s3://{self._uri.location}/{sidecar.locator}"
+        resp = self._call(
+            what, self._client.get_object, Bucket=self._uri.location, Key=sidecar.locator
+        )
+        sums: dict[str, str] = {}
+        for n, line in enumerate(resp["Body"].read().decode("utf-8", "replace").splitlines(), 1):
+            if not line.strip() or line.startswith("#"):
+                continue
+            m = _SIDECAR_LINE.match(line.rstrip("\r"))
+            if m is None:
+                raise SourceError(
+                    f"{what}: line {n} is not '<sha256>  <path>' (sha256sum format): {line[:80]!r}"
+                )
+            sums[m.group(2).removeprefix("./")] = m.group(1).lower()
+        return [
+            f.with_(
+                checksums=(*f.checksums, Checksum("sha256", sums[f.path], origin="sidecar")),
+                blob_id=sums[f.path],
+            )
+            if f.path in sums
+            else f
+            for f in files
+        ]
+
+    # -- describe ----------------------------------------------------------------------------
+
+    def describe(self, file: RemoteFile) -> RemoteFile:
+        if file.described:
+            return file
+        bucket, key = self._uri.location, file.locator
+        what = f"s3://{bucket}/{key}"
+        head = self._call(
+            f"HEAD {what}",
+            self._client.head_object,
+            Bucket=bucket,
+            Key=key,
+            ChecksumMode="ENABLED",
+            **({"IfMatch": file.version} if file.version else {}),
+        )
+        etag = str(head.get("ETag", "")).strip('"')
+        size = int(head["ContentLength"])
+        if (file.version and etag != file.version) or size != file.size:
+            raise SourceChangedError(f"{what}: the object changed since it was listed")
+        m = _MULTIPART_ETAG.match(etag)
+        parts: tuple[int, ...] | None = None
+        if m is not None:
+            parts = self._part_sizes(bucket, key, size, int(m.group(1)))
+        composite_type = head.get("ChecksumType") == "COMPOSITE"
+        found: list[Checksum] = []
+        for algorithm, field_name in _ADDITIONAL:
+            value = head.get(field_name)
+            if not value:
+                continue
+            is_composite = composite_type or bool(re.search(r"-\d+$", value))
+            if is_composite and parts is None:
+                continue  # composite of a layout we do not know: cannot be checked
+            found.append(
+                Checksum(
+                    algorithm,
+                    value,
+                    encoding="base64",
+                    part_sizes=parts if is_composite else None,
+                    origin="s3-checksum",
+                )
+            )
+        encrypted_kms = str(head.get("ServerSideEncryption", "")).startswith("aws:kms") or bool(
+            head.get("SSECustomerAlgorithm")
+        )
+        if not encrypted_kms and _MD5_ETAG.match(etag):
+            found.append(Checksum("md5", etag, origin="etag"))
+        elif not encrypted_kms and parts is not None:
+            found.append(Checksum("md5", etag, part_sizes=parts, origin="multipart etag"))
+        return file.with_(
+            checksums=(*found, *file.checksums), described=True, version=etag or file.version
+        )
+
+    def _part_sizes(self, bucket: str, key: str, size: int, count: int) -> tuple[int, ...] | None:
+        """Part layout of a multipart object: HEAD ?partNumber=1, assuming equal parts but the last;
+        when the sizes do not add up, HEAD every part."""
+        what = f"HEAD s3://{bucket}/{key} part"
+
+        def part_size(n: int) -> int:
+            h = self._call(f"{what} {n}", self._client.head_object, Bucket=bucket, Key=key,
+                           PartNumber=n)  # fmt: skip
+            return int(h["ContentLength"])
+
+        try:
+            first = part_size(1)
+        except SourceError as exc:
+            log.warning("cannot read the part layout of s3://%s/%s: %s", bucket, key, exc)
+            return None
+        last = size - first * (count - 1)
+        if count == 1:
+            return (size,)
+        if 0 < last <= first:
+            return (first,) * (count - 1) + (last,)
+        sizes = tuple([first] + [part_size(n) for n in range(2, count + 1)])
+        return sizes if sum(sizes) == size else None
+
+    # -- read --------------------------------------------------------------------------------
+
+    def open_range(self, file: RemoteFile, start: int, end: int) -> _S3RangeReader:
+        bucket, key = self._uri.location, file.locator
+        what = f"s3://{bucket}/{key} bytes {start}-{end - 1}"
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{end - 1}"}
+        if file.version:
+            kwargs["IfMatch"] = file.version
+        try:
+            resp = self._client.get_object(**kwargs)
+        except Exception as exc:
+            raise translate(exc, what) from exc
+        etag = str(resp.get("ETag", "")).strip('"')
+        if file.version and etag and etag != file.version:
+            resp["Body"].close()
+            raise SourceChangedError(f"{what}: the object changed during the download")
+        content_range = resp.get("ContentRange")
+        expected = f"bytes {start}-{end - 1}/{file.size}"
+        if content_range is not None and content_range != expected:
+            resp["Body"].close()
+            raise SourceChangedError(
+                f"{what}: server answered {content_range!r}, expected {expected!r}"
+            )
+        return _S3RangeReader(resp["Body"], what)

@@ -1,0 +1,247 @@
+"""Checksum algorithms, and how each one is computed while data arrives or after it has landed.
+
+Three ways to check a file, chosen from its checksum:
+
+* ``crc``: a whole-object CRC (CRC64NVME, CRC32C, CRC32). Each chunk is CRC'd as it arrives, in
+  any order, and the chunk CRCs are joined with awscrt's ``combine_*`` at the end: no re-read.
+* ``parts``: a composite checksum (multipart ETag = MD5 of part MD5s; S3 COMPOSITE = hash of part
+  hashes). The planner aligns chunks to part boundaries, each part is hashed as it arrives, and the
+  part digests are hashed at the end: no re-read either.
+* ``sequential``: a whole-object hash that must see the bytes in order (sha256, sha1, md5 of a
+  single-part object, git blob sha1). The file is hashed once it is complete, files in parallel.
+
+Per-chunk results are small (a CRC or a few digests) and go into the resume journal, so a resumed
+download never re-reads what it already checked.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from awscrt import checksums as crt
+
+from prefetch.errors import ChecksumMismatchError, ConfigError
+from prefetch.snapshot import Checksum
+
+_CRC: dict[str, tuple[Callable[[bytes, int], int], Callable[[int, int, int], int], int]] = {
+    "crc64nvme": (crt.crc64nvme, crt.combine_crc64nvme, 8),
+    "crc32c": (crt.crc32c, crt.combine_crc32c, 4),
+    "crc32": (crt.crc32, crt.combine_crc32, 4),
+}
+_HASHLIB = {"sha256": hashlib.sha256, "sha1": hashlib.sha1, "md5": hashlib.md5}
+ALGORITHMS = frozenset(_CRC) | frozenset(_HASHLIB) | {"git-sha1"}
+#: Strongest first; Verify uses the first checksum of a file whose algorithm is known.
+STRENGTH = ("sha256", "sha1", "git-sha1", "crc64nvme", "crc32c", "md5", "crc32")
+READ_BUFFER = 4 * 1024 * 1024
+
+
+class Hasher(Protocol):
+    def update(self, data: bytes | memoryview, /) -> None: ...
+    def digest(self) -> bytes: ...
+
+
+class _CrcHasher:
+    """hashlib-style wrapper around awscrt's incremental CRC functions."""
+
+    def __init__(self, algorithm: str) -> None:
+        self._fn, _, self._width = _CRC[algorithm]
+        self.value = 0
+        self.length = 0
+
+    def update(self, data: bytes | memoryview, /) -> None:
+        self.value = self._fn(data, self.value)  # type: ignore[arg-type]
+        self.length += len(data)
+
+    def digest(self) -> bytes:
+        return self.value.to_bytes(self._width, "big")
+
+
+def new_hasher(algorithm: str, *, size: int | None = None) -> Hasher:
+    if algorithm in _CRC:
+        return _CrcHasher(algorithm)
+    if algorithm in _HASHLIB:
+        return _HASHLIB[algorithm]()
+    if algorithm == "git-sha1":
+        if size is None:
+            raise ValueError("git-sha1 needs the object size up front")
+        h = hashlib.sha1()
+        h.update(b"blob %d\0" % size)
+        return h
+    raise ConfigError(f"unknown checksum algorithm {algorithm!r}")
+
+
+def encode(digest: bytes, encoding: str) -> str:
+    return base64.b64encode(digest).decode() if encoding == "base64" else digest.hex()
+
+
+def normalize(value: str, encoding: str) -> str:
+    value = value.strip().strip('"')
+    return value.lower() if encoding == "hex" else value
+
+
+def mode_of(checksum: Checksum) -> str:
+    if checksum.part_sizes is not None:
+        return "parts"
+    if checksum.algorithm in _CRC:
+        return "crc"
+    return "sequential"
+
+
+def pick(checksums: Iterable[Checksum]) -> Checksum | None:
+    """The checksum Verify will use: the first known one (sources list strongest first)."""
+    for c in checksums:
+        if c.algorithm in ALGORITHMS:
+            return c
+    return None
+
+
+# ---- inline hashing: per chunk, while the bytes arrive -------------------------------------
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A hashed unit inside a chunk: the whole chunk (crc) or one part (parts)."""
+
+    start: int
+    end: int
+
+
+def part_bounds(part_sizes: Sequence[int]) -> list[tuple[int, int]]:
+    bounds, pos = [], 0
+    for size in part_sizes:
+        bounds.append((pos, pos + size))
+        pos += size
+    return bounds
+
+
+class ChunkHasher:
+    """Hashes one chunk's bytes as they arrive, in order within the chunk.
+
+    ``feed(offset, data)`` takes bytes at absolute file offset ``offset`` (contiguous with what it
+    already saw); ``result()`` is JSON-able: ``[crc, length]`` for crc mode, a list of hex part
+    digests for parts mode, None for sequential mode (nothing to do inline).
+    """
+
+    def __init__(self, checksum: Checksum | None, start: int, end: int) -> None:
+        self._mode = mode_of(checksum) if checksum else "none"
+        self._algorithm = checksum.algorithm if checksum else ""
+        self._pos = start
+        self._parts: list[tuple[int, int]] = []
+        self._digests: list[str] = []
+        self._current: Hasher | None = None
+        self._current_end = end
+        if self._mode == "crc":
+            self._current = new_hasher(self._algorithm)
+        elif self._mode == "parts":
+            assert checksum is not None and checksum.part_sizes is not None
+            self._parts = [
+                (s, e) for s, e in part_bounds(checksum.part_sizes) if s < end and e > start
+            ]
+            if self._parts and (self._parts[0][0] != start or self._parts[-1][1] != end):
+                raise ValueError("chunk is not aligned to part boundaries")
+            self._next_part()
+
+    def _next_part(self) -> None:
+        if self._parts:
+            _, self._current_end = self._parts.pop(0)
+            self._current = new_hasher(self._algorithm)
+        else:
+            self._current = None
+
+    def feed(self, data: memoryview) -> None:
+        if self._mode in ("none", "sequential"):
+            return
+        if self._mode == "crc":
+            assert self._current is not None
+            self._current.update(data)
+            return
+        while len(data):
+            assert self._current is not None
+            take = min(len(data), self._current_end - self._pos)
+            self._current.update(data[:take])
+            self._pos += take
+            data = data[take:]
+            if self._pos == self._current_end:
+                self._digests.append(self._current.digest().hex())
+                self._next_part()
+
+    def result(self) -> object:
+        if self._mode == "crc":
+            assert isinstance(self._current, _CrcHasher)
+            return [self._current.value, self._current.length]
+        if self._mode == "parts":
+            return list(self._digests)
+        return None
+
+
+def finish_inline(checksum: Checksum, chunk_results: Sequence[object]) -> str:
+    """Join per-chunk results (in file order) into the file's checksum value."""
+    mode = mode_of(checksum)
+    if mode == "crc":
+        _, combine, width = _CRC[checksum.algorithm]
+        crc = 0
+        for i, (value, length) in enumerate(chunk_results):  # type: ignore[misc]
+            crc = value if i == 0 else combine(crc, value, length)
+        return encode(crc.to_bytes(width, "big"), checksum.encoding)
+    if mode == "parts":
+        digests = [bytes.fromhex(d) for res in chunk_results for d in res]  # type: ignore[attr-defined]
+        return _composite(checksum, digests)
+    raise ValueError("sequential checksums are not computed inline")
+
+
+def _composite(checksum: Checksum, part_digests: Sequence[bytes]) -> str:
+    outer = new_hasher(checksum.algorithm)
+    for d in part_digests:
+        outer.update(d)
+    return f"{encode(outer.digest(), checksum.encoding)}-{len(part_digests)}"
+
+
+# ---- hashing a file on disk ----------------------------------------------------------------
+
+
+def hash_file(
+    path: Path, checksum: Checksum, *, reader: Callable[[int], None] | None = None
+) -> str:
+    """Compute ``checksum``'s value over the file at ``path`` (any mode).
+
+    ``reader`` is called with the byte count of each read (for progress and rate limiting).
+    """
+    size = os.path.getsize(path)
+    buf = bytearray(READ_BUFFER)
+    view = memoryview(buf)
+    mode = mode_of(checksum)
+    bounds = part_bounds(checksum.part_sizes) if checksum.part_sizes is not None else [(0, size)]
+    digests: list[bytes] = []
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        for start, end in bounds:
+            h = new_hasher(checksum.algorithm, size=size)
+            pos = start
+            while pos < end:
+                n = os.preadv(fd, [view[: min(READ_BUFFER, end - pos)]], pos)
+                if n == 0:
+                    break  # file shorter than the parts say: the digest will not match
+                h.update(view[:n])
+                pos += n
+                if reader is not None:
+                    reader(n)
+            digests.append(h.digest())
+    finally:
+        os.close(fd)
+    if mode == "parts":
+        return _composite(checksum, digests)
+    return encode(digests[0], checksum.encoding)
+
+
+def check(path: str, checksum: Checksum, actual: str) -> None:
+    """Raise ChecksumMismatchError unless ``actual`` equals the expected value."""
+    expected = normalize(checksum.value, checksum.encoding)
+    if normalize(actual, checksum.encoding) != expected:
+        raise ChecksumMismatchError(path, checksum.describe(), expected, actual)
