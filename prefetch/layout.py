@@ -250,3 +250,16 @@ def _prune_empty_dirs(root: Path, *, skip: Path) -> None:
             continue
         with contextlib.suppress(OSError):
             p.rmdir()
+
+
+def layout_for_model(spec: ModelSpec, cache_dir: Path) -> Layout:
+    """Where a model lives in a shared cache directory (the agent's ``cacheDir``, = HF_HOME).
+
+    Models with a Hub repo id (``hf://`` sources, S3 mirrors with ``hf_repo``) go into the
+    Hugging Face cache layout under ``cache_dir/hub``; others into ``cache_dir/models/<name>``.
+    """
+    if spec.repo_id is not None:
+        from prefetch.hf_layout import HfCacheLayout  # the Hugging Face layout (Hub issue)
+
+        return HfCacheLayout(cache_dir, spec.repo_id)  # type: ignore[no-any-return]
+    return PlainLayout(cache_dir / "models" / spec.name)
