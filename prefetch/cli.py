@@ -241,5 +241,11 @@ def demo(size: str, dest: str | None, as_json: bool) -> None:
     run_demo(total, dest, as_json=as_json)
 
 
+from prefetch.agent.cli import agent_cmd, gc_cmd, ls_cmd  # noqa: E402
+
+main.add_command(agent_cmd)
+main.add_command(ls_cmd)
+main.add_command(gc_cmd)
+
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -6,6 +6,7 @@ verify`` calls :func:`verify_local`. Neither has a private copy of any stage.
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -16,7 +17,12 @@ from typing import Any
 import psutil
 
 from prefetch import verify
-from prefetch.errors import ChecksumMismatchError, InsufficientSpaceError, VerifyError
+from prefetch.errors import (
+    ChecksumMismatchError,
+    InsufficientSpaceError,
+    PrefetchError,
+    VerifyError,
+)
 from prefetch.layout import Layout, RecordedFile, model_lock
 from prefetch.progress import NullProgress, ProgressSink
 from prefetch.snapshot import RemoteFile, Snapshot
@@ -109,9 +115,17 @@ def sync(
         )
         try:
             stats = transfer.run(todo)
+            deleted = layout.commit(snapshot, spec, delete=delete)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or isinstance(exc, PrefetchError):
+                raise
+            raise InsufficientSpaceError(
+                f"no space left under {layout.root}: {exc}",
+                hint="free some space (prefetch gc); finished files and partial downloads are "
+                "kept and the next pull resumes",
+            ) from exc
         finally:
             progress.finish()
-        deleted = layout.commit(snapshot, spec, delete=delete)
     return SyncResult(
         model=spec.name,
         source=snapshot.source,

@@ -259,9 +259,13 @@ class Transfer:
             "checksum": job.checksum.to_json() if job.checksum else None,
         }
         exists = job.staged.exists() and job.staged.stat().st_size == job.file.size
-        job.journal = Journal.open(
-            job.staged.with_suffix(".journal"), header, partial_exists=exists
-        )
+        journal_path = job.staged.with_suffix(".journal")
+        try:
+            job.journal = Journal.open(journal_path, header, partial_exists=exists)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise _no_space(job, exc) from exc
+            raise TransferError(f"cannot write {journal_path}: {exc.strerror}") from exc
         fd = os.open(job.staged, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             if not job.journal.done:
@@ -359,13 +363,13 @@ class Transfer:
         hasher = verify.ChunkHasher(job.checksum, start, end)
         view = self._buffer()
         policy = self._config.retry
-        pos = start
+        cursor = _Cursor(start)
         attempt = 1
         while True:
             if self._stop.is_set():
                 raise Cancelled("stopped")
             try:
-                pos = self._read_range(job, pos, end, view, hasher)
+                self._read_range(job, cursor, end, view, hasher)
                 break
             except TransientSourceError as exc:
                 if attempt >= policy.attempts:
@@ -375,36 +379,50 @@ class Transfer:
                 self.stats.retries += 1
                 self._progress.retry(str(exc))
                 delay = policy.delay(attempt, exc.retry_after)
-                log.info("retrying %s at byte %d in %.2fs: %s", job.file.path, pos, delay, exc)
+                log.info(
+                    "retrying %s at byte %d in %.2fs: %s", job.file.path, cursor.pos, delay, exc
+                )
                 if self._stop.wait(delay):
                     raise Cancelled("stopped") from exc
                 attempt += 1
-                # the hasher has seen exactly [start, pos): the retry continues from pos
+                # the hasher has seen exactly [start, cursor.pos): the retry continues there
         assert job.journal is not None
         job.journal.record(index, hasher.result())
 
     def _read_range(
-        self, job: _FileJob, pos: int, end: int, view: memoryview, hasher: verify.ChunkHasher
-    ) -> int:
-        reader = self._source.open_range(job.file, pos, end)
+        self,
+        job: _FileJob,
+        cursor: _Cursor,
+        end: int,
+        view: memoryview,
+        hasher: verify.ChunkHasher,
+    ) -> None:
+        """Read [cursor.pos, end) into the file; cursor.pos always marks what is written and
+        hashed, also when this raises, so a retry continues from exactly there."""
+        reader = self._source.open_range(job.file, cursor.pos, end)
         try:
-            while pos < end:
+            while cursor.pos < end:
                 if self._stop.is_set():
                     raise Cancelled("stopped")
-                want = min(len(view), end - pos)
+                want = min(len(view), end - cursor.pos)
                 n = reader.readinto(view[:want])
                 if n <= 0:
                     raise TransientSourceError(
-                        f"{job.file.path}: connection closed at byte {pos} of {job.file.size}"
+                        f"{job.file.path}: connection closed at byte {cursor.pos} "
+                        f"of {job.file.size}"
                     )
-                _pwrite_all(job, view[:n], pos)
+                _pwrite_all(job, view[:n], cursor.pos)
                 hasher.feed(view[:n])
-                pos += n
+                cursor.pos += n
                 self.stats.add_bytes(n)
                 self._progress.advance(n)
         finally:
             reader.close()
-        return pos
+
+
+@dataclass
+class _Cursor:
+    pos: int
 
 
 def _pwrite_all(job: _FileJob, data: memoryview, offset: int) -> None:

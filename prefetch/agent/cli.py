@@ -1,0 +1,240 @@
+"""``prefetch agent``, ``prefetch ls`` and ``prefetch gc`` (added to the group in prefetch.cli).
+
+Every agent flag has one environment twin, declared here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from prefetch.agent.config import DEFAULT_CACHE_DIR, DEFAULT_CONFIG_PATH, AgentConfig
+from prefetch.constants import DEFAULT_LISTEN
+from prefetch.errors import ConfigError, LockTimeoutError
+from prefetch.units import format_bytes
+
+log = logging.getLogger(__name__)
+
+_config_option = click.option(
+    "--config",
+    "config_path",
+    envvar="PREFETCH_CONFIG",
+    default=DEFAULT_CONFIG_PATH,
+    show_default=True,
+    show_envvar=True,
+    help="The agent's config file (models.yaml).",
+)
+_cache_dir_option = click.option(
+    "--cache-dir",
+    envvar="PREFETCH_CACHE_DIR",
+    default=None,
+    show_envvar=True,
+    help=f"The cache directory (= HF_HOME) [default: the config's cacheDir, else "
+    f"{DEFAULT_CACHE_DIR}].",
+)
+
+
+@click.command("agent")
+@_config_option
+@click.option(
+    "--listen",
+    envvar="PREFETCH_LISTEN",
+    default=None,
+    show_envvar=True,
+    help=f"HOST:PORT for /healthz, /readyz and /metrics; overrides the config's listen "
+    f"[default: {DEFAULT_LISTEN}].",
+)
+@click.option(
+    "--node-name",
+    envvar="NODE_NAME",
+    default=None,
+    show_envvar=True,
+    help="This node's name (downward API spec.nodeName); without it, or outside a "
+    "cluster, node labels and the startup taint are left alone.",
+)
+@_cache_dir_option
+@click.option(
+    "--log-format",
+    type=click.Choice(["json", "text"]),
+    default="json",
+    envvar="PREFETCH_LOG_FORMAT",
+    show_default=True,
+    show_envvar=True,
+    help="JSON lines or plain text, on stderr.",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    envvar="PREFETCH_LOG_LEVEL",
+    show_default=True,
+    show_envvar=True,
+    help="Least severe level logged.",
+)
+def agent_cmd(
+    config_path: str,
+    listen: str | None,
+    node_name: str | None,
+    cache_dir: str | None,
+    log_format: str,
+    log_level: str,
+) -> None:
+    """Keep the configured models synced and verified on this node; gate scheduling on them.
+
+    Serves /healthz, /readyz and /metrics; reloads the config file when it changes; on SIGTERM
+    stops downloads resumably and exits 0.
+    """
+    from prefetch.agent.reconcile import Agent
+    from prefetch.logjson import setup_logging
+
+    setup_logging(log_format, level=getattr(logging, log_level.upper()))
+    from prometheus_client import disable_created_metrics
+
+    disable_created_metrics()  # no *_created series: only clutter for counters this process owns
+    agent = Agent(
+        Path(config_path),
+        cache_dir=Path(cache_dir) if cache_dir else None,
+        listen=listen,
+        gate_factory=_cluster_gate_factory(node_name),
+        handle_signals=True,
+        exit_on_stuck=True,
+    )
+    asyncio.run(agent.run())
+
+
+def _cluster_gate_factory(node_name: str | None) -> Any:
+    def make(config: AgentConfig) -> Any:
+        from prefetch.agent.node import in_cluster_gate
+
+        return in_cluster_gate(
+            node_name,
+            label_prefix=config.label_prefix,
+            startup_taint_key=config.startup_taint,
+        )
+
+    return make
+
+
+def _load_for_listing(
+    config_path: str | None, cache_dir: str | None, *, need_config: bool
+) -> tuple[AgentConfig | None, Path]:
+    from prefetch.agent.config import load_config
+
+    config: AgentConfig | None = None
+    path = Path(config_path) if config_path else None
+    if path is not None and (path.exists() or need_config or config_path != DEFAULT_CONFIG_PATH):
+        config = load_config(path)
+    if config is None and need_config:
+        raise ConfigError(
+            "gc needs the agent's config to know which models are wanted",
+            hint="pass --config (or PREFETCH_CONFIG)",
+        )
+    root = Path(cache_dir) if cache_dir else config.cache_dir if config else Path(DEFAULT_CACHE_DIR)
+    return config, root
+
+
+@click.command("ls")
+@_cache_dir_option
+@_config_option
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON list on stdout.")
+def ls_cmd(cache_dir: str | None, config_path: str | None, as_json: bool) -> None:
+    """List the models in the cache: size, revision, verified, last used, wanted by the config."""
+    from prefetch.store import Store
+
+    config, root = _load_for_listing(config_path, cache_dir, need_config=False)
+    entries = Store(root).list(config.models if config else None)
+    if as_json:
+        click.echo(json.dumps([e.to_json() for e in entries], sort_keys=True))
+        return
+    if not entries:
+        click.echo(f"no models cached in {root}", err=True)
+        return
+    rows = [("NAME", "KIND", "SIZE", "REVISION", "VERIFIED", "LAST USED", "WANTED", "PINNED")]
+    for e in entries:
+        rows.append(
+            (
+                e.name,
+                e.kind,
+                format_bytes(e.size),
+                (e.revision or "-")[:24],
+                {True: "yes", False: "NO", None: "-"}[e.complete],
+                _ago(e.last_used),
+                {True: "yes", False: "no", None: "?"}[e.wanted],
+                "yes" if e.pinned else "no",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+
+
+def _ago(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    s = max(0, int(time.time() - ts))
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= n:
+            return f"{s // n}{unit} ago"
+    return f"{s}s ago"
+
+
+@click.command("gc")
+@_cache_dir_option
+@_config_option
+@click.option("--dry-run", is_flag=True, help="Say what would be evicted; delete nothing.")
+@click.option(
+    "--include-pinned", is_flag=True, help="Also evict pinned models that left the config."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
+def gc_cmd(
+    cache_dir: str | None,
+    config_path: str | None,
+    dry_run: bool,
+    include_pinned: bool,
+    as_json: bool,
+) -> None:
+    """Evict cached models the config no longer wants (least recently used first)."""
+    from prefetch.store import Store
+
+    config, root = _load_for_listing(config_path, cache_dir, need_config=True)
+    assert config is not None
+    store = Store(root)
+    candidates = store.eviction_candidates(config.models, include_pinned=include_pinned)
+    kept_pinned = [e for e in store.list(config.models) if not e.wanted and e.pinned]
+    evicted: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+    for entry in candidates:
+        if dry_run:
+            evicted.append(entry.to_json())
+            click.echo(f"would evict {entry.key} ({format_bytes(entry.size)})", err=True)
+            continue
+        try:
+            store.evict(entry, lock_timeout=10.0)
+        except LockTimeoutError as exc:
+            skipped.append({**entry.to_json(), "reason": str(exc)})
+            click.echo(f"skipped {entry.key}: {exc}", err=True)
+            continue
+        evicted.append(entry.to_json())
+        click.echo(f"evicted {entry.key} ({format_bytes(entry.size)})", err=True)
+    if not dry_run:
+        store.empty_trash()
+    if not include_pinned:
+        for entry in kept_pinned:
+            click.echo(f"kept {entry.key}: pinned (use --include-pinned)", err=True)
+    freed = sum(e["size"] for e in evicted)
+    if as_json:
+        click.echo(
+            json.dumps(
+                {"dry_run": dry_run, "evicted": evicted, "skipped": skipped, "freed_bytes": freed},
+                sort_keys=True,
+            )
+        )
+    else:
+        verb = "would free" if dry_run else "freed"
+        click.echo(f"{len(evicted)} model(s), {verb} {format_bytes(freed)}")

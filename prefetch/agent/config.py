@@ -1,0 +1,439 @@
+"""The agent's config file (YAML, camelCase keys), parsed into frozen values.
+
+::
+
+    cacheDir: /var/cache/model-prefetch   # = HF_HOME for vLLM: hub/ (HF layout) and models/<name>/
+    labelPrefix: model-prefetch.io        # node labels <prefix>/<model>=ready
+    startupTaint: model-prefetch.io/warming   # key of the startup taint (effect NoSchedule)
+    listen: 0.0.0.0:8090                  # /healthz, /readyz, /metrics
+    concurrency: 16                       # ranged requests in flight per model sync
+    chunkSize: 64MiB
+    parallelModels: 2                     # models synced at the same time
+    verifyInterval: 0                     # re-hash cached files this often (0/off: never)
+    verifyReadRate: 200MB                 # bytes/s bound for those reads (0: unbounded)
+    resolveInterval: 10m                  # re-resolve branches / S3 listings this often (0: never)
+    retryBackoff: {initial: 10s, max: 10m}    # per-model backoff after a failed sync (doubles)
+    minFreeSpace: 1GiB                    # kept free on the cache filesystem
+    s3: {endpointUrl: null}               # default: AWS_ENDPOINT_URL, else AWS
+    models:
+      - name: llama-3-70b-awq             # DNS label; used in node labels
+        source: hf://org/name             # or s3://bucket/prefix
+        revision: main                    # hf: branch/tag/sha; s3 with hfRepo: 40-hex commit
+        include: ["*.safetensors", "*.json"]
+        exclude: []
+        required: true                    # gates /readyz and the startup taint
+        hfRepo: org/name                  # s3 only: publish in the HF layout under this id
+        pin: false                        # never evicted, even after leaving the config
+
+Every error is a :class:`~prefetch.errors.ConfigError` whose message starts with the file and the
+field path (``models[1].source: ...``). Unknown keys and duplicate model names are rejected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from prefetch.constants import DEFAULT_LABEL_PREFIX, DEFAULT_LISTEN, DEFAULT_STARTUP_TAINT_KEY
+from prefetch.errors import ConfigError
+from prefetch.retry import RetryPolicy
+from prefetch.spec import ModelSpec, parse_source_uri, validate_name
+from prefetch.transfer import TransferConfig
+from prefetch.units import parse_duration, parse_size
+
+DEFAULT_CONFIG_PATH = "/etc/model-prefetch/models.yaml"
+DEFAULT_CACHE_DIR = "/var/cache/model-prefetch"
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+
+_TOP_KEYS = (
+    "cacheDir",
+    "labelPrefix",
+    "startupTaint",
+    "listen",
+    "concurrency",
+    "chunkSize",
+    "parallelModels",
+    "verifyInterval",
+    "verifyReadRate",
+    "resolveInterval",
+    "retryBackoff",
+    "minFreeSpace",
+    "s3",
+    "models",
+)
+_MODEL_KEYS = ("name", "source", "revision", "include", "exclude", "required", "hfRepo", "pin")
+_BACKOFF_KEYS = ("initial", "max")
+_S3_KEYS = ("endpointUrl",)
+_SHA = re.compile(r"^[0-9a-f]{40}$")
+_LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Per-model delay after failed syncs: ``initial * 2**(failures-1)``, at most ``max``."""
+
+    initial: float = 10.0
+    max: float = 600.0
+
+    def delay(self, failures: int) -> float:
+        return min(self.max, self.initial * 2 ** max(failures - 1, 0))
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    cache_dir: Path = Path(DEFAULT_CACHE_DIR)
+    label_prefix: str = DEFAULT_LABEL_PREFIX
+    startup_taint: str = DEFAULT_STARTUP_TAINT_KEY
+    listen: str = DEFAULT_LISTEN
+    concurrency: int = 16
+    chunk_size: int = 64 * MiB
+    parallel_models: int = 2
+    verify_interval: float | None = None
+    verify_read_rate: int | None = 200 * 1000 * 1000
+    resolve_interval: float | None = 600.0
+    retry_backoff: Backoff = field(default_factory=Backoff)
+    min_free_space: int = 1 * GiB
+    s3_endpoint_url: str | None = None
+    models: tuple[ModelSpec, ...] = ()
+    #: The file this came from (None when built in code), and a digest of its bytes.
+    path: Path | None = None
+    digest: str = ""
+
+    def model(self, name: str) -> ModelSpec | None:
+        for m in self.models:
+            if m.name == name:
+                return m
+        return None
+
+    def transfer_config(self) -> TransferConfig:
+        return TransferConfig(
+            concurrency=self.concurrency,
+            chunk_size=self.chunk_size,
+            buffer_size=min(MiB, self.chunk_size),
+            retry=RetryPolicy(),
+        )
+
+    def with_overrides(
+        self, *, cache_dir: Path | None = None, listen: str | None = None
+    ) -> AgentConfig:
+        """This config with the command line's ``--cache-dir`` / ``--listen`` applied."""
+        changes: dict[str, Any] = {}
+        if cache_dir is not None:
+            changes["cache_dir"] = cache_dir
+        if listen is not None:
+            parse_listen(listen, field_name="--listen")
+            changes["listen"] = listen
+        return replace(self, **changes) if changes else self
+
+
+def load_config(path: str | Path) -> AgentConfig:
+    """Read and validate the config file at ``path``."""
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except FileNotFoundError as exc:
+        raise ConfigError(
+            f"{p}: config file not found",
+            hint="pass --config (or PREFETCH_CONFIG) pointing at the agent's models.yaml",
+        ) from exc
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read the config file: {exc.strerror}") from exc
+    return parse_config(data, path=p)
+
+
+def parse_config(data: bytes | str, *, path: Path | None = None) -> AgentConfig:
+    """Validate config text; errors name ``<file>: <field path>: <reason>``."""
+    where = f"{path}: " if path is not None else ""
+    raw = data.encode() if isinstance(data, str) else data
+    try:
+        doc = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{where}not valid YAML{at}: {problem}") from exc
+    try:
+        config = _parse(doc if doc is not None else {})
+    except ConfigError as exc:
+        raise ConfigError(f"{where}{exc}", hint=exc.hint) from exc
+    return replace(config, path=path, digest=hashlib.sha256(raw).hexdigest())
+
+
+def parse_listen(value: str, *, field_name: str = "listen") -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) -> (host, port)."""
+    m = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d+)|([^:\[\]]*):(\d+)", value.strip())
+    if m is None:
+        raise ConfigError(f"{field_name}: {value!r} is not HOST:PORT (e.g. 0.0.0.0:8090)")
+    host = m.group(1) if m.group(1) is not None else m.group(3)
+    port = int(m.group(2) or m.group(4))
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{field_name}: port {port} is out of range")
+    return host or "0.0.0.0", port
+
+
+def spec_digest(spec: ModelSpec) -> str:
+    """What decides a model's content: a changed digest means the cached copy is not it."""
+    text = "\0".join(
+        [
+            str(spec.source),
+            spec.revision or "",
+            ",".join(spec.include),
+            ",".join(spec.exclude),
+            spec.hf_repo or "",
+            spec.hf_revision or "",
+        ]
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# -- the parser ----------------------------------------------------------------------------------
+
+
+def _mapping(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where or 'the file'}: expected a mapping, got {_kind(value)}")
+    return value
+
+
+def _check_keys(value: Mapping[str, Any], known: tuple[str, ...], where: str) -> None:
+    for key in value:
+        if key not in known:
+            path = f"{where}.{key}" if where else str(key)
+            raise ConfigError(f"{path}: unknown key (known keys: {', '.join(known)})")
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "a mapping",
+    }.get(type(value), type(value).__name__)
+
+
+def _get(
+    value: Mapping[str, Any], key: str, where: str, convert: Callable[[Any, str], T], default: T
+) -> T:
+    path = f"{where}.{key}" if where else key
+    if key not in value:
+        return default
+    try:
+        return convert(value[key], path)
+    except ConfigError as exc:
+        msg = str(exc)
+        if not msg.startswith(path):
+            msg = f"{path}: {msg}"
+        raise ConfigError(msg, hint=exc.hint) from exc
+
+
+def _str(value: Any, path: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{path}: expected a non-empty string, got {_kind(value)}")
+    return value.strip()
+
+
+def _opt_str(value: Any, path: str) -> str | None:
+    return None if value is None else _str(value, path)
+
+
+def _bool(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{path}: expected true or false, got {_kind(value)} {value!r}")
+    return value
+
+
+def _int_range(lo: int, hi: int) -> Callable[[Any, str], int]:
+    def convert(value: Any, path: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected a whole number, got {_kind(value)} {value!r}")
+        if not lo <= value <= hi:
+            raise ConfigError(f"{path}: must be between {lo} and {hi}, got {value}")
+        return value
+
+    return convert
+
+
+def _size(value: Any, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ConfigError(f"{path}: expected a size like 1GiB, got {_kind(value)}")
+    return parse_size(value, field=path)
+
+
+def _duration(value: Any, path: str) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float | str | None):
+        raise ConfigError(f"{path}: expected a duration like 10m, got {_kind(value)}")
+    return parse_duration(value, field=path)
+
+
+def _positive_duration(value: Any, path: str) -> float:
+    seconds = _duration(value, path)
+    if seconds is None or seconds <= 0:
+        raise ConfigError(f"{path}: must be a positive duration like 10s, got {value!r}")
+    return seconds
+
+
+def _patterns(value: Any, path: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ConfigError(f"{path}: expected a list of glob patterns, got {_kind(value)}")
+    for i, p in enumerate(value):
+        if not isinstance(p, str) or not p:
+            raise ConfigError(f"{path}[{i}]: expected a non-empty glob pattern, got {_kind(p)}")
+    return tuple(value)
+
+
+def _label_prefix(value: Any, path: str) -> str:
+    text = _str(value, path)
+    if len(text) > 253 or not _DNS_SUBDOMAIN.match(text):
+        raise ConfigError(
+            f"{path}: {text!r} is not a DNS subdomain (lowercase a-z, 0-9, '-' and '.')"
+        )
+    return text
+
+
+def _taint_key(value: Any, path: str) -> str:
+    text = _str(value, path)
+    prefix, _, name = text.rpartition("/")
+    if (prefix and not _DNS_SUBDOMAIN.match(prefix)) or not _LABEL_NAME.match(name):
+        raise ConfigError(f"{path}: {text!r} is not a taint key like example.com/warming")
+    return text
+
+
+def _listen(value: Any, path: str) -> str:
+    text = _str(value, path)
+    parse_listen(text, field_name=path)
+    return text
+
+
+def _backoff(value: Any, path: str) -> Backoff:
+    m = _mapping(value, path)
+    _check_keys(m, _BACKOFF_KEYS, path)
+    initial = _get(m, "initial", path, _positive_duration, Backoff.initial)
+    cap = _get(m, "max", path, _positive_duration, Backoff.max)
+    if cap < initial:
+        raise ConfigError(f"{path}.max: must not be shorter than {path}.initial")
+    return Backoff(initial=initial, max=cap)
+
+
+def _models(value: Any, path: str) -> tuple[ModelSpec, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ConfigError(f"{path}: expected a list of models, got {_kind(value)}")
+    specs: list[ModelSpec] = []
+    seen: dict[str, int] = {}
+    for i, item in enumerate(value):
+        where = f"{path}[{i}]"
+        spec = _model(item, where)
+        if spec.name in seen:
+            raise ConfigError(
+                f"{where}.name: duplicate model name {spec.name!r} (also {path}[{seen[spec.name]}])"
+            )
+        seen[spec.name] = i
+        specs.append(spec)
+    return tuple(specs)
+
+
+def _model(value: Any, where: str) -> ModelSpec:
+    m = _mapping(value, where)
+    _check_keys(m, _MODEL_KEYS, where)
+    if "name" not in m:
+        raise ConfigError(f"{where}.name: missing (a DNS label, used in the node label)")
+    if "source" not in m:
+        raise ConfigError(f"{where}.source: missing (s3://bucket/prefix or hf://org/name)")
+    name = _get(m, "name", where, _str, "")
+    validate_name(name, field_name=f"{where}.name")
+    source = _get(m, "source", where, lambda v, p: parse_source_uri(_str(v, p)), None)
+    assert source is not None
+    revision = _get(m, "revision", where, _opt_str, None)
+    hf_repo = _get(m, "hfRepo", where, _opt_str, None)
+    hf_revision: str | None = None
+    if source.scheme == "hf":
+        if hf_repo is not None:
+            raise ConfigError(f"{where}.hfRepo: only for s3:// sources (an hf:// source is one)")
+        if revision and source.revision and revision != source.revision:
+            raise ConfigError(
+                f"{where}.revision: {revision!r} conflicts with @{source.revision} in the source"
+            )
+    elif revision is not None:
+        if hf_repo is None or not _SHA.match(revision):
+            raise ConfigError(
+                f"{where}.revision: S3 sources have no revisions; with hfRepo it may name the "
+                "40-hex commit to publish under"
+            )
+        hf_revision, revision = revision, None
+    try:
+        return ModelSpec(
+            source=source,
+            name=name,
+            revision=revision,
+            include=_get(m, "include", where, _patterns, ()),
+            exclude=_get(m, "exclude", where, _patterns, ()),
+            required=_get(m, "required", where, _bool, True),
+            pin=_get(m, "pin", where, _bool, False),
+            hf_repo=hf_repo,
+            hf_revision=hf_revision,
+        )
+    except ConfigError as exc:
+        text = str(exc)
+        for internal, key in (("hf_repo", "hfRepo"), ("hf_revision", "revision")):
+            if text.startswith(internal + ":"):
+                text = key + text[len(internal) :]
+        raise ConfigError(f"{where}.{text}") from exc
+
+
+def _s3(value: Any, path: str) -> str | None:
+    if value is None:
+        return None
+    m = _mapping(value, path)
+    _check_keys(m, _S3_KEYS, path)
+    url = _get(m, "endpointUrl", path, _opt_str, None)
+    if url is not None and not re.match(r"^https?://[^/\s]+", url):
+        raise ConfigError(f"{path}.endpointUrl: {url!r} is not an http(s) URL")
+    return url
+
+
+def _parse(doc: Any) -> AgentConfig:
+    m = _mapping(doc, "")
+    _check_keys(m, _TOP_KEYS, "")
+    d = AgentConfig()
+    verify_rate = _get(m, "verifyReadRate", "", _size, d.verify_read_rate or 0)
+    return AgentConfig(
+        cache_dir=Path(_get(m, "cacheDir", "", _str, str(d.cache_dir))),
+        label_prefix=_get(m, "labelPrefix", "", _label_prefix, d.label_prefix),
+        startup_taint=_get(m, "startupTaint", "", _taint_key, d.startup_taint),
+        listen=_get(m, "listen", "", _listen, d.listen),
+        concurrency=_get(m, "concurrency", "", _int_range(1, 512), d.concurrency),
+        chunk_size=_get(m, "chunkSize", "", _chunk_size, d.chunk_size),
+        parallel_models=_get(m, "parallelModels", "", _int_range(1, 16), d.parallel_models),
+        verify_interval=_get(m, "verifyInterval", "", _duration, d.verify_interval),
+        verify_read_rate=verify_rate or None,
+        resolve_interval=_get(m, "resolveInterval", "", _duration, d.resolve_interval),
+        retry_backoff=_get(m, "retryBackoff", "", _backoff, d.retry_backoff),
+        min_free_space=_get(m, "minFreeSpace", "", _size, d.min_free_space),
+        s3_endpoint_url=_get(m, "s3", "", _s3, None),
+        models=_get(m, "models", "", _models, ()),
+    )
+
+
+def _chunk_size(value: Any, path: str) -> int:
+    size = _size(value, path)
+    if size < 64 * 1024:
+        raise ConfigError(f"{path}: must be at least 64KiB, got {value!r}")
+    return size

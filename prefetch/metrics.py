@@ -1,0 +1,325 @@
+"""The agent's Prometheus metrics, all in one place, on a registry the caller owns.
+
+Names start with ``model_prefetch_``; counters end in ``_total``; units are ``_bytes`` and
+``_seconds``; labels are low-cardinality only (``model``, ``source`` = s3|hf, ``reason``,
+``state``, ``result``), never a file or a chunk. The engine feeds the transfer metrics through
+:class:`MetricsSink`, a :class:`~prefetch.progress.ProgressSink`.
+
+=========================================================  =========  ========================
+name                                                       type       labels
+=========================================================  =========  ========================
+model_prefetch_downloaded_bytes_total                      counter    model, source
+model_prefetch_download_rate_bytes_per_second              gauge      model (10 s window)
+model_prefetch_files_downloaded_total                      counter    model, source
+model_prefetch_chunks_downloaded_total                     counter    model, source
+model_prefetch_retries_total                               counter    model, source
+model_prefetch_checksum_failures_total                     counter    model, reason (*)
+model_prefetch_model_state                                 gauge      model, state (1 = current)
+model_prefetch_model_ready                                 gauge      model
+model_prefetch_model_required                              gauge      model
+model_prefetch_model_size_bytes                            gauge      model
+model_prefetch_model_remaining_bytes                       gauge      model
+model_prefetch_sync_duration_seconds                       histogram  model
+model_prefetch_sync_failures_total                         counter    model, reason
+model_prefetch_last_success_timestamp_seconds              gauge      model
+model_prefetch_verifications_total                         counter    model, result=ok|failed
+model_prefetch_all_required_ready                          gauge
+model_prefetch_cache_free_bytes                            gauge
+model_prefetch_cache_used_bytes                            gauge
+model_prefetch_evictions_total                             counter    reason=disk_pressure|gc
+model_prefetch_evicted_bytes_total                         counter    reason
+model_prefetch_config_reload_failures_total                counter
+model_prefetch_config_last_reload_successful               gauge
+model_prefetch_node_gate_errors_total                      counter
+=========================================================  =========  ========================
+
+(*) ``reason`` is ``download`` (caught while fetching) or ``reverify`` (found at rest).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from prefetch.constants import METRICS_PREFIX
+from prefetch.transfer import plan_chunks
+from prefetch.units import format_bytes
+
+log = logging.getLogger(__name__)
+
+#: Every state a model can be in (``model_prefetch_model_state{state=...}``).
+MODEL_STATES = ("pending", "syncing", "updating", "verifying", "ready", "failed")
+#: Sync durations from seconds (up to date) to many hours (a large model over a slow link).
+SYNC_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400, 28800, 57600)
+RATE_WINDOW = 10.0
+PROGRESS_LOG_INTERVAL = 30.0
+
+
+class AgentMetrics:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        *,
+        rate_window: float = RATE_WINDOW,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry = registry
+        p = METRICS_PREFIX + "_"
+        r = registry
+        self.downloaded_bytes = Counter(
+            p + "downloaded_bytes",
+            "Bytes downloaded from sources.",
+            ["model", "source"],
+            registry=r,
+        )
+        self.download_rate = Gauge(
+            p + "download_rate_bytes_per_second",
+            f"Download rate over the last {rate_window:.0f} seconds.",
+            ["model"],
+            registry=r,
+        )
+        self.files_downloaded = Counter(
+            p + "files_downloaded",
+            "Files downloaded and verified.",
+            ["model", "source"],
+            registry=r,
+        )
+        self.chunks_downloaded = Counter(
+            p + "chunks_downloaded",
+            "Ranged chunks of the files downloaded.",
+            ["model", "source"],
+            registry=r,
+        )
+        self.retries = Counter(
+            p + "retries",
+            "Ranged reads retried after a transient failure.",
+            ["model", "source"],
+            registry=r,
+        )
+        self.checksum_failures = Counter(
+            p + "checksum_failures",
+            "Files whose bytes did not match the checksum (download: while fetching; "
+            "reverify: at rest).",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.model_state = Gauge(
+            p + "model_state", "1 for the state the model is in.", ["model", "state"], registry=r
+        )
+        self.model_ready = Gauge(
+            p + "model_ready",
+            "1 when a verified copy of the model is in the cache.",
+            ["model"],
+            registry=r,
+        )
+        self.model_required = Gauge(
+            p + "model_required", "1 when the model gates readiness.", ["model"], registry=r
+        )
+        self.model_size = Gauge(
+            p + "model_size_bytes", "Size of the model's resolved files.", ["model"], registry=r
+        )
+        self.remaining_bytes = Gauge(
+            p + "model_remaining_bytes",
+            "Bytes still to download for the model.",
+            ["model"],
+            registry=r,
+        )
+        self.sync_duration = Histogram(
+            p + "sync_duration_seconds",
+            "Duration of successful syncs.",
+            ["model"],
+            buckets=SYNC_BUCKETS,
+            registry=r,
+        )
+        self.sync_failures = Counter(
+            p + "sync_failures", "Failed syncs, by error kind.", ["model", "reason"], registry=r
+        )
+        self.last_success = Gauge(
+            p + "last_success_timestamp_seconds",
+            "Unix time of the model's last successful sync.",
+            ["model"],
+            registry=r,
+        )
+        self.verifications = Counter(
+            p + "verifications",
+            "Re-verifications of cached files at rest.",
+            ["model", "result"],
+            registry=r,
+        )
+        self.all_required_ready = Gauge(
+            p + "all_required_ready", "1 when every required model is ready.", registry=r
+        )
+        self.cache_free = Gauge(
+            p + "cache_free_bytes", "Free bytes on the cache filesystem.", registry=r
+        )
+        self.cache_used = Gauge(p + "cache_used_bytes", "Bytes used by cached models.", registry=r)
+        self.evictions = Counter(
+            p + "evictions", "Models evicted from the cache.", ["reason"], registry=r
+        )
+        self.evicted_bytes = Counter(
+            p + "evicted_bytes", "Bytes freed by evictions.", ["reason"], registry=r
+        )
+        self.config_reload_failures = Counter(
+            p + "config_reload_failures",
+            "Config reloads rejected (the last good config keeps running).",
+            registry=r,
+        )
+        self.config_last_reload_successful = Gauge(
+            p + "config_last_reload_successful",
+            "0 while the config file on disk is rejected.",
+            registry=r,
+        )
+        self.gate_errors = Counter(
+            p + "node_gate_errors",
+            "Failed attempts to update the node's labels and taint.",
+            registry=r,
+        )
+        self._window = rate_window
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._samples: dict[str, collections.deque[tuple[int, int]]] = {}
+        self.config_last_reload_successful.set(1)
+
+    # -- per model ---------------------------------------------------------------------------
+
+    def sink(self, model: str, source: str, *, chunk_size: int) -> MetricsSink:
+        """A ProgressSink for one sync of ``model`` from a ``source`` (s3|hf) backend."""
+        return MetricsSink(self, model, source, chunk_size)
+
+    def set_state(self, model: str, state: str, *, ready: bool, required: bool) -> None:
+        for s in MODEL_STATES:
+            self.model_state.labels(model, s).set(1 if s == state else 0)
+        self.model_ready.labels(model).set(1 if ready else 0)
+        self.model_required.labels(model).set(1 if required else 0)
+
+    def forget_model(self, model: str) -> None:
+        """Drop the gauges of a model that left the config (counters stay, as counters do)."""
+        for gauge in (
+            self.model_ready,
+            self.model_required,
+            self.model_size,
+            self.remaining_bytes,
+            self.last_success,
+            self.download_rate,
+        ):
+            _remove(gauge, model)
+        for s in MODEL_STATES:
+            _remove(self.model_state, model, s)
+        with self._lock:
+            self._samples.pop(model, None)
+
+    def add_bytes(self, model: str, n: int) -> None:
+        second = int(self._clock())
+        with self._lock:
+            window = self._samples.setdefault(model, collections.deque())
+            if window and window[-1][0] == second:
+                window[-1] = (second, window[-1][1] + n)
+            else:
+                window.append((second, n))
+
+    def rate(self, model: str) -> float:
+        """Bytes per second over the last ``rate_window`` seconds."""
+        now = self._clock()
+        with self._lock:
+            window = self._samples.get(model)
+            if not window:
+                return 0.0
+            while window and window[0][0] <= now - self._window - 1:
+                window.popleft()
+            total = sum(n for s, n in window if s > now - self._window - 1)
+        return total / self._window
+
+    def update_rates(self) -> None:
+        with self._lock:
+            models = list(self._samples)
+        for model in models:
+            self.download_rate.labels(model).set(self.rate(model))
+
+
+def _remove(metric: Gauge, *labels: str) -> None:
+    with contextlib.suppress(KeyError):
+        metric.remove(*labels)
+
+
+class MetricsSink:
+    """Feeds one sync's progress into the metrics; thread-safe, cheap per call.
+
+    Also logs one progress line every ``PROGRESS_LOG_INTERVAL`` seconds while bytes flow, and
+    keeps ``total``/``done`` so the agent can say how much is left.
+    """
+
+    def __init__(self, metrics: AgentMetrics, model: str, source: str, chunk_size: int) -> None:
+        self.model = model
+        self._m = metrics
+        self._chunk_size = chunk_size
+        self._bytes = metrics.downloaded_bytes.labels(model, source)
+        self._files = metrics.files_downloaded.labels(model, source)
+        self._chunks = metrics.chunks_downloaded.labels(model, source)
+        self._retries = metrics.retries.labels(model, source)
+        self._remaining: Any = None  # bound on start(): a model that never starts shows none
+        self._lock = threading.Lock()
+        self.total = 0
+        self.done = 0
+        self.files_total = 0
+        self.files_done = 0
+        self._last_log = time.monotonic()
+
+    @property
+    def remaining(self) -> int:
+        return max(self.total - self.done, 0)
+
+    def start(self, model: str, total_bytes: int, total_files: int) -> None:
+        with self._lock:
+            self.total, self.done = total_bytes, 0
+            self.files_total, self.files_done = total_files, 0
+        self._remaining = self._m.remaining_bytes.labels(self.model)
+        self._remaining.set(total_bytes)
+
+    def advance(self, nbytes: int) -> None:
+        with self._lock:
+            self.done += nbytes
+            remaining = max(self.total - self.done, 0)
+        self._bytes.inc(nbytes)
+        if self._remaining is not None:
+            self._remaining.set(remaining)
+        self._m.add_bytes(self.model, nbytes)
+        now = time.monotonic()
+        if now - self._last_log >= PROGRESS_LOG_INTERVAL:
+            self._last_log = now
+            rate = self._m.rate(self.model)
+            log.info(
+                "%s: %s of %s downloaded, %s/s",
+                self.model,
+                format_bytes(self.done),
+                format_bytes(self.total),
+                format_bytes(rate),
+                extra={
+                    "model": self.model,
+                    "phase": "download",
+                    "bytes": self.done,
+                    "rate": round(rate),
+                },
+            )
+
+    def file_done(self, path: str, size: int) -> None:
+        with self._lock:
+            self.files_done += 1
+        self._files.inc()
+        self._chunks.inc(max(len(plan_chunks(size, self._chunk_size, None)), 1))
+
+    def retry(self, reason: str) -> None:
+        self._retries.inc()
+
+    def checksum_failure(self, path: str) -> None:
+        self._m.checksum_failures.labels(self.model, "download").inc()
+
+    def finish(self) -> None:
+        if self._remaining is not None:
+            self._remaining.set(self.remaining)

