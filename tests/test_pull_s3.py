@@ -238,7 +238,7 @@ def test_require_checksum_refuses_files_without_one(s3_client, bucket, tmp_path)
 
     source.describe = no_checksums  # type: ignore[method-assign]
     strict = TransferConfig(chunk_size=MiB, require_checksum=True)
-    with pytest.raises(MissingChecksumError, match="a.bin"):
+    with pytest.raises(MissingChecksumError, match=r"a\.bin"):
         sync(source_spec, source, PlainLayout(tmp_path / "d"), strict)
     assert not (tmp_path / "d" / "a.bin").exists()
     lax = sync(source_spec, source, PlainLayout(tmp_path / "d"), FAST)
@@ -521,7 +521,7 @@ def test_not_enough_space_is_refused_before_starting(s3_client, bucket, small_fs
     s3_client.copy_object  # noqa: B018 (the size check needs a big listing; fake it with many)
     for i in range(3):
         put(s3_client, bucket, f"m/w{i}.bin", os.urandom(40 * MiB))
-    with pytest.raises(InsufficientSpaceError, match="needs 121.0 MiB"):
+    with pytest.raises(InsufficientSpaceError, match=r"needs 121\.0 MiB"):
         pull(s3_client, f"s3://{bucket}/m", small_fs / "d")
     assert list((small_fs / "d").glob("*.bin")) == []
 

@@ -1,0 +1,188 @@
+"""Unit tests: sizes, URIs and specs, checksum math, chunk plans, the resume journal."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import itertools
+import json
+import os
+
+import pytest
+from awscrt import checksums as crt
+
+from prefetch import verify
+from prefetch.errors import ChecksumMismatchError, ConfigError, LayoutError
+from prefetch.journal import Journal
+from prefetch.layout import safe_join
+from prefetch.snapshot import Checksum, listing_digest
+from prefetch.spec import ModelSpec, default_model_name, parse_source_uri
+from prefetch.transfer import TransferConfig, plan_chunks
+from prefetch.units import format_bytes, parse_duration, parse_size
+
+MiB = 1024 * 1024
+
+
+def test_sizes_and_durations():
+    assert parse_size("16MiB") == 16 * MiB
+    assert parse_size("1.5 GB") == 1_500_000_000
+    assert parse_size(4096) == 4096
+    with pytest.raises(ConfigError, match="not a size"):
+        parse_size("lots")
+    assert parse_duration("1h30m") == 5400
+    assert parse_duration("0") is None and parse_duration("off") is None
+    with pytest.raises(ConfigError, match="not a duration"):
+        parse_duration("soon")
+    assert format_bytes(3 * MiB) == "3.0 MiB"
+
+
+@pytest.mark.parametrize(
+    ("uri", "scheme", "location", "path", "revision"),
+    [
+        ("s3://bucket/some/prefix", "s3", "bucket", "some/prefix/", None),
+        ("s3://bucket", "s3", "bucket", "", None),
+        ("hf://org/name", "hf", "org/name", "", None),
+        ("hf://org/name@v1.0", "hf", "org/name", "", "v1.0"),
+        ("hf://gpt2", "hf", "gpt2", "", None),
+    ],
+)
+def test_parse_source_uri(uri, scheme, location, path, revision):
+    parsed = parse_source_uri(uri)
+    assert (parsed.scheme, parsed.location, parsed.path, parsed.revision) == (
+        scheme, location, path, revision,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("uri", "message"),
+    [
+        ("s3:/x", "no bucket"),
+        ("s3://UPPER/x", "not a valid bucket name"),
+        ("gs://b/x", "unsupported source URI"),
+        ("hf://", "malformed Hub URI"),
+        ("hf://org/name@", "empty revision"),
+        ("/just/a/path", "unsupported source URI"),
+    ],
+)
+def test_bad_uris_are_named(uri, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_source_uri(uri)
+
+
+def test_model_spec_names_and_patterns():
+    spec = ModelSpec(source=parse_source_uri("hf://Org/Llama_3.1-70B@main"))
+    assert (
+        spec.name == "llama-3-1-70b"
+        and spec.revision == "main"
+        and spec.repo_id == "Org/Llama_3.1-70B"
+    )
+    assert default_model_name(parse_source_uri("s3://bkt/models/Qwen2/")) == "qwen2"
+    with pytest.raises(ConfigError, match="not a DNS label"):
+        ModelSpec(source=parse_source_uri("s3://bkt/x"), name="Bad_Name")
+    with pytest.raises(ConfigError, match="hf_repo"):
+        ModelSpec(source=parse_source_uri("s3://bkt/x"), hf_repo="no-slash")
+    spec = ModelSpec(source=parse_source_uri("s3://bkt/x"), include=("*.json", "sub/*.bin"),
+                     exclude=("secret*",))  # fmt: skip
+    assert spec.wants("config.json") and spec.wants("deep/config.json")
+    assert spec.wants("sub/a.bin") and not spec.wants("other/a.bin")
+    assert not spec.wants("secret.json")
+
+
+def test_listing_digest_is_order_independent_and_content_sensitive():
+    a = [("a", 1, "e1"), ("b", 2, "e2")]
+    assert listing_digest(a) == listing_digest(list(reversed(a)))
+    assert listing_digest(a) != listing_digest([("a", 1, "e1"), ("b", 2, "e3")])
+
+
+def test_crc_chunks_combine_to_the_whole_object_crc():
+    data = os.urandom(5 * MiB + 123)
+    checksum = Checksum(
+        "crc64nvme", base64.b64encode(crt.crc64nvme(data).to_bytes(8, "big")).decode(), "base64"
+    )
+    results = []
+    for start, end in plan_chunks(len(data), MiB, checksum):
+        h = verify.ChunkHasher(checksum, start, end)
+        view = memoryview(data)[start:end]
+        h.feed(view[:1000])  # fed in pieces, as the socket delivers them
+        h.feed(view[1000:])
+        results.append(h.result())
+    verify.check("x", checksum, verify.finish_inline(checksum, results))
+
+
+def test_multipart_etag_parts_are_hashed_inline_and_chunks_align_to_parts():
+    part = 5 * MiB
+    data = os.urandom(12 * MiB + 7)
+    digests = [hashlib.md5(data[o : o + part]).digest() for o in range(0, len(data), part)]
+    etag = hashlib.md5(b"".join(digests)).hexdigest() + "-3"
+    checksum = Checksum("md5", etag, part_sizes=(part, part, len(data) - 2 * part))
+    chunks = plan_chunks(len(data), 3 * MiB, checksum)
+    assert chunks == [(0, part), (part, 2 * part), (2 * part, len(data))]
+    chunks = plan_chunks(len(data), 8 * MiB, checksum)
+    assert chunks == [(0, 2 * part), (2 * part, len(data))]  # two parts in one chunk
+    results = []
+    for start, end in chunks:
+        h = verify.ChunkHasher(checksum, start, end)
+        h.feed(memoryview(data)[start:end])
+        results.append(h.result())
+    assert verify.finish_inline(checksum, results) == etag
+    with pytest.raises(ValueError, match="aligned"):
+        verify.ChunkHasher(checksum, 1, part)
+
+
+def test_hash_file_modes_and_mismatch_message(tmp_path):
+    data = b"hello world\n" * 1000
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    git = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+    assert verify.hash_file(path, Checksum("git-sha1", git)) == git
+    sha = hashlib.sha256(data).hexdigest()
+    assert verify.hash_file(path, Checksum("sha256", sha)) == sha
+    crc32c = base64.b64encode(crt.crc32c(data).to_bytes(4, "big")).decode()
+    assert verify.hash_file(path, Checksum("crc32c", crc32c, "base64")) == crc32c
+    with pytest.raises(ChecksumMismatchError) as err:
+        verify.check("f", Checksum("sha256", "0" * 64, origin="sidecar"), sha)
+    assert err.value.expected == "0" * 64 and err.value.actual == sha
+    assert "sha256 (sidecar)" in str(err.value) and "f" in str(err.value)
+
+
+def test_pick_prefers_the_first_known_algorithm():
+    assert verify.pick([Checksum("xxh3", "1"), Checksum("crc32", "2")]) == Checksum("crc32", "2")
+    assert verify.pick([]) is None
+
+
+def test_plan_chunks_covers_the_file_exactly():
+    for size in (0, 1, MiB - 1, MiB, MiB + 1, 10 * MiB + 3):
+        chunks = plan_chunks(size, MiB, None)
+        assert sum(e - s for s, e in chunks) == size
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(chunks))
+
+
+def test_transfer_config_is_validated():
+    with pytest.raises(ConfigError, match="concurrency"):
+        TransferConfig(concurrency=0)
+    with pytest.raises(ConfigError, match="chunk size"):
+        TransferConfig(chunk_size=10)
+
+
+def test_journal_resumes_matching_header_and_survives_a_torn_line(tmp_path):
+    path = tmp_path / "x.journal"
+    header = {"version": "e1", "size": 10, "chunks": [[0, 5], [5, 10]]}
+    j = Journal.open(path, header, partial_exists=True)
+    j.record(1, [123, 5])
+    j.close()
+    with open(path, "a") as fh:
+        fh.write('{"i": 0, "r"')  # torn by a crash
+    again = Journal.open(path, header, partial_exists=True)
+    assert again.done == {1: [123, 5]}
+    again.close()
+    other = Journal.open(path, {**header, "version": "e2"}, partial_exists=True)
+    assert other.done == {}
+    other.close()
+    assert json.loads(path.read_text().splitlines()[0])["version"] == "e2"
+
+
+@pytest.mark.parametrize("bad", ["../etc/passwd", "/abs", "a/../../b", "a//b", "", "./a"])
+def test_layout_refuses_paths_that_escape(tmp_path, bad):
+    with pytest.raises(LayoutError, match="unsafe"):
+        safe_join(tmp_path, bad)
+    assert safe_join(tmp_path, "a/b.json") == tmp_path / "a" / "b.json"
