@@ -551,3 +551,28 @@ def test_disk_filling_up_mid_pull_leaves_resumable_state(s3_client, bucket, smal
     result = pull(s3_client, f"s3://{bucket}/m", dest)
     assert result.files_verified == 3
     assert verify_local(PlainLayout(dest)).ok
+
+
+def test_progress_bar_on_a_terminal_and_none_in_a_pipe(s3_client, bucket, s3_env, tmp_path):
+    import pty
+
+    put(s3_client, bucket, "m/w.bin", os.urandom(8 * MiB))
+    args = [sys.executable, "-m", "prefetch.cli", "pull", f"s3://{bucket}/m", str(tmp_path / "d")]
+    pid, fd = pty.fork()
+    if pid == 0:  # child: stdout and stderr are the terminal
+        os.execvpe(args[0], args, s3_env)
+    out = b""
+    while True:
+        try:
+            data = os.read(fd, 65536)
+        except OSError:
+            break
+        if not data:
+            break
+        out += data
+    _, status = os.waitpid(pid, 0)
+    text = out.decode(errors="replace")
+    assert os.waitstatus_to_exitcode(status) == 0, text
+    assert "\r[" in text and "ETA" in text and "MiB/s" in text and "100.0%" in text
+    piped = run_cli("pull", f"s3://{bucket}/m", str(tmp_path / "e"), env=s3_env)
+    assert piped.returncode == 0 and "ETA" not in piped.stderr
