@@ -1,0 +1,1 @@
+"""Test helpers that run bootstrap/ scripts in a real Linux guest (QEMU, see ``qemu.py``)."""
