@@ -219,6 +219,7 @@ class Agent:
         self._next_poll = 0.0
         self._next_usage = 0.0
         self._usage_task: asyncio.Task[None] | None = None
+        self._gate_task: asyncio.Task[None] | None = None
         self._space_lock = threading.Lock()
         self._reserved: dict[str, _Reservation] = {}
         self._busy: dict[str, int] = {}
@@ -313,7 +314,9 @@ class Agent:
             "ready": ms.ready,
             "detail": detail,
             "revision": ms.revision,
-            "bytes_total": ms.bytes_total,
+            "bytes_total": ms.bytes_total
+            if ms.bytes_total is not None or sink is None or not sink.total
+            else sink.total,
             "bytes_remaining": remaining,
             "files_remaining": files_left,
             "last_error": ms.last_error,
@@ -369,7 +372,9 @@ class Agent:
             self._next_poll = now + CONFIG_POLL_INTERVAL
             await self._reload()
         self._start_due_jobs(now)
-        await self._apply_gate()
+        if self._gate_task is None or self._gate_task.done():
+            # in the background: a slow API server must not stall the loop's heartbeat
+            self._gate_task = asyncio.create_task(self._apply_gate())
         self._refresh_metrics(now)
         self.passes += 1
         self._beat = time.monotonic()
@@ -408,8 +413,7 @@ class Agent:
         if self.server is not None:
             self.server.stop()
         tasks = [t for t in self._tasks if not t.done()]
-        if self._usage_task is not None and not self._usage_task.done():
-            tasks.append(self._usage_task)
+        tasks += [t for t in (self._usage_task, self._gate_task) if t is not None and not t.done()]
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=SHUTDOWN_GRACE)
             if pending:

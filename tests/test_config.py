@@ -1,0 +1,195 @@
+"""The agent's config file: defaults, the full schema, and errors that name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from prefetch.agent.config import (
+    AgentConfig,
+    Backoff,
+    load_config,
+    parse_config,
+    parse_listen,
+    spec_digest,
+)
+from prefetch.constants import DEFAULT_LABEL_PREFIX, DEFAULT_LISTEN, DEFAULT_STARTUP_TAINT_KEY
+from prefetch.errors import ConfigError
+
+FULL = """
+cacheDir: /var/cache/model-prefetch
+labelPrefix: model-prefetch.io
+startupTaint: model-prefetch.io/warming
+listen: 0.0.0.0:8090
+concurrency: 16
+chunkSize: 64MiB
+parallelModels: 3
+verifyInterval: 24h
+verifyReadRate: 200MB
+resolveInterval: 10m
+retryBackoff: {initial: 10s, max: 10m}
+minFreeSpace: 1GiB
+s3: {endpointUrl: null}
+models:
+  - name: llama-3-70b-awq
+    source: hf://org/name
+    revision: main
+    include: ["*.safetensors", "*.json"]
+    exclude: []
+    required: true
+    pin: false
+  - name: mirror
+    source: s3://bucket/prefix
+    hfRepo: org/mirror
+    revision: 0123456789abcdef0123456789abcdef01234567
+    required: false
+    pin: true
+"""
+
+
+def test_full_example_parses() -> None:
+    cfg = parse_config(FULL)
+    assert cfg.cache_dir == Path("/var/cache/model-prefetch")
+    assert cfg.label_prefix == "model-prefetch.io"
+    assert cfg.startup_taint == "model-prefetch.io/warming"
+    assert cfg.concurrency == 16
+    assert cfg.chunk_size == 64 * 1024 * 1024
+    assert cfg.parallel_models == 3
+    assert cfg.verify_interval == 24 * 3600
+    assert cfg.verify_read_rate == 200_000_000
+    assert cfg.resolve_interval == 600
+    assert cfg.retry_backoff == Backoff(initial=10, max=600)
+    assert cfg.min_free_space == 1024**3
+    assert cfg.s3_endpoint_url is None
+    hub, mirror = cfg.models
+    assert (hub.name, hub.source.scheme, hub.source.location, hub.revision) == (
+        "llama-3-70b-awq",
+        "hf",
+        "org/name",
+        "main",
+    )
+    assert hub.include == ("*.safetensors", "*.json") and hub.required and not hub.pin
+    assert mirror.repo_id == "org/mirror"
+    assert mirror.hf_revision == "0123456789abcdef0123456789abcdef01234567"
+    assert mirror.revision is None and not mirror.required and mirror.pin
+    assert cfg.model("mirror") is mirror and cfg.model("nope") is None
+    assert cfg.transfer_config().chunk_size == cfg.chunk_size
+
+
+def test_defaults() -> None:
+    cfg = parse_config("models: []")
+    assert cfg.label_prefix == DEFAULT_LABEL_PREFIX
+    assert cfg.startup_taint == DEFAULT_STARTUP_TAINT_KEY
+    assert cfg.listen == DEFAULT_LISTEN
+    assert cfg.verify_interval is None  # off by default
+    assert cfg.resolve_interval == 600
+    assert cfg.min_free_space == 1024**3
+    assert cfg.models == ()
+    assert parse_config("").models == ()
+    assert parse_config("verifyInterval: 0").verify_interval is None
+    assert parse_config("verifyReadRate: 0").verify_read_rate is None
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "models:\n  - {name: a, source: s3://bkt/p}\n  - {name: b, source: 'ftp://x'}",
+            "models[1].source: unsupported source URI",
+        ),
+        (
+            "models:\n  - {name: a, source: s3://bkt/p}\n  - {name: a, source: s3://bkt/q}",
+            "models[1].name: duplicate model name 'a'",
+        ),
+        ("models:\n  - {name: Bad_Name, source: s3://bkt/p}", "models[0].name: 'Bad_Name'"),
+        ("models:\n  - {source: s3://bkt/p}", "models[0].name: missing"),
+        ("models:\n  - {name: a}", "models[0].source: missing"),
+        (
+            "models:\n  - {name: a, source: s3://bkt/p, colour: red}",
+            "models[0].colour: unknown key",
+        ),
+        (
+            "models:\n  - {name: a, source: s3://bkt/p, required: 'yes'}",
+            "models[0].required: expected true or false",
+        ),
+        (
+            "models:\n  - {name: a, source: s3://bkt/p, include: [1]}",
+            "models[0].include[0]: expected a non-empty glob",
+        ),
+        (
+            "models:\n  - {name: a, source: s3://bkt/p, revision: main}",
+            "models[0].revision: S3 sources have no revisions",
+        ),
+        (
+            "models:\n  - {name: a, source: hf://o/n, hfRepo: o/m}",
+            "models[0].hfRepo: only for s3:// sources",
+        ),
+        ("models:\n  - {name: a, source: 's3://bkt/p', hfRepo: nope}", "models[0].hfRepo: 'nope'"),
+        (
+            "models:\n  - {name: a, source: 'hf://o/n@v1', revision: v2}",
+            "models[0].revision: 'v2' conflicts with @v1",
+        ),
+        ("models: {name: a}", "models: expected a list of models"),
+        ("models:\n  - just-a-string", "models[0]: expected a mapping"),
+        ("cacheDirectory: /x", "cacheDirectory: unknown key"),
+        ("concurrency: 0", "concurrency: must be between 1 and 512"),
+        ("concurrency: '16'", "concurrency: expected a whole number"),
+        ("chunkSize: 1KiB", "chunkSize: must be at least 64KiB"),
+        ("chunkSize: lots", "chunkSize: not a size"),
+        ("minFreeSpace: -1", "minFreeSpace: must not be negative"),
+        ("verifyInterval: soon", "verifyInterval: not a duration"),
+        ("retryBackoff: {initial: 10s, max: 1s}", "retryBackoff.max: must not be shorter"),
+        ("retryBackoff: {initial: 0}", "retryBackoff.initial: must be a positive duration"),
+        ("retryBackoff: {start: 1s}", "retryBackoff.start: unknown key"),
+        ("listen: 8090", "listen: expected a non-empty string"),
+        ("listen: localhost", "listen: 'localhost' is not HOST:PORT"),
+        ("labelPrefix: Model_Prefetch", "labelPrefix: 'Model_Prefetch' is not a DNS subdomain"),
+        ("startupTaint: 'a b'", "startupTaint: 'a b' is not a taint key"),
+        ("s3: {endpointUrl: 'ftp://x'}", "s3.endpointUrl: 'ftp://x' is not an http(s) URL"),
+        ("s3: {region: x}", "s3.region: unknown key"),
+        ("- a\n- b", "the file: expected a mapping, got a list"),
+    ],
+)
+def test_errors_name_the_field(text: str, expected: str, tmp_path: Path) -> None:
+    path = tmp_path / "models.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: "), message
+    assert expected in message, message
+
+
+def test_yaml_syntax_error_names_the_line() -> None:
+    with pytest.raises(ConfigError, match=r"not valid YAML at line 3"):
+        parse_config("models:\n  - name: a\n  source: [unclosed\n")
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_listen_and_overrides() -> None:
+    assert parse_listen("0.0.0.0:8090") == ("0.0.0.0", 8090)
+    assert parse_listen("[::]:9000") == ("::", 9000)
+    assert parse_listen(":8080") == ("0.0.0.0", 8080)
+    cfg = AgentConfig().with_overrides(cache_dir=Path("/c"), listen="127.0.0.1:1")
+    assert (cfg.cache_dir, cfg.listen) == (Path("/c"), "127.0.0.1:1")
+    with pytest.raises(ConfigError, match="--listen"):
+        AgentConfig().with_overrides(listen="nope")
+
+
+def test_digest_tracks_content_not_flags() -> None:
+    a = parse_config("models: [{name: a, source: s3://bkt/p}]").models[0]
+    pinned = parse_config("models: [{name: a, source: s3://bkt/p, pin: true, required: false}]")
+    narrowed = parse_config("models: [{name: a, source: s3://bkt/p, include: ['*.json']}]")
+    assert spec_digest(a) == spec_digest(pinned.models[0])
+    assert spec_digest(a) != spec_digest(narrowed.models[0])
+    assert parse_config("x: 1".replace("x", "concurrency")).digest != parse_config("").digest
+
+
+def test_backoff_doubles_up_to_max() -> None:
+    b = Backoff(initial=10, max=60)
+    assert [b.delay(n) for n in (1, 2, 3, 4, 5)] == [10, 20, 40, 60, 60]
