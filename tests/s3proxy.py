@@ -12,6 +12,7 @@ import http.client
 import re
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
@@ -27,6 +28,7 @@ class Faults:
     cut_key: str | None = None  # object key whose responses are cut short
     cut_after: int = 1024  # bytes sent before the connection is dropped
     cut_times: int = 0  # how many responses to cut
+    throttle_bps: float = 0  # >0: send GET bodies at most this fast (per connection)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -75,6 +77,11 @@ class S3FaultProxy:
                     self.wfile.flush()
                     self.connection.shutdown(socket.SHUT_RDWR)
                     self.close_connection = True
+                elif proxy.faults.throttle_bps > 0:
+                    piece = 64 * 1024
+                    for off in range(0, len(data), piece):
+                        self.wfile.write(data[off : off + piece])
+                        time.sleep(piece / proxy.faults.throttle_bps)
                 else:
                     self.wfile.write(data)
                 up.close()

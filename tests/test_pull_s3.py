@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -452,30 +453,33 @@ def journaled_bytes(partial: Path) -> int:
 
 
 @pytest.mark.slow
-def test_resume_after_sigkill_fetches_less_than_30_percent(s3_client, bucket, s3_env, tmp_path):
-    total = 256 * MiB
+def test_resume_after_sigkill_fetches_less_than_30_percent(s3_server, s3_client, bucket, s3_env,
+                                                           tmp_path):  # fmt: skip
+    total = 64 * MiB
     files = generate_model(tmp_path / "src", total, shards=2)
-    upload_model(s3_client, bucket, "big", files, create_bucket=False, part_size=16 * MiB)
+    upload_model(s3_client, bucket, "big", files, create_bucket=False, part_size=8 * MiB)
     dest = tmp_path / "dest"
     partial = dest / ".prefetch" / "partial"
     args = [sys.executable, "-m", "prefetch.cli", "pull", f"s3://{bucket}/big", str(dest),
             "--json", "--concurrency", "2", "--chunk-size", "4MiB"]  # fmt: skip
-    proc = subprocess.Popen(args, env=s3_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        import time
-
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            published = sum(f.stat().st_size for f in dest.glob("*.safetensors"))
-            if journaled_bytes(partial) + published >= 0.8 * total:
-                break
-            time.sleep(0.002)
-        assert proc.poll() is None, "the pull finished before it could be killed"
-        proc.kill()
-        proc.wait(10)
-    finally:
-        if proc.poll() is None:
+    with S3FaultProxy(s3_server.endpoint) as proxy:
+        # slow enough (about 4 s) that the kill lands mid-transfer even on a loaded machine
+        proxy.faults.throttle_bps = 8 * MiB
+        env = dict(s3_env, AWS_ENDPOINT_URL=proxy.endpoint)
+        proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and proc.poll() is None:
+                published = sum(f.stat().st_size for f in dest.glob("*.safetensors"))
+                if journaled_bytes(partial) + published >= 0.8 * total:
+                    break
+                time.sleep(0.01)
+            assert proc.poll() is None, "the pull finished before it could be killed"
             proc.kill()
+            proc.wait(10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
     second = subprocess.run(args, env=s3_env, capture_output=True, text=True, timeout=120)
     assert second.returncode == 0, second.stderr
     summary = json.loads(second.stdout)
