@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import click
 
 from prefetch import __version__
-from prefetch.errors import ConfigError, LayoutError, PrefetchError
+from prefetch.errors import ConfigError, LayoutError, PrefetchError, VerifyError
 from prefetch.progress import NullProgress, ProgressSink, TerminalProgress
 from prefetch.retry import RetryPolicy
 from prefetch.spec import ModelSpec, parse_source_uri
@@ -138,6 +138,82 @@ def writable_destination(dest: str) -> Path:
     return path
 
 
+def hub_options(fn: F) -> F:
+    options = [
+        click.option("--revision", default=None,
+                     help="hf:// sources: branch, tag or 40-hex commit (also hf://org/name@rev) "
+                     "[default: main]."),
+        click.option("--token", default=None,
+                     help="Hub token [default: HF_TOKEN, then the token file in HF_HOME]."),
+        click.option("--endpoint", envvar="HF_ENDPOINT", default=None, show_envvar=True,
+                     help="Hub endpoint or mirror [default: https://huggingface.co]."),
+        click.option("--layout", "layout_name", type=click.Choice(["hf", "plain"]), default=None,
+                     help="hf: the Hugging Face cache, DEST is HF_HOME and files go under "
+                     "DEST/hub/; plain: files at DEST/<path>. [default: hf for hf:// sources and "
+                     "--hf-repo, plain otherwise]"),
+        click.option("--hf-repo", default=None,
+                     help="S3 sources: publish in the Hugging Face layout under this repo id "
+                     "(org/name), so vLLM finds it offline."),
+        click.option("--hf-revision", default=None,
+                     help="With --hf-repo: the 40-hex commit id to publish under "
+                     "[default: a digest of the S3 listing]."),
+    ]  # fmt: skip
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def pull_spec(
+    uri: str,
+    *,
+    name: str,
+    include: tuple[str, ...],
+    exclude: tuple[str, ...],
+    revision: str | None,
+    hf_repo: str | None,
+    hf_revision: str | None,
+    layout_name: str | None,
+) -> tuple[ModelSpec, str]:
+    """The spec and layout name (hf or plain) the pull options describe; ConfigError on a
+    combination that makes no sense."""
+    source = parse_source_uri(uri)
+    if source.scheme == "hf":
+        if hf_repo or hf_revision:
+            raise ConfigError(
+                "--hf-repo/--hf-revision are for S3 sources; an hf:// source is published "
+                "under its own repo id"
+            )
+        if revision and source.revision and revision != source.revision:
+            raise ConfigError(
+                f"two revisions given: {source.revision!r} in the URI and {revision!r} "
+                "in --revision"
+            )
+    else:
+        if revision:
+            raise ConfigError(
+                "--revision is for hf:// sources; an S3 mirror takes --hf-revision (with --hf-repo)"
+            )
+        if hf_revision and not hf_repo:
+            raise ConfigError("--hf-revision needs --hf-repo org/name")
+        if layout_name == "hf" and not hf_repo:
+            raise ConfigError(
+                "--layout hf needs --hf-repo org/name for an S3 source (the repo id to "
+                "publish under)"
+            )
+    spec = ModelSpec(
+        source=source,
+        name=name,
+        include=include,
+        exclude=exclude,
+        revision=revision or None,
+        hf_repo=hf_repo or None,
+        hf_revision=hf_revision or None,
+    )
+    if layout_name is None:
+        layout_name = "hf" if spec.repo_id is not None else "plain"
+    return spec, layout_name
+
+
 @main.command()
 @click.argument("uri")
 @click.argument("dest")
@@ -145,7 +221,13 @@ def writable_destination(dest: str) -> Path:
 @click.option("--exclude", multiple=True, help="Skip files matching this glob (repeatable).")
 @click.option("--name", default="", help="Model name (a DNS label); default from the URI.")
 @click.option("--endpoint-url", envvar="AWS_ENDPOINT_URL", help="S3 endpoint (default: AWS).")
-@click.option("--delete", is_flag=True, help="Remove local files that are gone from the source.")
+@hub_options
+@click.option(
+    "--delete",
+    is_flag=True,
+    help="Remove local files that are gone from the source (hf layout: links of this "
+    "revision's snapshot, and blobs no snapshot links any more).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
 @click.option("--progress/--no-progress", default=None,
               help="Progress bar (default: when stderr is a terminal).")  # fmt: skip
@@ -157,21 +239,49 @@ def pull(
     exclude: tuple[str, ...],
     name: str,
     endpoint_url: str | None,
+    revision: str | None,
+    token: str | None,
+    endpoint: str | None,
+    layout_name: str | None,
+    hf_repo: str | None,
+    hf_revision: str | None,
     delete: bool,
     as_json: bool,
     progress: bool | None,
     **transfer: Any,
 ) -> None:
-    """Download a model from URI (s3://bucket/prefix) into DEST, verified and resumable."""
-    from prefetch.layout import PlainLayout
+    """Download a model from URI (s3://bucket/prefix or hf://org/name) into DEST, verified and
+    resumable. With the hf layout DEST is an HF_HOME: vLLM with HF_HOME=DEST and HF_HUB_OFFLINE=1
+    loads the model from it."""
+    from prefetch.layout import Layout, PlainLayout
     from prefetch.sources import open_source
     from prefetch.sync import sync
 
     config = make_config(**transfer)
-    spec = ModelSpec(source=parse_source_uri(uri), name=name, include=include, exclude=exclude)
+    spec, layout_kind = pull_spec(
+        uri, name=name, include=include, exclude=exclude, revision=revision, hf_repo=hf_repo,
+        hf_revision=hf_revision, layout_name=layout_name,
+    )  # fmt: skip
     root = writable_destination(dest)
-    source = open_source(spec, endpoint_url=endpoint_url, concurrency=config.concurrency)
-    layout = PlainLayout(root)
+    hub = None
+    if spec.source.scheme == "hf":
+        from prefetch.sources.hf import HubOptions
+
+        hub = HubOptions(
+            endpoint=endpoint or None,
+            token=token or None,
+            pool_size=config.concurrency + 8,
+            retry=config.retry,
+        )
+    source = open_source(spec, endpoint_url=endpoint_url, concurrency=config.concurrency, hub=hub)
+    layout: Layout
+    if layout_kind == "hf":
+        from prefetch.hf_layout import HfCacheLayout
+
+        assert spec.repo_id is not None
+        layout = HfCacheLayout(root, spec.repo_id)
+    else:
+        layout = PlainLayout(root)
     show = sys.stderr.isatty() if progress is None else progress
     sink: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()
     result = sync(spec, source, layout, config, progress=sink, delete=delete,
@@ -203,12 +313,26 @@ def pull(
 def verify_cmd(dest: str, as_json: bool) -> None:
     """Re-check the files under DEST against the checksums recorded when they were pulled."""
     from prefetch.layout import PlainLayout
-    from prefetch.sync import verify_local
+    from prefetch.sync import VerifyReport, verify_local
 
     root = Path(dest).expanduser().resolve()
     if not root.is_dir():
         raise LayoutError(f"{root} does not exist or is not a directory")
-    report = verify_local(PlainLayout(root))
+    if any((root / "hub").glob("models--*")):
+        # an HF_HOME: every Hugging Face cache repo we recorded there
+        from prefetch.hf_layout import hub_layouts
+
+        layouts = [layout for layout in hub_layouts(root) if layout.recorded()]
+        if not layouts:
+            raise VerifyError(f"nothing recorded under {root / 'hub'}: no model was pulled there")
+        report = VerifyReport()
+        for layout in layouts:
+            one = verify_local(layout)
+            report.checked += one.checked
+            report.unverifiable += one.unverifiable
+            report.failures += one.failures
+    else:
+        report = verify_local(PlainLayout(root))
     if as_json:
         click.echo(json.dumps({
             "ok": report.ok,

@@ -6,7 +6,8 @@ each the unit of listing and eviction:
 * ``hub/models--<org>--<name>/``: a Hugging Face cache repo (models with a Hub repo id);
 * ``models/<name>/``: a plain directory (every other model).
 
-Each entry keeps a small usage record, ``<entry>/.prefetch/usage.json``, written by the agent
+Each entry keeps a small usage record, ``usage.json`` in its state folder (``<entry>/.prefetch/``
+for plain entries, ``.prefetch/hub/models--<org>--<name>/`` for Hub repos), written by the agent
 (the mount is ``noatime``, so access times say nothing): when it was last wanted by the config,
 whether it is pinned, and per model what was last synced (spec digest, revision, complete) and
 re-verified. Eviction renames the entry into ``.trash/`` under the model's lock (readers see it
@@ -122,8 +123,16 @@ class Store:
     def layout(self, spec: ModelSpec) -> Layout:
         return layout_for_model(spec, self.cache_dir)
 
+    def _state_dir(self, entry_dir: Path) -> Path:
+        """Our state for an entry: inside a plain entry, but outside ``hub/`` for Hub repos
+        (huggingface_hub's cache scan must see pristine repo folders), beside the
+        HfCacheLayout's records."""
+        if entry_dir.parent.name == HUB_DIR:
+            return self.cache_dir / STATE_DIR / HUB_DIR / entry_dir.name
+        return entry_dir / STATE_DIR
+
     def _usage_path(self, entry_dir: Path) -> Path:
-        return entry_dir / STATE_DIR / USAGE_FILE
+        return self._state_dir(entry_dir) / USAGE_FILE
 
     # -- usage records -------------------------------------------------------------------------
 
@@ -333,6 +342,16 @@ class Store:
             if not path.exists():
                 return 0
             os.rename(path, trash)
+            state = self._state_dir(path)
+            if state != path / STATE_DIR and state.is_dir():
+                # a Hub entry's records and partials live outside it: drop them too, but keep
+                # the lock file we hold
+                for item in state.iterdir():
+                    if item != lock:
+                        if item.is_dir():
+                            shutil.rmtree(item, ignore_errors=True)
+                        else:
+                            item.unlink(missing_ok=True)
         shutil.rmtree(trash, ignore_errors=True)
         log.info(
             "evicted %s (%d bytes)",

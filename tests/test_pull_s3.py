@@ -439,7 +439,12 @@ def journaled_bytes(partial: Path) -> int:
     """Bytes the resume journals under ``partial`` record as written."""
     done = 0
     for journal in partial.glob("*.journal") if partial.exists() else []:
-        lines = journal.read_text().splitlines()
+        if not journal.with_suffix(".incomplete").exists():
+            continue  # published a moment ago: its bytes are counted as a published file
+        try:
+            lines = journal.read_text().splitlines()
+        except FileNotFoundError:
+            continue
         if not lines:
             continue
         try:

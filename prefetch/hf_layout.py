@@ -1,0 +1,427 @@
+"""The Hugging Face cache layout, exactly as huggingface_hub 2.x reads it offline.
+
+::
+
+    <cache_dir>/                                  = HF_HOME (vLLM runs with HF_HUB_OFFLINE=1)
+    ├── hub/models--<org>--<name>/                what huggingface_hub sees, nothing else in it
+    │   ├── blobs/<blob>                          content, named by its id (below)
+    │   ├── snapshots/<commit>/<path>             relative symlinks: ../../blobs/<blob>, one more
+    │   │                                         ../ per directory level of <path>
+    │   └── refs/<revision>                       the bare commit sha, no newline
+    └── .prefetch/hub/models--<org>--<name>/      ours: lock, partial/, manifest.json
+                                                  (published.jsonl between commits)
+
+Our state lives outside ``hub/``: huggingface_hub's ``scan_cache_dir`` takes every entry of
+``hub/`` but ``.locks`` for a repo and warns about anything else, and it must see pristine repos.
+
+Blob names. Hub files: the name huggingface_hub gives them (the sha256 for LFS files, the git blob
+sha1 otherwise), which is also the checksum the engine verified. S3 mirrors (``--hf-repo``): the
+object's sha256 when the engine verified one (a ``SHA256SUMS`` sidecar line or a full-object S3
+SHA256 checksum), so the blob is content-addressed like a Hub LFS blob and a later pull of the
+same repo from the Hub finds it; otherwise ``s3-<ETag>-<size>``: the ETag is what every ranged
+read was pinned to and the listing already has it, it changes whenever the object does, and an
+unchanged object keeps it, so revisions share the blob. We never name a blob with a 64-hex string
+that is not its sha256 (the engine only computes the checksum it verifies with; hashing every
+file a second time to get a sha256 would cost a full re-read per pull).
+
+Publishing: the engine stages files in ``partial/``; ``publish`` renames a verified file into
+``blobs/``; ``commit`` then builds the snapshot's links (a new snapshot in a hidden directory
+renamed into place, so it appears complete: huggingface_hub offline returns any existing snapshot
+folder as it is), compacts the records and writes the ref last, atomically. Files shared between
+revisions are stored once: a blob we published earlier makes ``is_current`` true and the new
+snapshot only links it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import errno
+import hashlib
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from prefetch import verify
+from prefetch.errors import LayoutError
+from prefetch.layout import (
+    STATE_DIR,
+    RecordBook,
+    RecordedFile,
+    atomic_write,
+    entry_checksum,
+    file_entry,
+    fsync_file,
+    safe_join,
+)
+from prefetch.snapshot import Checksum, RemoteFile, Snapshot
+from prefetch.spec import ModelSpec
+
+HUB_DIR = "hub"
+REPO_PREFIX = "models--"
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_TMP_SUFFIX = ".incomplete"
+
+
+def repo_folder(repo_id: str) -> str:
+    """``org/name`` -> ``models--org--name``, refusing ids that would not be one safe folder."""
+    if not _REPO_ID.match(repo_id) or "--" in repo_id or ".." in repo_id:
+        raise LayoutError(f"not a Hub repo id usable in the cache: {repo_id!r}")
+    return REPO_PREFIX + repo_id.replace("/", "--")
+
+
+def repo_id_of(folder: str) -> str:
+    """``models--org--name`` -> ``org/name``."""
+    return folder.removeprefix(REPO_PREFIX).replace("--", "/")
+
+
+def _safe_name(name: str, what: str) -> str:
+    if not _NAME.match(name):
+        raise LayoutError(f"refusing unsafe {what} {name!r}")
+    return name
+
+
+def _verified_sha256(checksum: Checksum | None) -> str | None:
+    """The hex sha256 of the whole content, when that is what the engine verified."""
+    if checksum is None or checksum.algorithm != "sha256" or checksum.part_sizes is not None:
+        return None
+    value = checksum.value.strip().strip('"')
+    if checksum.encoding == "base64":
+        try:
+            value = base64.b64decode(value, validate=True).hex()
+        except (binascii.Error, ValueError):
+            return None
+    value = value.lower()
+    return value if _SHA256.match(value) else None
+
+
+class HfCacheLayout:
+    """One Hub repository in the Hugging Face cache under ``cache_dir`` (= HF_HOME)."""
+
+    def __init__(self, cache_dir: Path, repo_id: str) -> None:
+        self.cache_dir = Path(cache_dir)
+        self.repo_id = repo_id
+        self.folder = repo_folder(repo_id)
+        self.root = self.cache_dir / HUB_DIR / self.folder
+        self.blobs = self.root / "blobs"
+        self.snapshots = self.root / "snapshots"
+        self.refs = self.root / "refs"
+        self.state = self.cache_dir / STATE_DIR / HUB_DIR / self.folder
+        self.book = RecordBook(self.state)
+        self._entries: dict[str, Any] | None = None
+        self._index: dict[tuple[str, int], str] | None = None
+
+    # -- paths -----------------------------------------------------------------------------------
+
+    def lock_path(self) -> Path:
+        return self.state / "lock"
+
+    def staging_dir(self) -> Path:
+        return self.state / "partial"
+
+    def model_path(self, snapshot: Snapshot) -> Path:
+        return self.snapshots / _safe_name(snapshot.revision_id, "snapshot id")
+
+    def blob_path(self, blob: str) -> Path:
+        return self.blobs / _safe_name(blob, "blob name")
+
+    # -- records ---------------------------------------------------------------------------------
+
+    def _loaded(self) -> dict[str, Any]:
+        if self._entries is None:
+            self._entries = self.book.load()["entries"]
+            self._index = None
+        return self._entries
+
+    def _blob_for(self, file: RemoteFile) -> str | None:
+        """The blob we published for this exact source version (None: none yet)."""
+        if self._index is None:
+            self._index = {
+                (str(version), int(e["size"])): blob
+                for blob, e in sorted(self._loaded().items())
+                for version in e.get("versions", [e.get("version", "")])
+            }
+        blob = self._index.get((file.version, file.size))
+        if blob is None and file.blob_id and file.version == file.blob_id:
+            # a Hub file whose content we already hold under its id (e.g. from an S3 mirror
+            # named by the sha256 it was verified with)
+            entry = self._loaded().get(file.blob_id)
+            if entry is not None and int(entry["size"]) == file.size:
+                blob = file.blob_id
+        return blob
+
+    def _blob_ok(self, blob: str, size: int) -> bool:
+        try:
+            return self.blob_path(blob).stat().st_size == size
+        except FileNotFoundError:
+            return False
+
+    def is_current(self, file: RemoteFile) -> bool:
+        blob = self._blob_for(file) if file.version else None
+        return blob is not None and self._blob_ok(blob, file.size)
+
+    # -- publish ---------------------------------------------------------------------------------
+
+    def blob_name(self, file: RemoteFile, checksum: Checksum | None, staged: Path) -> str:
+        """The name of a verified file's blob (see the module docstring)."""
+        if file.blob_id and file.version == file.blob_id:
+            return _safe_name(file.blob_id, "blob id")  # a Hub file: the Hub names it
+        sha256 = _verified_sha256(checksum)
+        if sha256 is not None:
+            return sha256
+        if file.version:
+            etag = file.version.strip('"')
+            if _NAME.match(etag) and len(etag) <= 100:
+                return f"s3-{etag}-{file.size}"
+            return f"s3-{hashlib.sha1(etag.encode()).hexdigest()}-{file.size}"
+        # no version to name it by (a server without ETags): hash the content itself
+        return verify.hash_file(staged, Checksum("sha256", ""))
+
+    def publish(self, file: RemoteFile, staged: Path, checksum: Checksum | None) -> None:
+        blob = self.blob_name(file, checksum, staged)
+        target = self.blob_path(blob)
+        self.blobs.mkdir(parents=True, exist_ok=True)
+        self.snapshots.mkdir(parents=True, exist_ok=True)  # scan_cache_dir wants it to exist
+        fsync_file(staged)
+        _move(staged, target)
+        entry = file_entry(file, checksum or verify.pick(file.checksums))
+        # the same content may come from several source versions (two S3 objects with one
+        # sha256): remember them all, or each pull would fetch one of them again
+        previous = self._loaded().get(blob, {})
+        versions = {*previous.get("versions", [previous.get("version")]), file.version}
+        entry.update(blob=blob, versions=sorted(v for v in versions if v))
+        self.book.append(blob, entry)
+        self._loaded()[blob] = entry
+        if self._index is not None:
+            self._index[(file.version, file.size)] = blob
+
+    # -- commit ----------------------------------------------------------------------------------
+
+    def commit(self, snapshot: Snapshot, spec: ModelSpec, *, delete: bool) -> list[str]:
+        data = self.book.load()
+        entries: dict[str, Any] = data["entries"]
+        self._entries, self._index = entries, None
+        commit = _safe_name(snapshot.revision_id, "snapshot id")
+        links: dict[str, str] = {}
+        for f in snapshot.files:
+            blob = self._blob_for(f)
+            if blob is None or not self._blob_ok(blob, f.size):
+                raise LayoutError(
+                    f"{f.path}: its blob is missing from {self.blobs} (removed during the pull?)",
+                    hint="run the pull again",
+                )
+            links[f.path] = blob
+        self.snapshots.mkdir(parents=True, exist_ok=True)
+        self._remove_leftovers()
+        final = self.snapshots / commit
+        if final.is_dir():
+            self._link_all(final, links)
+        else:
+            self._create_snapshot(final, links)
+        snaps: dict[str, Any] = data.setdefault("snapshots", {})
+        previous: dict[str, str] = dict(snaps.get(commit, {}).get("files", {}))
+        deleted: list[str] = []
+        if delete:
+            deleted = self._delete_extra(final, set(links))
+            files = links
+        else:
+            files = {p: b for p, b in previous.items() if (final / p).is_symlink()} | links
+        ref = snapshot.requested_revision
+        if ref is None and not snapshot.source.startswith("hf://"):
+            ref = "main"  # an S3 mirror: its snapshot is what "main" means offline
+        snaps[commit] = {"files": dict(sorted(files.items())), "source": snapshot.source,
+                         "revision": ref}  # fmt: skip
+        if delete:
+            self._remove_unreferenced_blobs(entries)
+        data.update(format=1, repo_id=self.repo_id)
+        self.book.compact(data)
+        for d in (self.blobs, final):
+            _fsync_dir(d)
+        if ref is not None:
+            self._write_ref(ref, commit)
+        return deleted
+
+    def _link(self, link: Path, blob: str) -> None:
+        """Point ``link`` at the blob with a relative symlink, atomically (tmp + replace)."""
+        target = os.path.relpath(self.blob_path(blob), link.parent)
+        if link.is_symlink() and os.readlink(link) == target:
+            return
+        if link.is_dir() and not link.is_symlink():
+            raise LayoutError(f"cannot link {link}: a directory is in the way")
+        link.parent.mkdir(parents=True, exist_ok=True)
+        tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        os.symlink(target, tmp)
+        os.replace(tmp, link)
+
+    def _link_all(self, snapshot_dir: Path, links: dict[str, str]) -> None:
+        for path, blob in links.items():
+            self._link(safe_join(snapshot_dir, path), blob)
+
+    def _create_snapshot(self, final: Path, links: dict[str, str]) -> None:
+        """Build the snapshot next to its final place (same depth, so the relative links are
+        right) and rename it in: it appears complete or not at all."""
+        tmp = final.with_name(f".{final.name}.{os.getpid()}{_TMP_SUFFIX}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self._link_all(tmp, links)
+        for dirpath, _, _ in os.walk(tmp):
+            _fsync_dir(Path(dirpath))
+        try:
+            os.rename(tmp, final)
+        except OSError as exc:
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # someone else made it meanwhile: fill it in
+            self._link_all(final, links)
+        _fsync_dir(self.snapshots)
+
+    def _remove_leftovers(self) -> None:
+        """Hidden temporaries of a crashed commit (we hold the model's lock: none is live)."""
+        for p in self.snapshots.glob(f".*{_TMP_SUFFIX}"):
+            shutil.rmtree(p, ignore_errors=True)
+        if self.refs.is_dir():
+            for p in self.refs.rglob(".*.tmp"):
+                with contextlib.suppress(OSError):
+                    p.unlink()
+
+    def _delete_extra(self, snapshot_dir: Path, wanted: set[str]) -> list[str]:
+        deleted: list[str] = []
+        for path in sorted(_walk_files(snapshot_dir)):
+            if path not in wanted:
+                (snapshot_dir / path).unlink()
+                deleted.append(path)
+        for dirpath, _, _ in sorted(os.walk(snapshot_dir), key=lambda t: -len(t[0])):
+            if Path(dirpath) != snapshot_dir:
+                with contextlib.suppress(OSError):
+                    Path(dirpath).rmdir()
+        return deleted
+
+    def _remove_unreferenced_blobs(self, entries: dict[str, Any]) -> None:
+        """Delete blobs we published that no snapshot (ours or not) links any more."""
+        referenced: set[str] = set()
+        blobs_dir = os.path.abspath(self.blobs)
+        for snap in self.snapshots.iterdir() if self.snapshots.is_dir() else ():
+            for path in _walk_files(snap):
+                link = snap / path
+                if link.is_symlink():
+                    target = os.path.abspath(os.path.join(link.parent, os.readlink(link)))
+                    if os.path.dirname(target) == blobs_dir:
+                        referenced.add(os.path.basename(target))
+        for blob in sorted(set(entries) - referenced):
+            with contextlib.suppress(FileNotFoundError):
+                self.blob_path(blob).unlink()
+            del entries[blob]
+        self._index = None
+
+    def _write_ref(self, ref: str, commit: str) -> None:
+        path = safe_join(self.refs, ref)
+        with contextlib.suppress(OSError):
+            if path.read_text() == commit:
+                return
+        atomic_write(path, commit.encode())
+        _fsync_dir(path.parent)
+
+    # -- what is there ---------------------------------------------------------------------------
+
+    def recorded(self) -> list[RecordedFile]:
+        """Every file of every snapshot we recorded that is still on disk; a blob shared by
+        several snapshots is listed once (its other links are listed only if they point
+        elsewhere). ``path`` is the repo path, ``@<commit>`` added when several snapshots exist."""
+        data = self.book.load()
+        entries: dict[str, Any] = data["entries"]
+        present = [
+            (commit, snap)
+            for commit, snap in sorted(data.get("snapshots", {}).items())
+            if (self.snapshots / commit).is_dir()
+        ]
+        out: list[RecordedFile] = []
+        seen: set[str] = set()
+        for commit, snap in present:
+            for path, blob in sorted(snap.get("files", {}).items()):
+                entry = entries.get(blob)
+                if entry is None:
+                    continue
+                local = safe_join(self.snapshots / commit, path)
+                if blob in seen and _points_to(local, self.blob_path(blob)):
+                    continue
+                seen.add(blob)
+                out.append(
+                    RecordedFile(
+                        path=f"{path}@{commit[:12]}" if len(present) > 1 else path,
+                        local=local,
+                        size=int(entry["size"]),
+                        version=str(entry.get("version", "")),
+                        checksum=entry_checksum(entry),
+                    )
+                )
+        return out
+
+    def forget(self, path: str) -> None:
+        """Drop the blob behind a recorded file (it failed re-verification): the next sync sees
+        it missing and fetches it again; its links come back valid with it."""
+        for rec in self.recorded():
+            if rec.path == path:
+                with contextlib.suppress(OSError):
+                    Path(os.path.realpath(rec.local)).unlink()
+                self._entries = self._index = None
+                return
+
+
+def _move(staged: Path, target: Path) -> None:
+    """Rename into place; across filesystems (a ``hub/`` on another volume) copy then rename."""
+    try:
+        os.replace(staged, target)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        shutil.copyfile(staged, tmp)
+        fsync_file(tmp)
+        os.replace(tmp, target)
+        staged.unlink()
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _walk_files(root: Path) -> Iterator[str]:
+    """Relative paths of the files and symlinks under ``root`` (symlinks not followed)."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in filenames + [d for d in dirnames if Path(dirpath, d).is_symlink()]:
+            yield Path(dirpath, name).relative_to(root).as_posix()
+
+
+def _points_to(link: Path, blob: Path) -> bool:
+    try:
+        return os.path.realpath(link) == os.path.realpath(blob)
+    except OSError:
+        return False
+
+
+def hub_layouts(cache_dir: Path) -> list[HfCacheLayout]:
+    """The layouts of every ``hub/models--*`` repo under ``cache_dir`` (recorded by us or not)."""
+    hub = Path(cache_dir) / HUB_DIR
+    out: list[HfCacheLayout] = []
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        for d in sorted(hub.iterdir()):
+            if d.name.startswith(REPO_PREFIX) and d.is_dir() and not d.is_symlink():
+                with contextlib.suppress(LayoutError):
+                    out.append(HfCacheLayout(Path(cache_dir), repo_id_of(d.name)))
+    return out
+
+
+__all__ = ["HUB_DIR", "HfCacheLayout", "hub_layouts", "repo_folder", "repo_id_of"]
