@@ -5,6 +5,17 @@ For each file to fetch: describe it (S3: HEAD for checksums and part layout), pl
 run every missing chunk on a shared pool of ``concurrency`` threads (each ``readinto`` a reusable
 buffer, ``os.pwrite``, hash inline, journal), then verify and let the layout publish it.
 
+Chunks are the unit of resume (at most ``piece_size``, so a crash loses little); one ranged request
+covers a run of consecutive missing chunks up to ``chunk_size``, journaling each as it completes.
+
+Large files are written with ``O_DIRECT`` from page-aligned buffers: the bytes go from our buffer
+to the disk without a copy into the page cache, which on a 2-core machine is most of a buffered
+download's CPU time (see bench/README.md), and they are on disk when the write returns, so the
+fsync before publishing is cheap. Writes whose offset or length is not 4 KiB-aligned, small files
+and filesystems without ``O_DIRECT`` use the ordinary buffered descriptor. A large file with a
+sequential checksum (sha256 of a Hub LFS file) is hashed while it downloads: a hash worker reads
+back (O_DIRECT) each newly contiguous run of finished chunks.
+
 Why threads and not asyncio: the hot path is ``readinto`` a preallocated buffer, ``pwrite``, and a
 CRC/hash update, all of which release the GIL; threads do it without the extra copy asyncio
 streams make, and the agent's event loop simply runs a sync in a worker thread.
@@ -16,6 +27,7 @@ import contextlib
 import errno
 import hashlib
 import logging
+import mmap
 import os
 import threading
 import time
@@ -44,6 +56,10 @@ from prefetch.sources.base import Source
 
 log = logging.getLogger(__name__)
 MiB = 1024 * 1024
+#: O_DIRECT needs offsets, lengths and buffer addresses aligned to the device's logical block size.
+DIRECT_ALIGN = 4096
+#: Files below this size are written through the page cache (too small for O_DIRECT to pay).
+DIRECT_MIN_SIZE = 8 * MiB
 
 
 @dataclass(frozen=True)
@@ -52,7 +68,10 @@ class TransferConfig:
 
     Peak memory of the engine is about ``concurrency * buffer_size`` (each worker thread owns one
     read buffer) plus the HTTP connections' socket buffers: 16 x 1 MiB by default, whatever the
-    file or chunk size. ``chunk_size`` only sets the granularity of ranged requests and resume.
+    file or chunk size. ``chunk_size`` is the size of each ranged request; ``piece_size`` (or the
+    chunk size, if smaller) the granularity of resume: a killed pull re-fetches at most
+    ``concurrency * piece_size`` bytes. ``direct_io`` writes large inline-verified files with
+    O_DIRECT (falls back to buffered writes where the filesystem refuses it).
     """
 
     concurrency: int = 16
@@ -62,6 +81,8 @@ class TransferConfig:
     verify: bool = True
     require_checksum: bool = False
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    piece_size: int = 8 * MiB
+    direct_io: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.concurrency <= 512:
@@ -72,6 +93,8 @@ class TransferConfig:
             raise ConfigError("buffer size: must be between 4KiB and the chunk size")
         if self.hash_workers < 1:
             raise ConfigError("hash workers: must be at least 1")
+        if self.piece_size < 64 * 1024:
+            raise ConfigError(f"piece size: must be at least 64KiB, got {self.piece_size}")
         if self.retry.attempts < 1:
             raise ConfigError("attempts: must be at least 1")
 
@@ -109,9 +132,24 @@ class _FileJob:
     chunks: list[tuple[int, int]]
     journal: Journal | None = None
     fd: int = -1
+    dfd: int = -1  # the same file opened with O_DIRECT, or -1
+    direct_refused: bool = False  # a write through dfd failed with EINVAL: stop using it
     pending: int = 0
     attempt: int = 1
     discard: bool = False
+    seq: _SeqHash | None = None  # a large file's sequential checksum, computed as chunks land
+
+
+@dataclass
+class _SeqHash:
+    """A sequential checksum (sha256, git-sha1, md5 of one part) fed in file order while the
+    download goes on: a hash worker reads back each newly contiguous run of finished chunks, so
+    only the last run is left to hash when the download ends."""
+
+    hasher: verify.Hasher
+    next: int = 0  # first chunk not hashed yet
+    busy: bool = False  # a hash worker is feeding the hasher
+    seal_when_idle: bool = False  # the download ended while busy: seal after this feed
 
 
 def plan_chunks(size: int, chunk_size: int, checksum: Checksum | None) -> list[tuple[int, int]]:
@@ -173,7 +211,9 @@ class Transfer:
             ):
                 self._io, self._hashing = io, hsh
                 futures: dict[Future[Any], tuple[str, Any]] = {}
-                for f in files:
+                # smallest first: small files finish (and publish) early, under the streams of
+                # the large ones, instead of leaving a tail of publishing at the end
+                for f in sorted(files, key=lambda f: f.size):
                     futures[io.submit(self._source.describe, f)] = ("describe", f)
                 try:
                     self._drive(futures)
@@ -217,6 +257,10 @@ class Transfer:
                     job.pending -= 1
                     if job.pending == 0:
                         self._file_complete(job, futures)
+                    else:
+                        self._advance_hash(job, futures)
+                elif kind == "hash-ahead":
+                    self._hashed_ahead(*item, futures)
                 elif kind == "hash":
                     self._finish_verified(item, result, futures)
         if first_error is not None:
@@ -234,12 +278,11 @@ class Transfer:
                 )
             self.stats.unverified.append(file.path)
         staged = self._staging / staged_name(file)
-        job = _FileJob(file, staged, checksum, plan_chunks(file.size, self._config.chunk_size,
-                                                           checksum))  # fmt: skip
+        piece = min(self._config.piece_size, self._config.chunk_size)
+        job = _FileJob(file, staged, checksum, plan_chunks(file.size, piece, checksum))
         self._jobs.append(job)
         self._open_job(job)
         todo = [i for i in range(len(job.chunks)) if i not in job.journal.done]  # type: ignore[union-attr]
-        job.pending = len(todo)
         resumed = sum(e - s for i, (s, e) in enumerate(job.chunks) if i not in todo)
         if resumed:
             self.stats.resumed_bytes += resumed
@@ -247,8 +290,17 @@ class Transfer:
         if not todo:
             self._file_complete(job, futures)
             return
-        for i in todo:
-            futures[self._io.submit(self._run_chunk, job, i)] = ("chunk", (job, i))
+        self._submit(job, todo, futures)
+        self._advance_hash(job, futures)  # a resumed file: hash what is already there
+
+    def _submit(
+        self, job: _FileJob, todo: list[int], futures: dict[Future[Any], tuple[str, Any]]
+    ) -> None:
+        """One task per run of consecutive missing chunks, each run up to ``chunk_size``."""
+        requests = group_chunks(job.chunks, todo, self._config.chunk_size)
+        job.pending = len(requests)
+        for indices in requests:
+            futures[self._io.submit(self._run_chunk, job, indices)] = ("chunk", (job, indices))
 
     def _open_job(self, job: _FileJob) -> None:
         header = {
@@ -282,19 +334,71 @@ class Transfer:
             fd = os.open(job.staged, os.O_RDWR)
             os.ftruncate(fd, job.file.size)
         job.fd = fd
+        large = job.file.size >= DIRECT_MIN_SIZE
+        if self._config.direct_io and large:
+            try:
+                job.dfd = os.open(job.staged, os.O_WRONLY | os.O_DIRECT)
+            except (OSError, AttributeError) as exc:
+                log.debug("no O_DIRECT for %s (%s): buffered writes", job.staged, exc)
+        job.seq = None
+        if job.checksum is not None and verify.mode_of(job.checksum) == "sequential" and large:
+            job.seq = _SeqHash(verify.new_hasher(job.checksum.algorithm, size=job.file.size))
 
     def _file_complete(self, job: _FileJob, futures: dict[Future[Any], tuple[str, Any]]) -> None:
+        if job.seq is not None and job.seq.busy:
+            job.seq.seal_when_idle = True  # _hashed_ahead seals it
+            return
+        futures[self._hashing.submit(self._seal, job)] = ("hash", job)
+
+    def _advance_hash(self, job: _FileJob, futures: dict[Future[Any], tuple[str, Any]]) -> None:
+        """Hand the newly contiguous finished chunks of a sequential checksum to a hash worker."""
+        seq = job.seq
+        if seq is None or seq.busy or job.journal is None:
+            return
+        stop = seq.next
+        while stop < len(job.chunks) and stop in job.journal.done:
+            stop += 1
+        if stop > seq.next:
+            seq.busy = True
+            start, end = job.chunks[seq.next][0], job.chunks[stop - 1][1]
+            fut = self._hashing.submit(verify.hash_range, seq.hasher, job.staged, start, end)
+            futures[fut] = ("hash-ahead", (job, stop))
+
+    def _hashed_ahead(
+        self, job: _FileJob, stop: int, futures: dict[Future[Any], tuple[str, Any]]
+    ) -> None:
+        seq = job.seq
+        assert seq is not None
+        seq.busy, seq.next = False, stop
+        if seq.seal_when_idle:
+            seq.seal_when_idle = False
+            futures[self._hashing.submit(self._seal, job)] = ("hash", job)
+        else:
+            self._advance_hash(job, futures)
+
+    def _seal(self, job: _FileJob) -> str | None:
+        """A hash worker's part of finishing a file: flush it to disk (so the fsync before
+        publishing is cheap and the coordinator never waits on the disk) and compute its
+        checksum: joined from the journal, or read back for sequential checksums."""
+        try:
+            os.fsync(job.fd)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise _no_space(job, exc) from exc
+            raise TransferError(f"cannot write {job.staged}: {exc.strerror}") from exc
         self._close(job)
         assert job.journal is not None
         checksum = job.checksum
         if checksum is None:
-            self._finish_verified(job, None, futures)
-        elif verify.mode_of(checksum) == "sequential":
-            fut = self._hashing.submit(verify.hash_file, job.staged, checksum)
-            futures[fut] = ("hash", job)
-        else:
-            results = [job.journal.done[i] for i in range(len(job.chunks))]
-            self._finish_verified(job, verify.finish_inline(checksum, results), futures)
+            return None
+        if job.seq is not None:
+            start = job.chunks[job.seq.next][0] if job.seq.next < len(job.chunks) else job.file.size
+            verify.hash_range(job.seq.hasher, job.staged, start, job.file.size)
+            return verify.encode(job.seq.hasher.digest(), checksum.encoding)
+        if verify.mode_of(checksum) == "sequential":
+            return verify.hash_file(job.staged, checksum)
+        results = [job.journal.done[i] for i in range(len(job.chunks))]
+        return verify.finish_inline(checksum, results)
 
     def _finish_verified(
         self, job: _FileJob, actual: str | None, futures: dict[Future[Any], tuple[str, Any]]
@@ -322,12 +426,12 @@ class Transfer:
         self._progress.file_done(job.file.path, job.file.size)
 
     def _restart(self, job: _FileJob, futures: dict[Future[Any], tuple[str, Any]]) -> None:
-        self._open_job(job)
-        job.pending = len(job.chunks)
+        self._open_job(job)  # also starts a fresh sequential hasher
         if not job.chunks:
+            job.pending = 0
             self._file_complete(job, futures)
-        for i in range(len(job.chunks)):
-            futures[self._io.submit(self._run_chunk, job, i)] = ("chunk", (job, i))
+            return
+        self._submit(job, list(range(len(job.chunks))), futures)
 
     def _discard(self, job: _FileJob) -> None:
         self._close(job)
@@ -342,6 +446,10 @@ class Transfer:
             job.discard = True
 
     def _close(self, job: _FileJob) -> None:
+        if job.dfd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(job.dfd)
+            job.dfd = -1
         if job.fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(job.fd)
@@ -354,22 +462,24 @@ class Transfer:
     def _buffer(self) -> memoryview:
         view = getattr(self._local, "view", None)
         if view is None:
-            view = memoryview(bytearray(self._config.buffer_size))
+            # anonymous mmap: page-aligned, as O_DIRECT writes need
+            view = memoryview(mmap.mmap(-1, self._config.buffer_size))
             self._local.view = view
         return view
 
-    def _run_chunk(self, job: _FileJob, index: int) -> None:
-        start, end = job.chunks[index]
-        hasher = verify.ChunkHasher(job.checksum, start, end)
+    def _run_chunk(self, job: _FileJob, indices: list[int]) -> None:
+        """Fetch the consecutive chunks ``indices`` with one ranged request (more on retry)."""
+        end = job.chunks[indices[-1]][1]
         view = self._buffer()
         policy = self._config.retry
-        cursor = _Cursor(start)
+        cursor = _Cursor(job.chunks[indices[0]][0], indices)
+        cursor.hasher = verify.ChunkHasher(job.checksum, *job.chunks[indices[0]])
         attempt = 1
         while True:
             if self._stop.is_set():
                 raise Cancelled("stopped")
             try:
-                self._read_range(job, cursor, end, view, hasher)
+                self._read_range(job, cursor, end, view)
                 break
             except TransientSourceError as exc:
                 if attempt >= policy.attempts:
@@ -385,18 +495,9 @@ class Transfer:
                 if self._stop.wait(delay):
                     raise Cancelled("stopped") from exc
                 attempt += 1
-                # the hasher has seen exactly [start, cursor.pos): the retry continues there
-        assert job.journal is not None
-        job.journal.record(index, hasher.result())
+                # the hasher has seen exactly [chunk start, cursor.pos): the retry continues there
 
-    def _read_range(
-        self,
-        job: _FileJob,
-        cursor: _Cursor,
-        end: int,
-        view: memoryview,
-        hasher: verify.ChunkHasher,
-    ) -> None:
+    def _read_range(self, job: _FileJob, cursor: _Cursor, end: int, view: memoryview) -> None:
         """Read [cursor.pos, end) into the file; cursor.pos always marks what is written and
         hashed, also when this raises, so a retry continues from exactly there."""
         reader = self._source.open_range(job.file, cursor.pos, end)
@@ -404,34 +505,89 @@ class Transfer:
             while cursor.pos < end:
                 if self._stop.is_set():
                     raise Cancelled("stopped")
-                want = min(len(view), end - cursor.pos)
-                n = reader.readinto(view[:want])
-                if n <= 0:
-                    raise TransientSourceError(
-                        f"{job.file.path}: connection closed at byte {cursor.pos} "
-                        f"of {job.file.size}"
-                    )
-                _pwrite_all(job, view[:n], cursor.pos)
-                hasher.feed(view[:n])
-                cursor.pos += n
-                self.stats.add_bytes(n)
-                self._progress.advance(n)
+                # fill the buffer (full buffers keep O_DIRECT writes aligned), never past a chunk
+                want = min(len(view), job.chunks[cursor.indices[cursor.k]][1] - cursor.pos)
+                got = 0
+                try:
+                    while got < want:
+                        n = reader.readinto(view[got:want])
+                        if n <= 0:
+                            raise TransientSourceError(
+                                f"{job.file.path}: connection closed at byte "
+                                f"{cursor.pos + got} of {job.file.size}"
+                            )
+                        got += n
+                finally:
+                    if got:  # also on errors: keep what arrived, the retry starts after it
+                        self._write(job, view[:got], cursor)
         finally:
             reader.close()
+
+    def _write(self, job: _FileJob, data: memoryview, cursor: _Cursor) -> None:
+        """Write, hash and count ``data`` at cursor.pos; journal each chunk it completes."""
+        _pwrite_all(job, data, cursor.pos)
+        assert cursor.hasher is not None and job.journal is not None
+        cursor.hasher.feed(data)
+        cursor.pos += len(data)
+        self.stats.add_bytes(len(data))
+        self._progress.advance(len(data))
+        index = cursor.indices[cursor.k]
+        if cursor.pos == job.chunks[index][1]:
+            job.journal.record(index, cursor.hasher.result())
+            cursor.k += 1
+            if cursor.k < len(cursor.indices):
+                cursor.hasher = verify.ChunkHasher(
+                    job.checksum, *job.chunks[cursor.indices[cursor.k]]
+                )
 
 
 @dataclass
 class _Cursor:
+    """Where one request is: the next byte to write, and the chunk (of its run) it belongs to."""
+
     pos: int
+    indices: list[int]
+    k: int = 0
+    hasher: verify.ChunkHasher | None = None
+
+
+def group_chunks(
+    chunks: list[tuple[int, int]], todo: list[int], request_size: int
+) -> list[list[int]]:
+    """Runs of consecutive chunk indices from ``todo``, each spanning at most ``request_size``
+    bytes (or one chunk, when a chunk alone is larger)."""
+    runs: list[list[int]] = []
+    size = 0
+    for i in sorted(todo):
+        start, end = chunks[i]
+        if runs and runs[-1][-1] == i - 1 and size + (end - start) <= request_size:
+            runs[-1].append(i)
+            size += end - start
+        else:
+            runs.append([i])
+            size = end - start
+    return runs
 
 
 def _pwrite_all(job: _FileJob, data: memoryview, offset: int) -> None:
     while len(data):
+        direct = (
+            job.dfd >= 0
+            and not job.direct_refused
+            and offset % DIRECT_ALIGN == 0
+            and len(data) % DIRECT_ALIGN == 0
+        )
         try:
-            written = os.pwrite(job.fd, data, offset)
+            written = os.pwrite(job.dfd if direct else job.fd, data, offset)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise _no_space(job, exc) from exc
+            if direct and exc.errno == errno.EINVAL:
+                # the filesystem opened O_DIRECT but refuses this write: buffered from now on
+                # (the descriptor stays open until the file is closed: other threads may use it)
+                log.debug("O_DIRECT write refused for %s: buffered writes", job.staged)
+                job.direct_refused = True
+                continue
             raise TransferError(f"cannot write {job.staged}: {exc.strerror}") from exc
         data = data[written:]
         offset += written
@@ -456,5 +612,6 @@ __all__ = [
     "Transfer",
     "TransferConfig",
     "TransferStats",
+    "group_chunks",
     "plan_chunks",
 ]

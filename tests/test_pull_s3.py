@@ -176,6 +176,32 @@ def test_single_part_additional_checksums(s3_client, bucket, tmp_path, algorithm
     assert (tmp_path / "d/w.bin").read_bytes() == data
 
 
+def test_small_objects_cost_one_request_each(s3_client, bucket, tmp_path):
+    """Objects up to 1 MiB are described by one GET (checksum headers included) whose body is kept
+    for the download: no HEAD, no second GET; larger ones get a HEAD and ranged GETs."""
+    small = {f"m/s{i}.json": os.urandom(1000 * (i + 1)) for i in range(3)}
+    for key, data in small.items():
+        put(s3_client, bucket, key, data, ChecksumAlgorithm="SHA256")
+    large = os.urandom(3 * MiB)
+    put(s3_client, bucket, "m/large.bin", large, ChecksumAlgorithm="CRC32C")
+    calls: list[tuple[str, str]] = []
+
+    def record(params: dict[str, Any], model: Any, **_: Any) -> None:
+        calls.append((model.name, params.get("Key", "")))
+
+    s3_client.meta.events.register("provide-client-params.s3.*", record)
+    try:
+        result = pull(s3_client, f"s3://{bucket}/m", tmp_path / "d")
+    finally:
+        s3_client.meta.events.unregister("provide-client-params.s3.*", record)
+    assert result.files_verified == 4
+    for key, data in small.items():
+        assert [op for op, k in calls if k == key] == ["GetObject"], key
+        assert (tmp_path / "d" / key.removeprefix("m/")).read_bytes() == data
+    assert [op for op, k in calls if k == "m/large.bin"].count("HeadObject") == 1
+    assert (tmp_path / "d/large.bin").read_bytes() == large
+
+
 def test_multipart_crc64nvme_full_object(s3_client, bucket, tmp_path):
     data = os.urandom(11 * MiB + 123)
     put_multipart(s3_client, bucket, "m/w.bin", data, 5 * MiB, ChecksumAlgorithm="CRC64NVME",

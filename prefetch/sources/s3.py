@@ -7,11 +7,14 @@ whole operations and inside the range task, so a retry resumes from the last byt
 
 from __future__ import annotations
 
+import http.client
 import logging
 import re
+import threading
 from typing import Any
 
 import botocore.exceptions as bce
+import urllib3.exceptions
 from botocore.config import Config
 
 from prefetch.errors import (
@@ -47,6 +50,11 @@ _DENIED_CODES = {
 _MD5_ETAG = re.compile(r"^[0-9a-f]{32}$")
 _MULTIPART_ETAG = re.compile(r"^[0-9a-f]{32}-(\d+)$")
 _SIDECAR_LINE = re.compile(r"^([0-9a-fA-F]{64}) [ *](.+)$")
+#: Objects up to this size are described by one GET of the whole object instead of a HEAD (the
+#: GET answers the same checksum headers); the bytes wait in memory for ``open_range``, so a small
+#: file costs one request instead of two. At most _SMALL_BUDGET bytes wait at any time.
+SMALL_OBJECT = 1024 * 1024
+_SMALL_BUDGET = 64 * 1024 * 1024
 
 
 def make_s3_client(
@@ -124,17 +132,36 @@ def translate(exc: Exception, what: str) -> Exception:
         | TimeoutError,
     ):
         return TransientSourceError(f"{what}: {type(exc).__name__}: {exc}")
+    if isinstance(exc, urllib3.exceptions.HTTPError | http.client.HTTPException):
+        return TransientSourceError(f"{what}: {type(exc).__name__}: {exc}")
     if isinstance(exc, bce.ParamValidationError):
         return SourceError(f"{what}: invalid request: {exc}")
     return SourceError(f"{what}: {type(exc).__name__}: {exc}")
 
 
 class _S3RangeReader:
+    """The body of one ranged GET.
+
+    botocore's StreamingBody wraps a urllib3 response whose ``readinto`` reads into a temporary
+    bytes object and copies it; reading the ``http.client`` response beneath it (which honours
+    Content-Length and chunked encoding) fills our buffer straight from the socket instead. The
+    layers are private, so anything unexpected falls back to the StreamingBody.
+    """
+
     def __init__(self, body: Any, what: str) -> None:
         self._body = body
         self._what = what
+        raw = getattr(body, "_raw_stream", None)
+        fp = getattr(raw, "_fp", None)
+        fresh = getattr(body, "_amount_read", 0) == 0 and not getattr(raw, "_decoded_buffer", None)
+        self._fp = fp if isinstance(fp, http.client.HTTPResponse) and fresh else None
 
     def readinto(self, buf: memoryview, /) -> int:
+        if self._fp is not None:
+            try:
+                return self._fp.readinto(buf)
+            except (OSError, http.client.HTTPException) as exc:
+                raise TransientSourceError(f"{self._what}: {type(exc).__name__}: {exc}") from exc
         try:
             return int(self._body.readinto(buf))
         except Exception as exc:
@@ -142,6 +169,23 @@ class _S3RangeReader:
 
     def close(self) -> None:
         self._body.close()
+
+
+class _BytesReader:
+    """A range of an object already in memory (a small object fetched whole by describe)."""
+
+    def __init__(self, data: memoryview) -> None:
+        self._data = data
+        self._pos = 0
+
+    def readinto(self, buf: memoryview, /) -> int:
+        n = min(len(buf), len(self._data) - self._pos)
+        buf[:n] = self._data[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def close(self) -> None:
+        self._data = memoryview(b"")
 
 
 class S3Source:
@@ -153,6 +197,9 @@ class S3Source:
         self._client = client
         self._uri = uri
         self._retry = retry or RetryPolicy()
+        self._small: dict[tuple[str, str], bytes] = {}  # (key, etag) -> body, see SMALL_OBJECT
+        self._small_reserved = 0
+        self._small_lock = threading.Lock()
 
     def _call(self, what: str, fn: Any, **kwargs: Any) -> Any:
         def once() -> Any:
@@ -246,6 +293,16 @@ class S3Source:
     def describe(self, file: RemoteFile) -> RemoteFile:
         if file.described:
             return file
+        if (
+            0 < file.size <= SMALL_OBJECT
+            and not _MULTIPART_ETAG.match(file.version)
+            and self._reserve_small(file.size)
+        ):
+            try:
+                return self._describe_by_get(file)
+            except BaseException:
+                self._release_small(file.size)
+                raise
         bucket, key = self._uri.location, file.locator
         what = f"s3://{bucket}/{key}"
         head = self._call(
@@ -256,6 +313,11 @@ class S3Source:
             ChecksumMode="ENABLED",
             **({"IfMatch": file.version} if file.version else {}),
         )
+        return self._described(file, head, what)
+
+    def _described(self, file: RemoteFile, head: dict[str, Any], what: str) -> RemoteFile:
+        """``file`` with the checksums a HEAD (or whole-object GET) response states."""
+        bucket, key = self._uri.location, file.locator
         etag = str(head.get("ETag", "")).strip('"')
         size = int(head["ContentLength"])
         if (file.version and etag != file.version) or size != file.size:
@@ -293,6 +355,54 @@ class S3Source:
             checksums=(*found, *file.checksums), described=True, version=etag or file.version
         )
 
+    def _describe_by_get(self, file: RemoteFile) -> RemoteFile:
+        bucket, key = self._uri.location, file.locator
+        what = f"s3://{bucket}/{key}"
+
+        def get() -> tuple[dict[str, Any], bytes]:
+            resp = self._client.get_object(
+                Bucket=bucket,
+                Key=key,
+                ChecksumMode="ENABLED",
+                **({"IfMatch": file.version} if file.version else {}),
+            )
+            body = resp["Body"]
+            # the raw bytes: botocore would check the checksum itself, and a mismatch must be
+            # found (and handled: delete, retry once) by Verify like for every other file
+            raw = getattr(body, "_raw_stream", None)
+            try:
+                data = raw.read() if raw is not None else body.read()
+            finally:
+                body.close()
+            return resp, bytes(data)
+
+        resp, data = self._call(f"GET {what}", get)
+        if len(data) != int(resp.get("ContentLength", -1)):
+            raise TransientSourceError(f"GET {what}: got {len(data)} bytes of the object")
+        described = self._described(file, resp, what)
+        with self._small_lock:
+            self._small[(key, described.version)] = data
+        return described
+
+    def _reserve_small(self, size: int) -> bool:
+        with self._small_lock:
+            if self._small_reserved + size > _SMALL_BUDGET:
+                return False
+            self._small_reserved += size
+            return True
+
+    def _release_small(self, size: int) -> None:
+        with self._small_lock:
+            self._small_reserved -= size
+
+    def _take_small(self, file: RemoteFile) -> bytes | None:
+        """The body describe fetched, once; later reads of the file go to the server."""
+        with self._small_lock:
+            data = self._small.pop((file.locator, file.version), None)
+            if data is not None:
+                self._small_reserved -= len(data)
+        return data
+
     def _part_sizes(self, bucket: str, key: str, size: int, count: int) -> tuple[int, ...] | None:
         """Part layout of a multipart object: HEAD ?partNumber=1, assuming equal parts but the last;
         when the sizes do not add up, HEAD every part."""
@@ -318,7 +428,10 @@ class S3Source:
 
     # -- read --------------------------------------------------------------------------------
 
-    def open_range(self, file: RemoteFile, start: int, end: int) -> _S3RangeReader:
+    def open_range(self, file: RemoteFile, start: int, end: int) -> _S3RangeReader | _BytesReader:
+        small = self._take_small(file)
+        if small is not None and len(small) == file.size:
+            return _BytesReader(memoryview(small)[start:end])
         bucket, key = self._uri.location, file.locator
         what = f"s3://{bucket}/{key} bytes {start}-{end - 1}"
         kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{end - 1}"}

@@ -1,0 +1,329 @@
+"""The chunk engine against an in-memory source: request grouping, resume granularity, hashing
+while downloading, and the O_DIRECT write path with its fallbacks.
+
+The S3 and Hub tests run the same engine against real servers; these pin down behaviour that is
+hard to provoke there (a failure after exactly N bytes, a filesystem refusing O_DIRECT).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import itertools
+import os
+import shutil
+import threading
+import zlib
+from pathlib import Path
+
+import pytest
+
+from prefetch import verify
+from prefetch.errors import ChecksumMismatchError, SourceError
+from prefetch.retry import RetryPolicy
+from prefetch.snapshot import Checksum, RemoteFile
+from prefetch.transfer import Transfer, TransferConfig, group_chunks, plan_chunks
+
+KiB = 1024
+MiB = 1024 * KiB
+NO_RETRY = RetryPolicy(attempts=1, base_delay=0.0, max_delay=0.0)
+
+
+class _Reader:
+    def __init__(self, source: MemorySource, data: bytes, start: int) -> None:
+        self._source, self._data, self._pos = source, data, start
+
+    def readinto(self, buf: memoryview, /) -> int:
+        with self._source.lock:
+            left = self._source.fail_after - self._source.served
+        if left <= 0:
+            raise SourceError("the test source failed on purpose")
+        n = min(
+            len(buf), len(self._data) - self._pos, left, 100 * KiB
+        )  # short reads, like a socket
+        buf[:n] = self._data[self._pos : self._pos + n]
+        self._pos += n
+        with self._source.lock:
+            self._source.served += n
+        return n
+
+    def close(self) -> None:
+        pass
+
+
+class MemorySource:
+    """A Source over bytes in memory; records every ranged request, can fail after N bytes."""
+
+    def __init__(self, objects: dict[str, bytes], *, fail_after: int = 1 << 62) -> None:
+        self.objects = objects
+        self.fail_after = fail_after
+        self.served = 0
+        self.requests: list[tuple[str, int, int]] = []
+        self.lock = threading.Lock()
+
+    def resolve(self, spec: object) -> object:  # not used by Transfer
+        raise NotImplementedError
+
+    def describe(self, file: RemoteFile) -> RemoteFile:
+        return file
+
+    def open_range(self, file: RemoteFile, start: int, end: int) -> _Reader:
+        with self.lock:
+            self.requests.append((file.path, start, end))
+        return _Reader(self, self.objects[file.path][:end], start)
+
+
+def sha256_file(path: str, data: bytes) -> RemoteFile:
+    digest = hashlib.sha256(data).hexdigest()
+    return RemoteFile(
+        path,
+        len(data),
+        version=digest[:16],
+        checksums=(Checksum("sha256", digest, origin="test"),),
+        described=True,
+    )
+
+
+def crc32_file(path: str, data: bytes) -> RemoteFile:
+    value = zlib.crc32(data).to_bytes(4, "big").hex()
+    return RemoteFile(
+        path,
+        len(data),
+        version=value,
+        checksums=(Checksum("crc32", value, origin="test"),),
+        described=True,
+    )
+
+
+def run(
+    source: MemorySource, files: list[RemoteFile], staging: Path, dest: Path, **config: object
+) -> object:
+    def publish(file: RemoteFile, staged: Path, checksum: Checksum | None) -> None:
+        target = dest / file.path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staged, target)
+
+    cfg = TransferConfig(
+        **{"concurrency": 4, "buffer_size": 256 * KiB, "retry": NO_RETRY, **config}
+    )
+    return Transfer(source, staging, publish, cfg).run(files)
+
+
+def test_group_chunks_makes_runs_of_consecutive_missing_pieces() -> None:
+    chunks = plan_chunks(10 * MiB, 1 * MiB, None)
+    assert group_chunks(chunks, list(range(10)), 4 * MiB) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    # a hole in what is missing starts a new request; unsorted input is fine
+    assert group_chunks(chunks, [7, 1, 2, 5, 6], 4 * MiB) == [[1, 2], [5, 6, 7]]
+    # a request never exceeds the request size, but one chunk larger than it is still one request
+    assert group_chunks(plan_chunks(3 * MiB, 2 * MiB, None), [0, 1], 1 * MiB) == [[0], [1]]
+
+
+def test_one_request_spans_many_pieces(tmp_path: Path) -> None:
+    data = os.urandom(10 * MiB + 123)
+    source = MemorySource({"w.bin": data})
+    run(
+        source,
+        [crc32_file("w.bin", data)],
+        tmp_path / "st",
+        tmp_path / "out",
+        chunk_size=4 * MiB,
+        piece_size=1 * MiB,
+    )
+    assert (tmp_path / "out" / "w.bin").read_bytes() == data
+    assert sorted((s, e) for _, s, e in source.requests) == [
+        (0, 4 * MiB),
+        (4 * MiB, 8 * MiB),
+        (8 * MiB, 10 * MiB + 123),
+    ]
+
+
+def test_a_failed_request_keeps_its_finished_pieces_for_the_next_pull(tmp_path: Path) -> None:
+    """Resume granularity is the piece, not the request: a 16 MiB request that fails after 5.5 MiB
+    leaves 5 pieces journaled, and the next pull asks only for the rest."""
+    data = os.urandom(16 * MiB)
+    file = sha256_file("shard.safetensors", data)
+    staging, out = tmp_path / "st", tmp_path / "out"
+    broken = MemorySource({file.path: data}, fail_after=5 * MiB + MiB // 2)
+    with pytest.raises(SourceError, match="failed on purpose"):
+        run(broken, [file], staging, out, concurrency=1, chunk_size=16 * MiB, piece_size=1 * MiB)
+    assert broken.requests == [(file.path, 0, 16 * MiB)]
+    assert not (out / file.path).exists()
+
+    healthy = MemorySource({file.path: data})
+    stats = run(
+        healthy, [file], staging, out, concurrency=1, chunk_size=16 * MiB, piece_size=1 * MiB
+    )
+    assert healthy.requests == [(file.path, 5 * MiB, 16 * MiB)]
+    assert healthy.served == 11 * MiB
+    assert stats.resumed_bytes == 5 * MiB  # type: ignore[attr-defined]
+    assert (out / file.path).read_bytes() == data
+
+
+@pytest.mark.parametrize("size", [9 * MiB, 20 * MiB + 4097])
+def test_sequential_checksums_are_hashed_while_downloading(tmp_path: Path, size: int) -> None:
+    """sha256 of a large file is fed in file order as contiguous pieces land (out of order across
+    4 streams), so only the tail is hashed after the last byte; the result is the file's sha256."""
+    data = os.urandom(size)
+    file = sha256_file("big.bin", data)
+    fed: list[tuple[int, int]] = []
+    real = verify.hash_range
+
+    def spy(h: verify.Hasher, path: Path, start: int, end: int) -> None:
+        fed.append((start, end))
+        real(h, path, start, end)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(verify, "hash_range", spy)
+        run(
+            MemorySource({file.path: data}),
+            [file],
+            tmp_path / "st",
+            tmp_path / "out",
+            chunk_size=2 * MiB,
+            piece_size=1 * MiB,
+        )
+    assert (tmp_path / "out" / file.path).read_bytes() == data
+    # the ranges handed to the hasher tile the file exactly, in order
+    assert fed[0][0] == 0 and fed[-1][1] == size
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(fed))
+
+
+def test_sequential_checksum_mismatch_is_caught_and_names_the_file(tmp_path: Path) -> None:
+    data = os.urandom(12 * MiB)
+    file = sha256_file("big.bin", data)
+    corrupt = bytearray(data)
+    corrupt[7 * MiB + 5] ^= 0x01
+    with pytest.raises(ChecksumMismatchError, match=r"big\.bin"):
+        run(
+            MemorySource({file.path: bytes(corrupt)}),
+            [file],
+            tmp_path / "st",
+            tmp_path / "out",
+            chunk_size=2 * MiB,
+            piece_size=1 * MiB,
+        )
+    assert not (tmp_path / "out" / file.path).exists()
+    assert not list((tmp_path / "st").glob("*.incomplete")), "a corrupt download is not kept"
+
+
+def _record_open_flags(mp: pytest.MonkeyPatch) -> list[int]:
+    flags: list[int] = []
+    real = os.open
+
+    def spy(path: object, flag: int, *args: object, **kwargs: object) -> int:
+        flags.append(flag)
+        return real(path, flag, *args, **kwargs)  # type: ignore[arg-type]
+
+    mp.setattr(os, "open", spy)
+    return flags
+
+
+def test_large_files_are_written_with_o_direct(tmp_path: Path) -> None:
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_DIRECT))
+    except OSError:
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+    data = os.urandom(9 * MiB + 1000)  # large, with an unaligned tail written buffered
+    small = os.urandom(4000)
+    files = [crc32_file("big.bin", data), crc32_file("small.json", small)]
+    with pytest.MonkeyPatch.context() as mp:
+        flags = _record_open_flags(mp)
+        run(
+            MemorySource({"big.bin": data, "small.json": small}),
+            files,
+            tmp_path / "st",
+            tmp_path / "out",
+            chunk_size=4 * MiB,
+            piece_size=1 * MiB,
+        )
+    assert sum(1 for f in flags if f & os.O_DIRECT and f & os.O_WRONLY) == 1  # the large file only
+    assert (tmp_path / "out" / "big.bin").read_bytes() == data
+    assert (tmp_path / "out" / "small.json").read_bytes() == small
+
+    with pytest.MonkeyPatch.context() as mp:
+        flags = _record_open_flags(mp)
+        run(
+            MemorySource({"big.bin": data}),
+            [crc32_file("big.bin", data)],
+            tmp_path / "st2",
+            tmp_path / "out2",
+            chunk_size=4 * MiB,
+            piece_size=1 * MiB,
+            direct_io=False,
+        )
+    assert not any(f & os.O_DIRECT for f in flags), "direct_io=False writes through the page cache"
+
+
+def test_a_filesystem_that_refuses_o_direct_gets_buffered_writes(tmp_path: Path) -> None:
+    """tmpfs refuses O_DIRECT at open; some filesystems accept the open and refuse the write
+    (EINVAL): both end with a complete, verified file."""
+    data = os.urandom(9 * MiB)
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        work = Path(shm / f"prefetch-test-{os.getpid()}")
+        try:
+            run(
+                MemorySource({"a.bin": data}),
+                [sha256_file("a.bin", data)],
+                work / "st",
+                work / "out",
+                chunk_size=4 * MiB,
+                piece_size=1 * MiB,
+            )
+            assert (work / "out" / "a.bin").read_bytes() == data
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    if not hasattr(os, "O_DIRECT"):
+        return
+    real_pwrite = os.pwrite
+    refused: list[int] = []
+
+    def pwrite(fd: int, buf: object, offset: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, buf, offset)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "pwrite", pwrite)
+        run(
+            MemorySource({"a.bin": data}),
+            [sha256_file("a.bin", data)],
+            tmp_path / "st",
+            tmp_path / "out",
+            chunk_size=4 * MiB,
+            piece_size=1 * MiB,
+        )
+    assert (tmp_path / "out" / "a.bin").read_bytes() == data
+    probe_ok = True
+    try:
+        os.close(os.open(tmp_path / "out" / "a.bin", os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        probe_ok = False
+    if probe_ok:
+        assert refused, "the O_DIRECT descriptor was tried first"
+
+
+@pytest.mark.parametrize("where", ["tmp", "shm"])
+@pytest.mark.parametrize("start,end", [(0, 5 * MiB), (4097, 9 * MiB - 3), (8 * MiB - 1, 9 * MiB)])
+def test_hash_range_reads_any_range(tmp_path: Path, where: str, start: int, end: int) -> None:
+    base = tmp_path if where == "tmp" else Path("/dev/shm")
+    if not (base.is_dir() and os.access(base, os.W_OK)):
+        pytest.skip(f"{base} is not writable")
+    path = base / f"hash-range-{os.getpid()}.bin"
+    data = os.urandom(9 * MiB)
+    path.write_bytes(data)
+    try:
+        h = verify.new_hasher("sha256")
+        verify.hash_range(h, path, start, end)
+        assert h.digest() == hashlib.sha256(data[start:end]).digest()
+        with pytest.raises(OSError, match="shorter"):
+            verify.hash_range(verify.new_hasher("sha256"), path, 0, len(data) + 10)
+    finally:
+        path.unlink()
