@@ -361,7 +361,9 @@ class Transfer:
         if stop > seq.next:
             seq.busy = True
             start, end = job.chunks[seq.next][0], job.chunks[stop - 1][1]
-            fut = self._hashing.submit(verify.hash_range, seq.hasher, job.staged, start, end)
+            fut = self._hashing.submit(
+                verify.hash_range, seq.hasher, job.staged, start, end, self._config.direct_io
+            )
             futures[fut] = ("hash-ahead", (job, stop))
 
     def _hashed_ahead(
@@ -393,7 +395,9 @@ class Transfer:
             return None
         if job.seq is not None:
             start = job.chunks[job.seq.next][0] if job.seq.next < len(job.chunks) else job.file.size
-            verify.hash_range(job.seq.hasher, job.staged, start, job.file.size)
+            verify.hash_range(
+                job.seq.hasher, job.staged, start, job.file.size, self._config.direct_io
+            )
             return verify.encode(job.seq.hasher.digest(), checksum.encoding)
         if verify.mode_of(checksum) == "sequential":
             return verify.hash_file(job.staged, checksum)

@@ -242,21 +242,23 @@ def hash_file(
     return encode(digests[0], checksum.encoding)
 
 
-def hash_range(h: Hasher, path: Path, start: int, end: int) -> None:
+def hash_range(h: Hasher, path: Path, start: int, end: int, direct: bool = True) -> None:
     """Feed bytes [start, end) of the file at ``path`` to ``h``.
 
-    Read with O_DIRECT where the filesystem allows: the engine writes large files with O_DIRECT,
-    and reading them back through the page cache would cost more CPU than the hash itself.
+    ``direct``: read with O_DIRECT where the filesystem allows: the engine writes large files with
+    O_DIRECT, and reading them back through the page cache would cost more CPU than the hash itself.
     """
     if end <= start:
         return
     align = 4096
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        direct = True
-    except (OSError, AttributeError):
+    fd = -1
+    if direct:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        except (OSError, AttributeError):
+            direct = False
+    if fd < 0:
         fd = os.open(path, os.O_RDONLY)
-        direct = False
     buf = mmap.mmap(-1, READ_BUFFER)  # page-aligned, as O_DIRECT reads need
     view = memoryview(buf)
     try:

@@ -12,7 +12,6 @@ import fcntl
 import hashlib
 import itertools
 import os
-import shutil
 import threading
 import zlib
 from pathlib import Path
@@ -169,9 +168,9 @@ def test_sequential_checksums_are_hashed_while_downloading(tmp_path: Path, size:
     fed: list[tuple[int, int]] = []
     real = verify.hash_range
 
-    def spy(h: verify.Hasher, path: Path, start: int, end: int) -> None:
+    def spy(h: verify.Hasher, path: Path, start: int, end: int, direct: bool = True) -> None:
         fed.append((start, end))
-        real(h, path, start, end)
+        real(h, path, start, end, direct)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(verify, "hash_range", spy)
@@ -219,14 +218,36 @@ def _record_open_flags(mp: pytest.MonkeyPatch) -> list[int]:
     return flags
 
 
-def test_large_files_are_written_with_o_direct(tmp_path: Path) -> None:
+def direct_io_supported(directory: Path) -> bool:
     if not hasattr(os, "O_DIRECT"):
-        pytest.skip("no O_DIRECT on this platform")
-    probe = tmp_path / "probe"
+        return False
+    probe = directory / ".direct-probe"
     probe.write_bytes(b"")
     try:
         os.close(os.open(probe, os.O_WRONLY | os.O_DIRECT))
+        return True
     except OSError:
+        return False
+    finally:
+        probe.unlink()
+
+
+def pull_one(data: bytes, where: Path, **config: object) -> Path:
+    """Run one large sha256-verified file through the engine; return where it landed."""
+    run(
+        MemorySource({"a.bin": data}),
+        [sha256_file("a.bin", data)],
+        where / "st",
+        where / "out",
+        chunk_size=4 * MiB,
+        piece_size=1 * MiB,
+        **config,
+    )
+    return where / "out" / "a.bin"
+
+
+def test_large_files_are_written_with_o_direct(tmp_path: Path) -> None:
+    if not direct_io_supported(tmp_path):
         pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
     data = os.urandom(9 * MiB + 1000)  # large, with an unaligned tail written buffered
     small = os.urandom(4000)
@@ -247,40 +268,35 @@ def test_large_files_are_written_with_o_direct(tmp_path: Path) -> None:
 
     with pytest.MonkeyPatch.context() as mp:
         flags = _record_open_flags(mp)
-        run(
-            MemorySource({"big.bin": data}),
-            [crc32_file("big.bin", data)],
-            tmp_path / "st2",
-            tmp_path / "out2",
-            chunk_size=4 * MiB,
-            piece_size=1 * MiB,
-            direct_io=False,
-        )
-    assert not any(f & os.O_DIRECT for f in flags), "direct_io=False writes through the page cache"
+        assert pull_one(data, tmp_path / "buffered", direct_io=False).read_bytes() == data
+    assert not any(f & os.O_DIRECT for f in flags), "direct_io=False: no O_DIRECT at all"
 
 
-def test_a_filesystem_that_refuses_o_direct_gets_buffered_writes(tmp_path: Path) -> None:
-    """tmpfs refuses O_DIRECT at open; some filesystems accept the open and refuse the write
-    (EINVAL): both end with a complete, verified file."""
-    data = os.urandom(9 * MiB)
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK):
-        work = Path(shm / f"prefetch-test-{os.getpid()}")
-        try:
-            run(
-                MemorySource({"a.bin": data}),
-                [sha256_file("a.bin", data)],
-                work / "st",
-                work / "out",
-                chunk_size=4 * MiB,
-                piece_size=1 * MiB,
-            )
-            assert (work / "out" / "a.bin").read_bytes() == data
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-
+def test_o_direct_refused_at_open_falls_back_to_buffered(tmp_path: Path) -> None:
+    """Filesystems without O_DIRECT (older tmpfs, some FUSE and network mounts) refuse the open
+    with EINVAL: writes and the sha256 read-back go through the page cache instead."""
     if not hasattr(os, "O_DIRECT"):
-        return
+        pytest.skip("no O_DIRECT on this platform")
+    real_open = os.open
+    refused: list[int] = []
+
+    def refusing_open(path: object, flag: int, *args: object, **kwargs: object) -> int:
+        if flag & os.O_DIRECT:
+            refused.append(flag)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flag, *args, **kwargs)  # type: ignore[arg-type]
+
+    data = os.urandom(9 * MiB)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "open", refusing_open)
+        assert pull_one(data, tmp_path).read_bytes() == data
+    assert any(f & os.O_WRONLY for f in refused) and any(f & os.O_WRONLY == 0 for f in refused)
+
+
+def test_o_direct_refused_at_write_falls_back_to_buffered(tmp_path: Path) -> None:
+    """Some filesystems accept O_DIRECT at open and refuse the write (EINVAL)."""
+    if not direct_io_supported(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
     real_pwrite = os.pwrite
     refused: list[int] = []
 
@@ -290,29 +306,19 @@ def test_a_filesystem_that_refuses_o_direct_gets_buffered_writes(tmp_path: Path)
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_pwrite(fd, buf, offset)  # type: ignore[arg-type]
 
+    data = os.urandom(9 * MiB)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(os, "pwrite", pwrite)
-        run(
-            MemorySource({"a.bin": data}),
-            [sha256_file("a.bin", data)],
-            tmp_path / "st",
-            tmp_path / "out",
-            chunk_size=4 * MiB,
-            piece_size=1 * MiB,
-        )
-    assert (tmp_path / "out" / "a.bin").read_bytes() == data
-    probe_ok = True
-    try:
-        os.close(os.open(tmp_path / "out" / "a.bin", os.O_RDONLY | os.O_DIRECT))
-    except OSError:
-        probe_ok = False
-    if probe_ok:
-        assert refused, "the O_DIRECT descriptor was tried first"
+        assert pull_one(data, tmp_path).read_bytes() == data
+    assert refused, "the O_DIRECT descriptor was tried first"
 
 
+@pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("where", ["tmp", "shm"])
 @pytest.mark.parametrize("start,end", [(0, 5 * MiB), (4097, 9 * MiB - 3), (8 * MiB - 1, 9 * MiB)])
-def test_hash_range_reads_any_range(tmp_path: Path, where: str, start: int, end: int) -> None:
+def test_hash_range_reads_any_range(
+    tmp_path: Path, where: str, start: int, end: int, direct: bool
+) -> None:
     base = tmp_path if where == "tmp" else Path("/dev/shm")
     if not (base.is_dir() and os.access(base, os.W_OK)):
         pytest.skip(f"{base} is not writable")
@@ -321,7 +327,7 @@ def test_hash_range_reads_any_range(tmp_path: Path, where: str, start: int, end:
     path.write_bytes(data)
     try:
         h = verify.new_hasher("sha256")
-        verify.hash_range(h, path, start, end)
+        verify.hash_range(h, path, start, end, direct)
         assert h.digest() == hashlib.sha256(data[start:end]).digest()
         with pytest.raises(OSError, match="shorter"):
             verify.hash_range(verify.new_hasher("sha256"), path, 0, len(data) + 10)

