@@ -188,7 +188,6 @@ class HfCacheLayout:
         target = self.blob_path(blob)
         self.blobs.mkdir(parents=True, exist_ok=True)
         self.snapshots.mkdir(parents=True, exist_ok=True)  # scan_cache_dir wants it to exist
-        fsync_file(staged)
         _move(staged, target)
         entry = file_entry(file, checksum or verify.pick(file.checksums))
         # the same content may come from several source versions (two S3 objects with one

@@ -25,9 +25,18 @@ class Journal:
         self._fh: Any = None
 
     @classmethod
-    def open(cls, path: Path, header: dict[str, Any], *, partial_exists: bool) -> Journal:
-        """Load a matching journal (keeping its finished chunks) or start a fresh one."""
+    def open(
+        cls, path: Path, header: dict[str, Any], *, partial_exists: bool, persist: bool = True
+    ) -> Journal:
+        """Load a matching journal (keeping its finished chunks) or start a fresh one.
+
+        ``persist=False`` keeps it in memory only (a file of one chunk has nothing to resume:
+        the chunk is either all there or fetched again); a journal left on disk is ignored and
+        removed with the file.
+        """
         journal = cls(path, header)
+        if not persist:
+            return journal
         if partial_exists and path.exists():
             journal.done = _load(path, header)
         if not journal.done:
@@ -41,8 +50,9 @@ class Journal:
         line = json.dumps({"i": index, "r": result}) + "\n"
         with self._lock:
             self.done[index] = result
-            self._fh.write(line)
-            self._fh.flush()
+            if self._fh is not None:
+                self._fh.write(line)
+                self._fh.flush()
 
     def close(self) -> None:
         with self._lock:

@@ -192,7 +192,6 @@ class PlainLayout:
         target.parent.mkdir(parents=True, exist_ok=True)
         if target.is_dir():
             raise LayoutError(f"cannot publish {file.path}: a directory is in the way")
-        fsync_file(staged)
         os.replace(staged, target)
         entry = file_entry(file, checksum)
         self.book.append(file.path, entry)

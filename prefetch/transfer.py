@@ -31,6 +31,7 @@ import mmap
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -213,8 +214,9 @@ class Transfer:
                 futures: dict[Future[Any], tuple[str, Any]] = {}
                 # smallest first: small files finish (and publish) early, under the streams of
                 # the large ones, instead of leaving a tail of publishing at the end
-                for f in sorted(files, key=lambda f: f.size):
-                    futures[io.submit(self._source.describe, f)] = ("describe", f)
+                self._to_describe = deque(sorted(files, key=lambda f: f.size))
+                self._describing = 0
+                self._describe_more(futures)
                 try:
                     self._drive(futures)
                 except BaseException:
@@ -251,7 +253,9 @@ class Transfer:
                 if first_error is not None:
                     continue
                 if kind == "describe":
+                    self._describing -= 1
                     self._start_file(result, futures)
+                    self._describe_more(futures)
                 elif kind == "chunk":
                     job = item[0]
                     job.pending -= 1
@@ -265,6 +269,15 @@ class Transfer:
                     self._finish_verified(item, result, futures)
         if first_error is not None:
             raise first_error
+
+    def _describe_more(self, futures: dict[Future[Any], tuple[str, Any]]) -> None:
+        """Keep at most ``concurrency`` describes queued or running: a describe may hold a small
+        object's body in memory until its download task runs, and a window (instead of every file
+        queued up front) lets each file's download start right behind its describe."""
+        while self._to_describe and self._describing < self._config.concurrency:
+            f = self._to_describe.popleft()
+            futures[self._io.submit(self._source.describe, f)] = ("describe", f)
+            self._describing += 1
 
     def _start_file(self, file: RemoteFile, futures: dict[Future[Any], tuple[str, Any]]) -> None:
         checksum = verify.pick(file.checksums) if self._config.verify else None
@@ -313,7 +326,9 @@ class Transfer:
         exists = job.staged.exists() and job.staged.stat().st_size == job.file.size
         journal_path = job.staged.with_suffix(".journal")
         try:
-            job.journal = Journal.open(journal_path, header, partial_exists=exists)
+            job.journal = Journal.open(
+                journal_path, header, partial_exists=exists, persist=len(job.chunks) > 1
+            )
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise _no_space(job, exc) from exc
@@ -400,7 +415,9 @@ class Transfer:
             )
             return verify.encode(job.seq.hasher.digest(), checksum.encoding)
         if verify.mode_of(checksum) == "sequential":
-            return verify.hash_file(job.staged, checksum)
+            inline = job.journal.done.get(0) if len(job.chunks) == 1 else None
+            # a one-chunk file was hashed as it arrived (see verify.ChunkHasher)
+            return inline if isinstance(inline, str) else verify.hash_file(job.staged, checksum)
         results = [job.journal.done[i] for i in range(len(job.chunks))]
         return verify.finish_inline(checksum, results)
 
@@ -477,7 +494,7 @@ class Transfer:
         view = self._buffer()
         policy = self._config.retry
         cursor = _Cursor(job.chunks[indices[0]][0], indices)
-        cursor.hasher = verify.ChunkHasher(job.checksum, *job.chunks[indices[0]])
+        cursor.hasher = verify.ChunkHasher(job.checksum, *job.chunks[indices[0]], job.file.size)
         attempt = 1
         while True:
             if self._stop.is_set():
@@ -541,7 +558,7 @@ class Transfer:
             cursor.k += 1
             if cursor.k < len(cursor.indices):
                 cursor.hasher = verify.ChunkHasher(
-                    job.checksum, *job.chunks[cursor.indices[cursor.k]]
+                    job.checksum, *job.chunks[cursor.indices[cursor.k]], job.file.size
                 )
 
 

@@ -127,12 +127,17 @@ class ChunkHasher:
 
     ``feed(offset, data)`` takes bytes at absolute file offset ``offset`` (contiguous with what it
     already saw); ``result()`` is JSON-able: ``[crc, length]`` for crc mode, a list of hex part
-    digests for parts mode, None for sequential mode (nothing to do inline).
+    digests for parts mode; for sequential mode the file's encoded checksum value when the chunk
+    is the whole file (``file_size`` given and equal to ``end - start``), else None (the file is
+    hashed in order elsewhere).
     """
 
-    def __init__(self, checksum: Checksum | None, start: int, end: int) -> None:
+    def __init__(
+        self, checksum: Checksum | None, start: int, end: int, file_size: int | None = None
+    ) -> None:
         self._mode = mode_of(checksum) if checksum else "none"
         self._algorithm = checksum.algorithm if checksum else ""
+        self._encoding = checksum.encoding if checksum else "hex"
         self._pos = start
         self._parts: list[tuple[int, int]] = []
         self._digests: list[str] = []
@@ -140,6 +145,9 @@ class ChunkHasher:
         self._current_end = end
         if self._mode == "crc":
             self._current = new_hasher(self._algorithm)
+        elif self._mode == "sequential" and start == 0 and end == file_size:
+            self._mode = "whole"
+            self._current = new_hasher(self._algorithm, size=file_size)
         elif self._mode == "parts":
             assert checksum is not None and checksum.part_sizes is not None
             self._parts = [
@@ -159,7 +167,7 @@ class ChunkHasher:
     def feed(self, data: memoryview) -> None:
         if self._mode in ("none", "sequential"):
             return
-        if self._mode == "crc":
+        if self._mode in ("crc", "whole"):
             assert self._current is not None
             self._current.update(data)
             return
@@ -179,6 +187,9 @@ class ChunkHasher:
             return [self._current.value, self._current.length]
         if self._mode == "parts":
             return list(self._digests)
+        if self._mode == "whole":
+            assert self._current is not None
+            return encode(self._current.digest(), self._encoding)
         return None
 
 

@@ -59,17 +59,21 @@ class MemorySource:
         self.fail_after = fail_after
         self.served = 0
         self.requests: list[tuple[str, int, int]] = []
+        self.events: list[tuple[str, str]] = []  # ("describe" | "open", path), in order
         self.lock = threading.Lock()
 
     def resolve(self, spec: object) -> object:  # not used by Transfer
         raise NotImplementedError
 
     def describe(self, file: RemoteFile) -> RemoteFile:
+        with self.lock:
+            self.events.append(("describe", file.path))
         return file
 
     def open_range(self, file: RemoteFile, start: int, end: int) -> _Reader:
         with self.lock:
             self.requests.append((file.path, start, end))
+            self.events.append(("open", file.path))
         return _Reader(self, self.objects[file.path][:end], start)
 
 
@@ -333,3 +337,64 @@ def test_hash_range_reads_any_range(
             verify.hash_range(verify.new_hasher("sha256"), path, 0, len(data) + 10)
     finally:
         path.unlink()
+
+
+def test_describes_run_a_window_ahead_of_downloads_not_all_up_front(tmp_path: Path) -> None:
+    """A describe may hold a small object's body in memory (S3: fetched whole by one GET) until
+    its download runs: at most ``concurrency`` files are described ahead of their downloads."""
+    objects = {f"f{i:03d}.bin": os.urandom(1000 + i) for i in range(200)}
+    source = MemorySource(objects)
+    run(source, [crc32_file(p, d) for p, d in objects.items()], tmp_path / "st", tmp_path / "out")
+    ahead = worst = 0
+    for kind, _ in source.events:
+        ahead += 1 if kind == "describe" else -1
+        worst = max(worst, ahead)
+    assert worst <= 2 * 4, f"{worst} files were described before their download started"
+    assert all((tmp_path / "out" / p).read_bytes() == d for p, d in objects.items())
+
+
+def test_a_one_chunk_file_is_hashed_as_it_arrives_and_keeps_no_journal(tmp_path: Path) -> None:
+    """Small files (one chunk) get their sha256 inline, never read back, and no journal file: a
+    one-chunk file has nothing to resume. Corruption is still caught."""
+    data = os.urandom(300 * KiB)
+    file = sha256_file("tokenizer.json", data)
+    big = os.urandom(3 * MiB)
+    big_file = sha256_file("big.bin", big)
+    with pytest.MonkeyPatch.context() as mp:
+        read_back: list[str] = []
+        real = verify.hash_file
+        mp.setattr(
+            verify,
+            "hash_file",
+            lambda p, c, *a, **k: read_back.append(str(p)) or real(p, c, *a, **k),
+        )
+        run(MemorySource({file.path: data}), [file], tmp_path / "st", tmp_path / "out")
+    assert read_back == [] and (tmp_path / "out" / file.path).read_bytes() == data
+
+    corrupt = bytearray(data)
+    corrupt[12345] ^= 0x40
+    with pytest.raises(ChecksumMismatchError, match=r"tokenizer\.json"):
+        run(MemorySource({file.path: bytes(corrupt)}), [file], tmp_path / "st2", tmp_path / "o2")
+
+    # interrupted: a one-chunk file leaves no journal, a multi-chunk file one to resume from
+    with pytest.raises(SourceError):
+        run(
+            MemorySource({file.path: data}, fail_after=100 * KiB),
+            [file],
+            tmp_path / "st3",
+            tmp_path / "o3",
+        )
+    assert list((tmp_path / "st3").glob("*.incomplete"))
+    assert not list((tmp_path / "st3").glob("*.journal"))
+    with pytest.raises(SourceError):
+        run(
+            MemorySource({big_file.path: big}, fail_after=MiB + 10),
+            [big_file],
+            tmp_path / "st4",
+            tmp_path / "o4",
+            concurrency=1,
+            chunk_size=1 * MiB,
+            piece_size=1 * MiB,
+        )
+    (journal,) = (tmp_path / "st4").glob("*.journal")
+    assert len(journal.read_text().splitlines()) == 2  # the header and the one finished chunk
