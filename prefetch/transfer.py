@@ -78,7 +78,11 @@ class TransferConfig:
     concurrency: int = 16
     chunk_size: int = 64 * MiB
     buffer_size: int = 1 * MiB
-    hash_workers: int = 2
+    #: Threads that finish files (fsync, checksum read-back). More than the cores: a large file's
+    #: sequential hash can only follow its download, so with fewer workers than large files in
+    #: flight, a file that finished downloading waits for a worker (Hub 2 GiB, 3 shards: 2 workers
+    #: 2.6 s, 4 workers 2.3 s). Each reads with a 4 MiB buffer.
+    hash_workers: int = 4
     verify: bool = True
     require_checksum: bool = False
     retry: RetryPolicy = field(default_factory=RetryPolicy)
