@@ -427,13 +427,6 @@ def baseline_cmd(package_dir: str) -> list[str]:
     return [sys.executable, "-c", code]
 
 
-def hub_source_available() -> str:
-    """Empty when ``prefetch pull hf://`` can work here, else why not."""
-    if not (REPO / "prefetch" / "sources" / "hf.py").is_file():
-        return "not available: prefetch/sources/hf.py does not exist yet (Hub source in progress)"
-    return ""
-
-
 def curl_sum(dest: Path, outs: list[Path]) -> int:
     total = 0
     for out in outs:
@@ -867,7 +860,6 @@ class Bench:
         srv = [self.hub_proc.pid] if self.hub_proc else []
         pf = prefetch_cmd()
         hf = find_bin("hf")
-        missing = hub_source_available()
 
         def with_home(argv: list[str], d: Path) -> list[str]:
             # a fresh HF_HOME per run, inside the destination (deleted with it)
@@ -895,7 +887,6 @@ class Bench:
                     env,
                     warm,
                     srv,
-                    missing=missing,
                     json_out=True,
                 )
             )
@@ -912,7 +903,6 @@ class Bench:
                 env,
                 warm,
                 srv,
-                missing=missing,
                 json_out=True,
             ),
             *tools,
