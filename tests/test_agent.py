@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -427,6 +428,8 @@ def test_one_bad_source_does_not_hold_up_the_others(
         assert broken["state"] == "failed" and not broken["ready"]
         assert "bucket does not exist" in broken["last_error"]
         assert broken["error_reason"] == "not_found" and broken["failures"] == 1  # backing off
+        waits = re.findall(r"; next try in (\d+)s$", broken["detail"])
+        assert waits and 1 <= int(waits[0]) <= 30, broken["detail"]  # whole seconds, never "0s"
         assert "broken" in status["summary"]
         assert (
             sample(agent, "model_prefetch_sync_failures_total", model="broken", reason="not_found")

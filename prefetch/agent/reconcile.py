@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import math
 import os
 import random
 import signal
@@ -299,8 +300,9 @@ class Agent:
                 else "resolving the source"
             )
         elif ms.state == "failed":
-            wait = max(ms.next_attempt - now, 0.0)
-            detail = f"failed ({ms.error_reason}): {ms.last_error}; next try in {wait:.0f}s"
+            wait = math.ceil(max(ms.next_attempt - now, 0.0))
+            when = f"next try in {wait}s" if wait else "retrying now"
+            detail = f"failed ({ms.error_reason}): {ms.last_error}; {when}"
         elif ms.state == "verifying":
             detail = "re-verifying cached files"
         else:
