@@ -636,75 +636,50 @@ class Bench:
                 )
             )
         s5_tuned = a.s5cmd_tuned.split()
+
+        def s5cmd(name: str, label: str, global_flags: list[str], cp_flags: list[str]) -> Tool:
+            return Tool(
+                name,
+                "s3",
+                label,
+                lambda d: [
+                    [
+                        s5 or "s5cmd",
+                        "--endpoint-url",
+                        server.endpoint,
+                        *global_flags,
+                        "cp",
+                        *cp_flags,
+                        f"s3://{BUCKET}/{prefix}/*",
+                        f"{d}/",
+                    ]
+                ],
+                env,
+                warm,
+                srv,
+                missing="" if s5 else "not available: s5cmd not installed",
+            )
+
+        def rclone(name: str, label: str, flags: list[str]) -> Tool:
+            return Tool(
+                name,
+                "s3",
+                label,
+                lambda d: [[rc or "rclone", "copy", *flags, f"benchs3:{BUCKET}/{prefix}", str(d)]],
+                env,
+                warm,
+                srv,
+                missing="" if rc else "not available: rclone not installed",
+            )
+
         tools += [
-            Tool(
-                "s5cmd",
-                "s3",
-                "s5cmd cp (defaults: 256 workers, -c 5, -p 50)",
-                lambda d: [
-                    [
-                        s5 or "s5cmd",
-                        "--endpoint-url",
-                        server.endpoint,
-                        "cp",
-                        f"s3://{BUCKET}/{prefix}/*",
-                        f"{d}/",
-                    ]
-                ],
-                env,
-                warm,
-                srv,
-                missing="" if s5 else "not available: s5cmd not installed",
-            ),
-            Tool(
-                "s5cmd-tuned",
-                "s3",
-                f"s5cmd {a.s5cmd_tuned}",
-                lambda d: [
-                    [
-                        s5 or "s5cmd",
-                        "--endpoint-url",
-                        server.endpoint,
-                        *s5_tuned[:2],
-                        "cp",
-                        *s5_tuned[2:],
-                        f"s3://{BUCKET}/{prefix}/*",
-                        f"{d}/",
-                    ]
-                ],
-                env,
-                warm,
-                srv,
-                missing="" if s5 else "not available: s5cmd not installed",
-            ),
-            Tool(
-                "rclone",
-                "s3",
-                "rclone copy (defaults)",
-                lambda d: [[rc or "rclone", "copy", f"benchs3:{BUCKET}/{prefix}", str(d)]],
-                env,
-                warm,
-                srv,
-                missing="" if rc else "not available: rclone not installed",
-            ),
-            Tool(
+            s5cmd("s5cmd", "s5cmd cp (defaults: 256 workers, -c 5, -p 50)", [], []),
+            s5cmd("s5cmd-tuned", f"s5cmd {a.s5cmd_tuned}", s5_tuned[:2], s5_tuned[2:]),
+            rclone("rclone", "rclone copy (defaults)", []),
+            rclone(
                 "rclone-mts8",
-                "s3",
                 "rclone copy --multi-thread-streams 8",
-                lambda d: [
-                    [
-                        rc or "rclone",
-                        "copy",
-                        "--multi-thread-streams",
-                        "8",
-                        f"benchs3:{BUCKET}/{prefix}",
-                        str(d),
-                    ]
-                ],
-                env,
-                warm,
-                srv,
-                missing="" if rc else "not available: rclone not installed",
+                ["--multi-thread-streams", "8"],
             ),
             Tool(
                 "aws",
