@@ -226,7 +226,8 @@ def pull_spec(
     "--delete",
     is_flag=True,
     help="Remove local files that are gone from the source (hf layout: links of this "
-    "revision's snapshot, and blobs no snapshot links any more).",
+    "revision's snapshot, the snapshots this ref moved away from, and blobs no snapshot links "
+    "any more).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
 @click.option("--progress/--no-progress", default=None,

@@ -29,7 +29,9 @@ Publishing: the engine stages files in ``partial/``; ``publish`` renames a verif
 renamed into place, so it appears complete: huggingface_hub offline returns any existing snapshot
 folder as it is), compacts the records and writes the ref last, atomically. Files shared between
 revisions are stored once: a blob we published earlier makes ``is_current`` true and the new
-snapshot only links it.
+snapshot only links it. With ``delete``, a commit also removes the snapshots we made for the same
+ref that it has moved away from and no ref names any more (after a grace period, once the new ref
+is written), then the blobs nothing links.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import hashlib
 import os
 import re
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -202,7 +205,9 @@ class HfCacheLayout:
 
     # -- commit ----------------------------------------------------------------------------------
 
-    def commit(self, snapshot: Snapshot, spec: ModelSpec, *, delete: bool) -> list[str]:
+    def commit(
+        self, snapshot: Snapshot, spec: ModelSpec, *, delete: bool, superseded_grace: float = 0.0
+    ) -> list[str]:
         data = self.book.load()
         entries: dict[str, Any] = data["entries"]
         self._entries, self._index = entries, None
@@ -234,8 +239,10 @@ class HfCacheLayout:
         ref = snapshot.requested_revision
         if ref is None and not snapshot.source.startswith("hf://"):
             ref = "main"  # an S3 mirror: its snapshot is what "main" means offline
+        # every ref this snapshot was pulled for (a branch and a tag may name one commit)
+        refs = sorted({*_refs_of(snaps.get(commit, {})), *([ref] if ref else [])})
         snaps[commit] = {"files": dict(sorted(files.items())), "source": snapshot.source,
-                         "revision": ref}  # fmt: skip
+                         "refs": refs}  # fmt: skip
         if delete:
             self._remove_unreferenced_blobs(entries)
         data.update(format=1, repo_id=self.repo_id)
@@ -244,7 +251,63 @@ class HfCacheLayout:
             _fsync_dir(d)
         if ref is not None:
             self._write_ref(ref, commit)
+            if delete:
+                deleted += self._prune_superseded(data, ref, commit, superseded_grace)
         return deleted
+
+    def _prune_superseded(
+        self, data: dict[str, Any], ref: str, current: str, grace: float
+    ) -> list[str]:
+        """Remove the snapshots we made for ``ref`` that it has moved away from and no other ref
+        names, ``grace`` seconds after a commit first found them so (a vLLM that read the old ref
+        just before it moved is still opening that snapshot's files), then the blobs only they
+        linked. Runs after the new ref is written: readers switch first, then the old copy goes.
+        Returns the removed files as ``path@<commit>``."""
+        snaps: dict[str, Any] = data["snapshots"]
+        named = self._ref_targets()
+        now = time.time()
+        changed = False
+        removed: list[str] = []
+        for commit, snap in sorted(snaps.items()):
+            if commit == current or ref not in _refs_of(snap):
+                continue
+            if commit in named:  # another ref (a tag, say) still names it: keep it
+                changed |= snap.pop("superseded", None) is not None
+                continue
+            since = snap.setdefault("superseded", now)
+            changed |= since == now
+            if now - since < grace:
+                continue
+            self._remove_snapshot_dir(commit)
+            removed += [f"{path}@{commit[:12]}" for path in sorted(snap.get("files", {}))]
+            del snaps[commit]
+            changed = True
+        if removed:
+            self._remove_unreferenced_blobs(data["entries"])
+        if changed:
+            self.book.compact(data)
+        return removed
+
+    def _ref_targets(self) -> set[str]:
+        """The commits the repo's refs (``refs/main``, ``refs/pr/1``, ...) point to."""
+        out: set[str] = set()
+        for path in self.refs.rglob("*") if self.refs.is_dir() else ():
+            if path.is_file() and not path.name.startswith("."):
+                with contextlib.suppress(OSError, UnicodeDecodeError):
+                    out.add(path.read_text().strip())
+        return out
+
+    def _remove_snapshot_dir(self, commit: str) -> None:
+        """Hide the snapshot under a temporary name first (huggingface_hub never sees it half
+        removed; a crash leaves it for ``_remove_leftovers``), then delete it."""
+        final = self.snapshots / _safe_name(commit, "snapshot id")
+        doomed = final.with_name(f".{final.name}.{os.getpid()}{_TMP_SUFFIX}")
+        try:
+            os.rename(final, doomed)
+        except FileNotFoundError:
+            return
+        _fsync_dir(self.snapshots)
+        shutil.rmtree(doomed, ignore_errors=True)
 
     def _link(self, link: Path, blob: str) -> None:
         """Point ``link`` at the blob with a relative symlink, atomically (tmp + replace)."""
@@ -372,6 +435,13 @@ class HfCacheLayout:
                     Path(os.path.realpath(rec.local)).unlink()
                 self._entries = self._index = None
                 return
+
+
+def _refs_of(snap: dict[str, Any]) -> list[str]:
+    """The refs a snapshot record was pulled for (older records kept one, as "revision")."""
+    if "refs" in snap:
+        return list(snap["refs"])
+    return [snap["revision"]] if snap.get("revision") else []
 
 
 def _move(staged: Path, target: Path) -> None:

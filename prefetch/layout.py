@@ -48,7 +48,14 @@ class Layout(Protocol):
         """Move the verified ``staged`` file into place; Transfer hands it over already fsynced."""
         ...
 
-    def commit(self, snapshot: Snapshot, spec: ModelSpec, *, delete: bool) -> list[str]: ...
+    def commit(
+        self, snapshot: Snapshot, spec: ModelSpec, *, delete: bool, superseded_grace: float = 0.0
+    ) -> list[str]:
+        """Make ``snapshot`` the model's current copy; with ``delete``, remove what it no longer
+        has (and, where a layout keeps snapshots, those a moved ref left behind at least
+        ``superseded_grace`` seconds ago). Returns the removed paths."""
+        ...
+
     def recorded(self) -> list[RecordedFile]: ...
     def model_path(self, snapshot: Snapshot) -> Path: ...
 
@@ -200,7 +207,10 @@ class PlainLayout:
         self.book.append(file.path, entry)
         self._loaded()[file.path] = entry
 
-    def commit(self, snapshot: Snapshot, spec: ModelSpec, *, delete: bool) -> list[str]:
+    def commit(
+        self, snapshot: Snapshot, spec: ModelSpec, *, delete: bool, superseded_grace: float = 0.0
+    ) -> list[str]:
+        # one copy updated in place: no snapshots to supersede
         data = self.book.load()
         entries: dict[str, Any] = data["entries"]
         wanted = {f.path for f in snapshot.files}

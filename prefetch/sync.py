@@ -94,8 +94,12 @@ def sync(
     stop: threading.Event | None = None,
     lock_timeout: float = 3600.0,
     snapshot: Snapshot | None = None,
+    superseded_grace: float = 0.0,
 ) -> SyncResult:
-    """Bring ``layout`` to the snapshot ``spec`` names. Concurrency-safe (per-model lock)."""
+    """Bring ``layout`` to the snapshot ``spec`` names. Concurrency-safe (per-model lock).
+
+    ``delete``: remove local files the snapshot no longer has, and snapshots a moved ref left
+    behind ``superseded_grace`` seconds ago or more (see ``Layout.commit``)."""
     progress = progress or NullProgress()
     t0 = time.monotonic()
     snapshot = snapshot or source.resolve(spec)
@@ -115,7 +119,9 @@ def sync(
         )
         try:
             stats = transfer.run(todo)
-            deleted = layout.commit(snapshot, spec, delete=delete)
+            deleted = layout.commit(
+                snapshot, spec, delete=delete, superseded_grace=superseded_grace
+            )
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or isinstance(exc, PrefetchError):
                 raise

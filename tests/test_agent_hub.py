@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from pathlib import Path
 
 from .hubserver import HubServer, make_model_repo
@@ -53,3 +54,40 @@ def test_agent_warms_a_hub_model_that_huggingface_hub_loads_offline(tmp_path: Pa
     assert out["warnings"] == [] and out["repos"] == ["acme/tiny"]
     # our own state stays out of the repo folder huggingface_hub scans
     assert not list((cache / "hub").rglob(".prefetch"))
+
+
+def test_agent_follows_a_moved_branch_and_prunes_the_old_snapshot(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    repo = cache / "hub" / "models--acme--tiny"
+    with HubServer() as hub:
+        sha1 = make_model_repo(hub, "acme/tiny", tmp_path / "src", seed=4)
+        config = tmp_path / "models.yaml"
+        models = [{"name": "tiny", "source": "hf://acme/tiny"}]
+        config.write_text(config_text(cache, models, resolveInterval="1s", supersededGrace="1h"))
+        env = clean_env(tmp_path / "home", HF_ENDPOINT=hub.endpoint)
+        agent = AgentProcess(config, env, tmp_path / "agent.log")
+        try:
+            wait_for(lambda: agent.up() and agent.get("/readyz")[0] == 200, "ready", timeout=60)
+            assert (repo / "refs/main").read_text() == sha1
+            sha2 = hub.add_commit("acme/tiny", {"config.json": b'{"v": 2}'}, inherit=True)
+            wait_for(lambda: (repo / "refs/main").read_text() == sha2, "main moved", timeout=30)
+            time.sleep(2.5)  # two more resolves: within the grace the old snapshot stays
+            assert (repo / "snapshots" / sha1).is_dir()
+            config.write_text(config_text(cache, models, resolveInterval="1s", supersededGrace="0"))
+            wait_for(
+                lambda: not (repo / "snapshots" / sha1).exists(),
+                "the old snapshot pruned once the grace is 0",
+                timeout=30,
+            )
+            assert agent.get("/readyz")[0] == 200
+        finally:
+            agent.stop()
+        expected = server_files(hub, "acme/tiny", revision=sha2)
+        blobs = {f.etag for f in hub.files("acme/tiny", sha2).values()}
+    assert [p.name for p in (repo / "snapshots").iterdir()] == [sha2]
+    assert {p.name for p in (repo / "blobs").iterdir()} == blobs  # the old config blob is gone
+    out = hf_check(cache, 'out["path"] = hf.snapshot_download(params["repo"])', repo="acme/tiny")
+    assert out["path"].endswith(sha2)
+    assert sorted(
+        str(p.relative_to(out["path"])) for p in Path(out["path"]).rglob("*") if p.is_file()
+    ) == sorted(expected)

@@ -28,6 +28,7 @@ parallelModels: 3
 verifyInterval: 24h
 verifyReadRate: 200MB
 resolveInterval: 10m
+supersededGrace: 1h
 retryBackoff: {initial: 10s, max: 10m}
 minFreeSpace: 1GiB
 s3: {endpointUrl: null}
@@ -59,6 +60,7 @@ def test_full_example_parses() -> None:
     assert cfg.verify_interval == 24 * 3600
     assert cfg.verify_read_rate == 200_000_000
     assert cfg.resolve_interval == 600
+    assert cfg.superseded_grace == 3600
     assert cfg.retry_backoff == Backoff(initial=10, max=600)
     assert cfg.min_free_space == 1024**3
     assert cfg.s3_endpoint_url is None
@@ -89,6 +91,8 @@ def test_defaults() -> None:
     assert parse_config("").models == ()
     assert parse_config("verifyInterval: 0").verify_interval is None
     assert parse_config("verifyReadRate: 0").verify_read_rate is None
+    assert cfg.superseded_grace == 600
+    assert parse_config("supersededGrace: 0").superseded_grace == 0.0
 
 
 @pytest.mark.parametrize(
@@ -133,6 +137,7 @@ def test_defaults() -> None:
         ("models: {name: a}", "models: expected a list of models"),
         ("models:\n  - just-a-string", "models[0]: expected a mapping"),
         ("cacheDirectory: /x", "cacheDirectory: unknown key"),
+        ("supersededGrace: soon", "supersededGrace"),
         ("concurrency: 0", "concurrency: must be between 1 and 512"),
         ("concurrency: '16'", "concurrency: expected a whole number"),
         ("chunkSize: 1KiB", "chunkSize: must be at least 64KiB"),

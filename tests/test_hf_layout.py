@@ -6,6 +6,7 @@ import base64
 import errno
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -161,21 +162,99 @@ def test_shared_blobs_is_current_only_for_our_records(tmp_path: Path) -> None:
 
 def test_delete_keeps_blobs_other_snapshots_link(tmp_path: Path) -> None:
     layout = HfCacheLayout(tmp_path, REPO)
-    pull_files(layout, C1, FILES, delete=False)
+    pull_files(layout, C1, FILES, delete=False, rev="v1")
     foreign = layout.blobs / ("f" * 40)
     foreign.write_bytes(b"not ours")
     changed = {"config.json": b'{"a": 2}', "model.safetensors": FILES["model.safetensors"]}
     deleted = pull_files(layout, C2, changed, delete=True)
-    assert deleted == []  # a new snapshot has nothing extra
+    assert deleted == []  # a new snapshot has nothing extra; C1 is another ref's (v1)
     assert (layout.snapshots / C1 / "a/b/c/deep.txt").read_bytes() == b"deep"  # C1 untouched
     # narrowing C1 with --delete removes its extra links and the blobs nothing links any more
-    deleted = pull_files(layout, C1, {"config.json": FILES["config.json"]}, delete=True)
+    deleted = pull_files(layout, C1, {"config.json": FILES["config.json"]}, delete=True, rev="v1")
     assert deleted == ["a/b/c/deep.txt", "model.safetensors"]
     assert not (layout.snapshots / C1 / "a").exists()
     assert not (layout.blobs / git_sha1(b"deep")).exists()
     sha = hashlib.sha256(FILES["model.safetensors"]).hexdigest()
     assert (layout.blobs / sha).exists()  # still linked from C2
     assert foreign.exists()  # never ours: left alone
+    assert verify_local(layout).ok
+
+
+def test_a_moved_ref_prunes_what_it_left_behind_after_the_grace(  # type: ignore[no-untyped-def]
+    tmp_path: Path, monkeypatch
+) -> None:
+    layout = HfCacheLayout(tmp_path, REPO)
+    pull_files(layout, C1, FILES, delete=True)
+    changed = {"config.json": b'{"a": 2}', "model.safetensors": FILES["model.safetensors"]}
+    assert pull_files(layout, C2, changed, delete=False) == []  # no --delete: C1 stays
+    clock = [1_000_000.0]
+    monkeypatch.setattr("prefetch.hf_layout.time.time", lambda: clock[0])
+    # the first commit that finds C1 superseded starts its grace; C1 stays meanwhile
+    assert pull_files(layout, C2, changed, delete=True, superseded_grace=60) == []
+    clock[0] += 59
+    assert pull_files(layout, C2, changed, delete=True, superseded_grace=60) == []
+    assert (layout.snapshots / C1).is_dir()
+    clock[0] += 1
+    deleted = pull_files(layout, C2, changed, delete=True, superseded_grace=60)
+    assert deleted == [f"{p}@{C1[:12]}" for p in sorted(FILES)]
+    assert sorted(p.name for p in layout.snapshots.iterdir()) == [C2]
+    sha = hashlib.sha256(FILES["model.safetensors"]).hexdigest()
+    assert sorted(p.name for p in layout.blobs.iterdir()) == sorted(
+        [git_sha1(b'{"a": 2}'), sha]
+    )  # only C1's own blobs went; the shard both link stays
+    assert list(layout.book.load()["snapshots"]) == [C2]
+    assert verify_local(layout).ok
+
+
+def test_prune_spares_snapshots_another_ref_names_and_other_refs_snapshots(
+    tmp_path: Path,
+) -> None:
+    layout = HfCacheLayout(tmp_path, REPO)
+    C3 = "3" * 40
+    pull_files(layout, C1, FILES, delete=True)  # main -> C1
+    pull_files(layout, C1, FILES, delete=True, rev="v1")  # and the tag v1 -> C1
+    pull_files(layout, C3, FILES, delete=True, rev="pr/1")  # another ref's snapshot
+    assert pull_files(layout, C2, FILES, delete=True) == []  # main -> C2; v1 still names C1
+    assert sorted(p.name for p in layout.snapshots.iterdir()) == [C1, C2, C3]
+    (layout.refs / "v1").unlink()
+    deleted = pull_files(layout, C2, FILES, delete=True)
+    assert deleted == [f"{p}@{C1[:12]}" for p in sorted(FILES)]
+    assert sorted(p.name for p in layout.snapshots.iterdir()) == [C2, C3]  # pr/1's stays
+
+
+def test_prune_reads_records_that_kept_one_revision(tmp_path: Path) -> None:
+    layout = HfCacheLayout(tmp_path, REPO)
+    pull_files(layout, C1, FILES, delete=True)
+    data = layout.book.load()
+    data["snapshots"][C1] = {**data["snapshots"][C1], "revision": "main"}
+    del data["snapshots"][C1]["refs"]  # as an older version wrote it
+    layout.book.compact(data)
+    assert len(pull_files(layout, C2, FILES, delete=True)) == len(FILES)
+    assert not (layout.snapshots / C1).exists()
+
+
+def test_an_interrupted_prune_leaves_no_snapshot_half_removed(  # type: ignore[no-untyped-def]
+    tmp_path: Path, monkeypatch
+) -> None:
+    layout = HfCacheLayout(tmp_path, REPO)
+    pull_files(layout, C1, FILES, delete=True)
+
+    rmtree = shutil.rmtree
+
+    def crash(path, **kw):  # type: ignore[no-untyped-def]
+        if Path(path).name.startswith(f".{C1}"):  # the old snapshot's removal: "crash"
+            raise KeyboardInterrupt
+        rmtree(path, **kw)
+
+    monkeypatch.setattr("prefetch.hf_layout.shutil.rmtree", crash)
+    with pytest.raises(KeyboardInterrupt):
+        pull_files(layout, C2, FILES, delete=True)
+    monkeypatch.undo()
+    # the old snapshot was renamed out of sight before its removal began
+    assert sorted(p.name for p in layout.snapshots.iterdir() if not p.name.startswith(".")) == [C2]
+    assert (layout.refs / "main").read_text() == C2
+    pull_files(layout, C2, FILES, delete=True)  # the next commit finishes the job
+    assert sorted(p.name for p in layout.snapshots.iterdir()) == [C2]
     assert verify_local(layout).ok
 
 

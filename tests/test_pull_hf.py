@@ -86,6 +86,7 @@ def pull(
     config: TransferConfig = FAST,
     token: str | None = None,
     delete: bool = False,
+    superseded_grace: float = 0.0,
     **spec_kwargs: Any,
 ) -> SyncResult:
     spec = ModelSpec(source=parse_source_uri(uri), **spec_kwargs)
@@ -94,7 +95,8 @@ def pull(
     assert spec.repo_id is not None
     layout = HfCacheLayout(dest, spec.repo_id)
     try:
-        return sync(spec, open_hub_source(spec, options), layout, config, delete=delete)
+        source = open_hub_source(spec, options)
+        return sync(spec, source, layout, config, delete=delete, superseded_grace=superseded_grace)
     finally:
         pool.clear()
 
@@ -287,7 +289,7 @@ def test_second_revision_shares_unchanged_blobs(hub: HubServer, tmp_path: Path) 
         REPO, {shard: new_shard, "config.json": new_config}, inherit=True, delete=["empty.txt"]
     )
     hub.clear_requests()
-    second = pull(hub, home, delete=True)
+    second = pull(hub, home)  # no --delete: the old snapshot stays
     assert second.revision == sha2 and second.files_downloaded == 2
     assert second.bytes_downloaded == SHARDS[1] + len(new_config)  # only the changed files
     cdn_paths = {r.url_path for r in hub.requests if r.port == "cdn"}
@@ -316,6 +318,50 @@ def test_second_revision_shares_unchanged_blobs(hub: HubServer, tmp_path: Path) 
     assert pull(hub, home).up_to_date
     report = verify_local(HfCacheLayout(home, REPO))
     assert report.ok and any("@" in p for p in report.checked)  # both snapshots are recorded
+
+
+def test_delete_prunes_the_snapshot_a_moved_branch_left_behind(
+    hub: HubServer, tmp_path: Path
+) -> None:
+    home = tmp_path / "home"
+    sha1 = pull(hub, home).revision
+    hub.repos[REPO].tags["v1"] = sha1
+    tag = pull(hub, home, revision="v1")  # a tag naming the same commit keeps it
+    assert tag.revision == sha1
+    sha2 = hub.add_commit(REPO, {"config.json": b'{"revision": 2}'}, inherit=True)
+    second = pull(hub, home, delete=True)
+    repo = repo_dir(home)
+    assert second.deleted == [] and (repo / "snapshots" / sha1).is_dir()  # refs/v1 names it
+    (repo / "refs/v1").unlink()  # the tag is gone from this cache: nothing names sha1 any more
+    # within the grace period the old snapshot stays (a reader may be opening its files) ...
+    assert pull(hub, home, delete=True, superseded_grace=3600).deleted == []
+    assert (repo / "snapshots" / sha1).is_dir()
+    # ... and at the first sync after it, it goes, with the blobs only it linked
+    third = pull(hub, home, delete=True)
+    expected = sorted(f"{p}@{sha1[:12]}" for p in server_files(hub, revision=sha1))
+    assert sorted(third.deleted) == expected
+    assert not (repo / "snapshots" / sha1).exists()
+    assert [p.name for p in (repo / "snapshots").iterdir()] == [sha2]
+    blobs = {p.name for p in (repo / "blobs").iterdir()}
+    assert blobs == {f.etag for f in hub.files(REPO, sha2).values()}
+    out = hf_check(
+        home,
+        """
+        out["main"] = hf.snapshot_download(params["repo"])
+        out["warnings"] = [str(w) for w in hf.scan_cache_dir().warnings]
+        try:
+            hf.snapshot_download(params["repo"], revision=params["old"])
+            out["old"] = "found"
+        except Exception as exc:
+            out["old"] = type(exc).__name__
+        """,
+        repo=REPO,
+        old=sha1,
+    )
+    assert out["main"] == str(repo / "snapshots" / sha2) and out["warnings"] == []
+    assert out["old"] != "found"
+    assert verify_local(HfCacheLayout(home, REPO)).ok
+    assert pull(hub, home, delete=True).up_to_date
 
 
 def test_delete_removes_links_not_in_the_revision_and_unreferenced_blobs(

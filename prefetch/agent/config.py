@@ -63,6 +63,7 @@ _TOP_KEYS = (
     "verifyInterval",
     "verifyReadRate",
     "resolveInterval",
+    "supersededGrace",
     "retryBackoff",
     "minFreeSpace",
     "s3",
@@ -100,6 +101,9 @@ class AgentConfig:
     verify_interval: float | None = None
     verify_read_rate: int | None = 200 * 1000 * 1000
     resolve_interval: float | None = 600.0
+    #: A snapshot a moved branch left behind is deleted at the first sync this long after the
+    #: move (a vLLM that read the old ref just before may still be opening its files); 0: at once.
+    superseded_grace: float = 600.0
     retry_backoff: Backoff = field(default_factory=Backoff)
     min_free_space: int = 1 * GiB
     s3_endpoint_url: str | None = None
@@ -425,6 +429,7 @@ def _parse(doc: Any) -> AgentConfig:
         verify_interval=_get(m, "verifyInterval", "", _duration, d.verify_interval),
         verify_read_rate=verify_rate or None,
         resolve_interval=_get(m, "resolveInterval", "", _duration, d.resolve_interval),
+        superseded_grace=_get(m, "supersededGrace", "", _duration, d.superseded_grace) or 0.0,
         retry_backoff=_get(m, "retryBackoff", "", _backoff, d.retry_backoff),
         min_free_space=_get(m, "minFreeSpace", "", _size, d.min_free_space),
         s3_endpoint_url=_get(m, "s3", "", _s3, None),

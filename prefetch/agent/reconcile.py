@@ -10,7 +10,8 @@ ready set, and refreshes metrics. Jobs run in worker threads (``asyncio.to_threa
   longer are in the config and are not pinned; or fail with a clear reason rather than fill the
   disk), then :func:`~prefetch.sync.sync` it. Due when the model has no verified copy yet (after
   its backoff, when it failed), every ``resolveInterval`` for a moved branch or a changed S3
-  listing, and right after a re-verification found damage.
+  listing, and right after a re-verification found damage. Syncs run with delete: files gone from
+  the source go, and so does a snapshot a moved branch left behind, ``supersededGrace`` after.
 * **verify**: every ``verifyInterval``, re-hash the cached files with
   :func:`~prefetch.sync.verify_local` at ``verifyReadRate``. On a mismatch the model first leaves
   the ready set *and the node gate is applied without it*; then the bad files are deleted and a
@@ -696,6 +697,7 @@ class Agent:
                     stop=stop,
                     lock_timeout=LOCK_TIMEOUT,
                     snapshot=snapshot,
+                    superseded_grace=config.superseded_grace,
                 )
             finally:
                 with self._space_lock:
