@@ -1,4 +1,5 @@
-"""Retry with exponential backoff and full jitter, for TransientSourceError only."""
+"""Retry with exponential backoff and full jitter, for TransientSourceError only; and a wall-clock
+deadline for calls that take no timeout of their own."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from prefetch.errors import TransientSourceError
 
@@ -58,3 +59,32 @@ def call_with_retries(
             else:
                 time.sleep(wait)
             attempt += 1
+
+
+def call_with_deadline(fn: Callable[[], T], seconds: float, *, what: str) -> T:
+    """Run ``fn`` in a daemon thread and wait for it at most ``seconds``; past that, raise
+    TransientSourceError (and leave the thread to finish or stay blocked on its own).
+
+    For library calls that cannot be given a timeout: huggingface_hub's ``list_repo_tree`` sends
+    its requests with ``timeout=None`` whatever its shared client says, so a Hub that accepts the
+    connection and never answers would hang a resolve, and the agent's sync of that model, for
+    ever. A thread is the only bound that needs no private API of the library; the price, one
+    parked thread per call that really hangs, is paid only when the Hub misbehaves.
+    """
+    result: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            result["value"] = fn()
+        except BaseException as exc:  # handed to the caller below
+            result["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="prefetch-deadline", daemon=True).start()
+    if not done.wait(seconds):
+        raise TransientSourceError(f"{what}: no answer within {seconds:g} s")
+    if "error" in result:
+        raise result["error"]
+    return result["value"]  # type: ignore[no-any-return]

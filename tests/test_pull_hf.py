@@ -469,6 +469,26 @@ def test_429_with_retry_after_is_retried_and_honoured(hub: HubServer, tmp_path: 
     assert [r.status for r in hub.requests if r.faults] == [429, 429, 429]
 
 
+def test_a_stalled_metadata_call_times_out_and_is_retried(hub: HubServer) -> None:
+    # list_repo_tree sends its requests with no timeout: the call is bounded by a deadline
+    stall = hub.faults.delay(30, count=None, path="/tree/")
+    spec = ModelSpec(source=parse_source_uri(f"hf://{REPO}"))
+    pool = urllib3.PoolManager(maxsize=4, retries=False)
+    options = HubOptions(
+        endpoint=hub.endpoint, token=False, http=pool, metadata_timeout=0.5,
+        retry=RetryPolicy(attempts=2, base_delay=0.01, max_delay=0.05),
+    )  # fmt: skip
+    with pytest.raises(TransientSourceError) as info:
+        open_hub_source(spec, options).resolve(spec)
+    assert str(info.value).startswith(f"listing {REPO}@")
+    assert "giving up after 2 attempts" in str(info.value) and "no answer within 0.5 s" in str(
+        info.value
+    )
+    assert stall.hits == 2  # timed out, retried, timed out
+    hub.faults.clear()
+    assert open_hub_source(spec, options).resolve(spec).files
+
+
 def test_connection_cut_mid_body_resumes_from_the_last_byte(hub: HubServer, tmp_path: Path):  # type: ignore[no-untyped-def]
     shard = hub.file(REPO, "model-00001-of-00002.safetensors")
     hub.faults.cut(after_bytes=300_000, count=3, port="cdn", file=shard)

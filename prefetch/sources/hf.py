@@ -50,7 +50,7 @@ from prefetch.errors import (
     SourceError,
     TransientSourceError,
 )
-from prefetch.retry import RetryPolicy, call_with_retries
+from prefetch.retry import RetryPolicy, call_with_deadline, call_with_retries
 from prefetch.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.spec import ModelSpec, SourceURI
 
@@ -75,7 +75,8 @@ class HubOptions:
     ``token``: None looks it up the way huggingface_hub does (``HF_TOKEN``, then the token file
     in ``HF_HOME``); False sends none. ``http``: a urllib3 ``PoolManager``-like client (tests pass
     their own); None uses one shared pool per process. ``redirect_ttl``: seconds a CDN location is
-    reused at most (less when its ``Expires`` says so).
+    reused at most (less when its ``Expires`` says so). ``metadata_timeout``: seconds one
+    metadata call (revision lookup, file listing) may take in all before it is retried.
     """
 
     endpoint: str | None = None
@@ -84,6 +85,7 @@ class HubOptions:
     pool_size: int = 32
     connect_timeout: float = 10.0
     read_timeout: float = 60.0
+    metadata_timeout: float = 120.0
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     redirect_ttl: float = 600.0
 
@@ -108,6 +110,7 @@ def open_hub_source(spec: ModelSpec, hub: HubOptions | None = None) -> HubSource
         retry=options.retry,
         timeout=urllib3.Timeout(connect=options.connect_timeout, read=options.read_timeout),
         redirect_ttl=options.redirect_ttl,
+        metadata_timeout=options.metadata_timeout,
     )
 
 
@@ -316,6 +319,7 @@ class HubSource:
         retry: RetryPolicy | None = None,
         timeout: Any = None,
         redirect_ttl: float = 600.0,
+        metadata_timeout: float = 120.0,
         api: Any = None,
     ) -> None:
         if uri.scheme != "hf":
@@ -329,6 +333,7 @@ class HubSource:
         self._retry = retry or RetryPolicy()
         self._timeout = timeout or urllib3.Timeout(connect=10.0, read=60.0)
         self._redirect_ttl = redirect_ttl
+        self._metadata_timeout = metadata_timeout
         self._locations: dict[str, tuple[str, float]] = {}
         self._resolve_locks: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
@@ -347,13 +352,17 @@ class HubSource:
     # -- resolve -----------------------------------------------------------------------------
 
     def _call(self, what: str, revision: str, fn: Callable[[], T]) -> T:
-        def once() -> T:
+        def translated() -> T:
             try:
                 return fn()
             except Exception as exc:
                 raise translate_api_error(
                     exc, what, repo=self._repo, revision=revision, has_token=bool(self._token)
                 ) from exc
+
+        def once() -> T:
+            # list_repo_tree takes no timeout (see call_with_deadline)
+            return call_with_deadline(translated, self._metadata_timeout, what=what)
 
         return call_with_retries(once, self._retry, what=what)
 
