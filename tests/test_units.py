@@ -7,14 +7,22 @@ import hashlib
 import itertools
 import json
 import os
+import threading
 
 import pytest
 from awscrt import checksums as crt
 
 from prefetch import verify
-from prefetch.errors import ChecksumMismatchError, ConfigError, LayoutError
+from prefetch.errors import (
+    ChecksumMismatchError,
+    ConfigError,
+    LayoutError,
+    NotFoundError,
+    TransientSourceError,
+)
 from prefetch.journal import Journal
 from prefetch.layout import safe_join
+from prefetch.retry import call_with_deadline
 from prefetch.snapshot import Checksum, listing_digest
 from prefetch.spec import ModelSpec, default_model_name, parse_source_uri
 from prefetch.transfer import TransferConfig, plan_chunks
@@ -186,3 +194,17 @@ def test_layout_refuses_paths_that_escape(tmp_path, bad):
     with pytest.raises(LayoutError, match="unsafe"):
         safe_join(tmp_path, bad)
     assert safe_join(tmp_path, "a/b.json") == tmp_path / "a" / "b.json"
+
+
+def test_call_with_deadline_returns_raises_or_gives_up() -> None:
+    assert call_with_deadline(lambda: 42, 5, what="answer") == 42
+
+    def missing() -> None:
+        raise NotFoundError("no such repo")
+
+    with pytest.raises(NotFoundError, match="no such repo"):  # the call's own error, as it was
+        call_with_deadline(missing, 5, what="lookup")
+    release = threading.Event()
+    with pytest.raises(TransientSourceError, match=r"^listing: no answer within 0.2 s$"):
+        call_with_deadline(lambda: release.wait(30), 0.2, what="listing")
+    release.set()  # the parked thread finishes on its own
