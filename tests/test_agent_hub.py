@@ -83,7 +83,9 @@ def test_agent_follows_a_moved_branch_and_prunes_the_old_snapshot(tmp_path: Path
         finally:
             agent.stop()
         expected = server_files(hub, "acme/tiny", revision=sha2)
+        removed = f"removed {len(server_files(hub, 'acme/tiny', revision=sha1))} file(s)"
         blobs = {f.etag for f in hub.files("acme/tiny", sha2).values()}
+    assert removed in agent.stderr()  # the sync that pruned says so
     assert [p.name for p in (repo / "snapshots").iterdir()] == [sha2]
     assert {p.name for p in (repo / "blobs").iterdir()} == blobs  # the old config blob is gone
     out = hf_check(cache, 'out["path"] = hf.snapshot_download(params["repo"])', repo="acme/tiny")

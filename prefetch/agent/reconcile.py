@@ -811,13 +811,15 @@ class Agent:
             return
         self.metrics.sync_duration.labels(spec.name).observe(result.seconds)
         rate = result.bytes_downloaded / result.seconds if result.seconds else 0.0
+        removed = f"; removed {len(result.deleted)} file(s)" if result.deleted else ""
         log.info(
-            "%s: synced revision %s: %d file(s), %s downloaded in %.1fs",
+            "%s: synced revision %s: %d file(s), %s downloaded in %.1fs%s",
             spec.name,
             result.revision[:12],
             result.files_downloaded,
             format_bytes(result.bytes_downloaded),
             result.seconds,
+            removed,
             extra={
                 "model": spec.name,
                 "phase": "sync",
