@@ -61,6 +61,16 @@ SMALL_PREFIX = "small"
 SCALE_PREFIX = "scale"
 HUB_REPO = "acme/bench"
 BIN_DIR = Path(sys.executable).parent
+#: How each external tool prints its version (warm-up runs and the report's tool versions).
+VERSION_ARG = {
+    "s5cmd": "version",
+    "rclone": "version",
+    "aws": "--version",
+    "hf": "version",
+    "weed": "version",
+    "curl": "--version",
+    "dd": "--version",
+}
 #: state directories that are not model bytes, whatever tool wrote them
 STATE_DIRS = {".prefetch", ".cache", ".locks", "refs", ".no_exist"}
 
@@ -496,17 +506,10 @@ class Bench:
                 "region_name='us-east-1')",
             ]
         ]
-        for name, arg in (
-            ("s5cmd", "version"),
-            ("rclone", "version"),
-            ("aws", "--version"),
-            ("hf", "version"),
-            ("curl", "--version"),
-            ("dd", "--version"),
-        ):
+        for name in ("s5cmd", "rclone", "aws", "hf", "curl", "dd"):
             exe = find_bin(name)
             if exe:
-                cmds.append([exe, arg])
+                cmds.append([exe, VERSION_ARG[name]])
         return cmds
 
     # -- servers
@@ -1653,17 +1656,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def tool_versions() -> dict[str, str]:
     out: dict[str, str] = {}
-    for name, arg in (
-        ("s5cmd", "version"),
-        ("rclone", "version"),
-        ("aws", "--version"),
-        ("weed", "version"),
-        ("curl", "--version"),
-    ):
+    for name in ("s5cmd", "rclone", "aws", "weed", "curl"):
         exe = find_bin(name)
         if exe:
             with contextlib.suppress(OSError, subprocess.SubprocessError):
-                r = subprocess.run([exe, arg], capture_output=True, text=True, timeout=30)
+                r = subprocess.run(
+                    [exe, VERSION_ARG[name]], capture_output=True, text=True, timeout=30
+                )
                 first = (r.stdout or r.stderr).strip().splitlines()
                 out[name] = first[0] if first else ""
     for mod in ("boto3", "botocore", "huggingface_hub", "awscrt", "urllib3"):

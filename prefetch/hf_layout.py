@@ -274,9 +274,10 @@ class HfCacheLayout:
             if commit in named:  # another ref (a tag, say) still names it: keep it
                 changed |= snap.pop("superseded", None) is not None
                 continue
-            since = snap.setdefault("superseded", now)
-            changed |= since == now
-            if now - since < grace:
+            if "superseded" not in snap:  # first found superseded: the grace starts now
+                snap["superseded"] = now
+                changed = True
+            if now - snap["superseded"] < grace:
                 continue
             self._remove_snapshot_dir(commit)
             removed += [f"{path}@{commit[:12]}" for path in sorted(snap.get("files", {}))]
