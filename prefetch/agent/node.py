@@ -317,7 +317,12 @@ class NodeGate:
             _preload_content=False,
             _request_timeout=self._timeout,
         )
-        resp.release_conn()
+        try:
+            # Read the answer to its end before the connection goes back to the pool: an unread
+            # body would be taken for the status line of the next request on that connection.
+            resp.drain_conn()
+        finally:
+            resp.release_conn()
 
     def _plan(self, node: Mapping[str, Any], wanted: frozenset[str], lift: bool) -> _Plan:
         metadata = node.get("metadata") or {}
