@@ -18,6 +18,11 @@ and many small files. A Markdown report goes to stdout, everything to a JSON fil
     python bench/run.py --size 64MiB --runs 1 --quick --json /tmp/b.json
     python bench/run.py --tools s3,ceiling --scaling none --no-resume --no-small-files
 
+The pieces, side by side in bench/: harness.py measures one run and settles the machine between
+runs, datasets.py makes and uploads the data, tools.py is the table of tools (what each row runs),
+report.py turns samples into rows and the Markdown report. This file has the command line and the
+phases (compare, small files, resume, scaling).
+
 See bench/README.md for what each row runs and how to read the results.
 """
 
@@ -26,21 +31,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
-import io
 import json
 import os
 import platform
-import random
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -48,400 +49,41 @@ import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(1, str(REPO / "bench"))  # the sibling modules, however run.py is started
 
-from prefetch.executables import find_executable  # noqa: E402
+from datasets import (  # noqa: E402
+    BUCKET,
+    HUB_REPO,
+    MODEL_PREFIX,
+    SCALE_PREFIX,
+    SMALL_PREFIX,
+    DataSet,
+    make_dataset,
+    s3_put_small,
+    s3_upload_stream,
+)
+from harness import Cache, GiB, MiB, Sample, mb_s, read_proc_io, run_measured, say  # noqa: E402
+from report import linearity, report, summarize  # noqa: E402
+from tools import (  # noqa: E402
+    CEILING_ROWS,
+    HUB_ROWS,
+    PREFETCH,
+    VERSION_ARG,
+    Tool,
+    ToolContext,
+    build,
+    build_rows,
+    build_s3_tools,
+    find_bin,
+    run_values,
+    scaling_row,
+)
+
 from prefetch.locals3 import SeaweedS3  # noqa: E402
-from prefetch.modelgen import generate_model, upload_model  # noqa: E402
+from prefetch.modelgen import upload_model  # noqa: E402
 from prefetch.units import parse_size  # noqa: E402
 
-MiB = 1024 * 1024
-GiB = 1024 * MiB
-BUCKET = "bench"
-MODEL_PREFIX = "model"
-SMALL_PREFIX = "small"
-SCALE_PREFIX = "scale"
-HUB_REPO = "acme/bench"
 BIN_DIR = Path(sys.executable).parent
-#: How each external tool prints its version (warm-up runs and the report's tool versions).
-VERSION_ARG = {
-    "s5cmd": "version",
-    "rclone": "version",
-    "aws": "--version",
-    "hf": "version",
-    "weed": "version",
-    "curl": "--version",
-    "dd": "--version",
-}
-#: state directories that are not model bytes, whatever tool wrote them
-STATE_DIRS = {".prefetch", ".cache", ".locks", "refs", ".no_exist"}
-
-log_lock = threading.Lock()
-
-
-def say(msg: str) -> None:
-    """Progress for the person running the benchmark: stderr, so stdout stays the report."""
-    with log_lock:
-        print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def find_bin(name: str) -> str | None:
-    """A tool's real executable: next to this Python first (skips pyenv shims), then PATH."""
-    return find_executable(name)
-
-
-def mb_s(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e6 if seconds > 0 else 0.0
-
-
-def count_bytes(root: Path) -> int:
-    """Bytes of regular files under root (not following symlinks), skipping tools' state dirs;
-    under a Hugging Face cache only the blobs count."""
-    blob_dirs = [Path(d) for d, _, _ in os.walk(root) if Path(d).name == "blobs"]
-    tops = blob_dirs or [root]
-    total = 0
-    for top in tops:
-        for dirpath, dirnames, filenames in os.walk(top):
-            dirnames[:] = [d for d in dirnames if d not in STATE_DIRS]
-            for name in filenames:
-                p = Path(dirpath, name)
-                if p.is_symlink() or name.endswith((".incomplete", ".lock")):
-                    continue
-                total += p.stat().st_size
-    return total
-
-
-# ---- measuring one run ----------------------------------------------------------------------
-
-
-@dataclass
-class Sample:
-    tool: str
-    run: int
-    ok: bool
-    wall_s: float
-    cpu_s: float
-    user_s: float
-    sys_s: float
-    peak_rss_bytes: int
-    max_rss_one_process_bytes: int
-    server_cpu_s: float
-    other_cpu_s: float
-    bytes: int
-    returncode: int
-    error: str = ""
-    killed: bool = False
-    load_before: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def process_cpu(pids: list[int]) -> float:
-    total = 0.0
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            t = psutil.Process(pid).cpu_times()
-            total += t.user + t.system + t.children_user + t.children_system
-    return total
-
-
-def busy_cpu() -> float:
-    t = psutil.cpu_times()
-    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
-
-
-def read_proc_io(pid: int) -> dict[str, int]:
-    out: dict[str, int] = {}
-    with contextlib.suppress(OSError), open(f"/proc/{pid}/io") as fh:
-        for line in fh:
-            key, _, value = line.partition(":")
-            out[key.strip()] = int(value)
-    return out
-
-
-def run_measured(
-    cmds: list[list[str]],
-    *,
-    env: dict[str, str],
-    logs: Path,
-    timeout: float,
-    server_pids: list[int],
-    kill_when: Callable[[int], bool] | None = None,
-    poll: float = 0.05,
-) -> tuple[float, float, float, int, int, float, float, list[int], list[Path], bool]:
-    """Start ``cmds`` together (each in its own session) and wait for all of them.
-
-    Returns wall, user, sys, peak tree RSS, max single-process RSS, server CPU, other CPU,
-    return codes, stdout paths, and whether ``kill_when`` (called with the first pid on every
-    poll) fired and the processes were SIGKILLed.
-    """
-    logs.mkdir(parents=True, exist_ok=True)
-    outs = [logs.with_name(f"{logs.name}.{i}.out") for i in range(len(cmds))]
-    errs = [logs.with_name(f"{logs.name}.{i}.err") for i in range(len(cmds))]
-    srv0, busy0 = process_cpu(server_pids), busy_cpu()
-    procs: list[subprocess.Popen[bytes]] = []
-    t0 = time.monotonic()
-    for argv, out, err in zip(cmds, outs, errs, strict=True):
-        with open(out, "wb") as fo, open(err, "wb") as fe:
-            procs.append(
-                subprocess.Popen(
-                    argv,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=fo,
-                    stderr=fe,
-                    start_new_session=True,
-                )
-            )
-    peak = 0
-    fired = threading.Event()
-    done = threading.Event()
-
-    def kill_all() -> None:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGKILL)
-
-    def poller() -> None:
-        nonlocal peak
-        handles = []
-        for p in procs:
-            with contextlib.suppress(psutil.Error):
-                handles.append(psutil.Process(p.pid))
-        while not done.is_set():
-            if kill_when is not None and not fired.is_set() and kill_when(procs[0].pid):
-                fired.set()
-                kill_all()
-            total = 0
-            for h in handles:
-                try:
-                    tree = [h, *h.children(recursive=True)]
-                except psutil.Error:
-                    continue
-                for q in tree:
-                    with contextlib.suppress(psutil.Error):
-                        total += q.memory_info().rss
-            peak = max(peak, total)
-            if time.monotonic() - t0 > timeout:
-                say(f"timeout after {timeout:.0f}s: killing {cmds[0][0]}")
-                kill_all()
-                break
-            done.wait(poll)
-
-    thread = threading.Thread(target=poller, daemon=True)
-    thread.start()
-    user = system = 0.0
-    maxrss = 0
-    codes: list[int] = []
-    try:
-        for p in procs:
-            _, status, ru = os.wait4(p.pid, 0)
-            p.returncode = os.waitstatus_to_exitcode(status)
-            codes.append(p.returncode)
-            user += ru.ru_utime
-            system += ru.ru_stime
-            maxrss = max(maxrss, ru.ru_maxrss * 1024)
-    finally:
-        wall = time.monotonic() - t0
-        done.set()
-        thread.join()
-        kill_all()  # strays left in a tool's session, if any
-    server = process_cpu(server_pids) - srv0
-    other = max(busy_cpu() - busy0 - user - system - server, 0.0)
-    return wall, user, system, peak, maxrss, server, other, codes, outs, fired.is_set()
-
-
-# ---- cache control ----------------------------------------------------------------------------
-
-
-class Cache:
-    """Brings the machine to the same state before every measured run."""
-
-    def __init__(
-        self, drop: bool, warm_cmds: list[list[str]], env: dict[str, str], quiet_wait: float
-    ) -> None:
-        self.drop = drop
-        self.quiet_wait = quiet_wait
-        self.load_before = 0.0
-        self.warm_cmds = warm_cmds
-        self.env = env
-        self.note = ""
-        if drop:
-            try:
-                with open("/proc/sys/vm/drop_caches", "w") as fh:
-                    fh.write("1\n")
-                self.note = "page cache dropped before every run (sync; echo 3 > drop_caches)"
-            except OSError as exc:
-                self.drop = False
-                self.note = f"page cache NOT dropped ({exc.strerror}); destination deleted+synced"
-        else:
-            self.note = "page cache not dropped (--no-drop-caches or --quick); dest deleted+synced"
-
-    def settle(self, remove: list[Path], warm: list[Path]) -> None:
-        for path in remove:  # delete first: dirty pages of deleted files need no write-back
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
-        os.sync()
-        if self.drop:
-            with open("/proc/sys/vm/drop_caches", "w") as fh:
-                fh.write("3\n")
-            for argv in self.warm_cmds:
-                subprocess.run(
-                    argv,
-                    env=self.env,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                    check=False,
-                )
-        buf = bytearray(8 * MiB)
-        for top in warm:
-            for dirpath, _, filenames in os.walk(top):
-                for name in filenames:
-                    with contextlib.suppress(OSError), open(Path(dirpath, name), "rb") as fh:
-                        while fh.readinto(buf):
-                            pass
-        self.load_before = self.wait_quiet()
-
-    def wait_quiet(self, threshold: float = 0.3) -> float:
-        """Wait (up to ``quiet_wait`` s) until the rest of the machine uses < ``threshold``
-        cores: other work on the 2 shared cores is the main source of noise. Returns the load."""
-        deadline = time.monotonic() + self.quiet_wait
-        while True:
-            b0 = busy_cpu()
-            time.sleep(0.5)
-            load = (busy_cpu() - b0) / 0.5
-            if load < threshold or time.monotonic() >= deadline:
-                return round(load, 2)
-
-
-# ---- data ------------------------------------------------------------------------------------
-
-
-class RandomStream(io.RawIOBase):
-    """``size`` seeded pseudo-random bytes, for uploads that need no local copy."""
-
-    def __init__(self, size: int, seed: int) -> None:
-        self._left = size
-        self._rng = random.Random(seed)
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        n = min(len(b), self._left)
-        if n <= 0:
-            return 0
-        b[:n] = self._rng.randbytes(n)
-        self._left -= n
-        return n
-
-
-def s3_upload_stream(client: Any, key: str, size: int, seed: int, part_size: int) -> None:
-    from boto3.s3.transfer import TransferConfig as S3Config
-
-    cfg = S3Config(multipart_threshold=part_size, multipart_chunksize=part_size, max_concurrency=4)
-    client.upload_fileobj(
-        io.BufferedReader(RandomStream(size, seed), 4 * MiB),
-        BUCKET,
-        key,
-        Config=cfg,
-        ExtraArgs={"ChecksumAlgorithm": "CRC64NVME"},
-    )
-
-
-def s3_put_small(client: Any, prefix: str, count: int, size: int) -> int:
-    """``count`` objects of ``size`` bytes, single-part with SHA256 (as real uploads of mid-size
-    files are); returns the bytes uploaded."""
-    rng = random.Random(7)
-    blobs = [(f"{prefix}/file-{i:05d}.bin", rng.randbytes(size)) for i in range(count)]
-
-    def put(item: tuple[str, bytes]) -> None:
-        client.put_object(Bucket=BUCKET, Key=item[0], Body=item[1], ChecksumAlgorithm="SHA256")
-
-    with ThreadPoolExecutor(8) as pool:
-        list(pool.map(put, blobs))
-    return count * size
-
-
-@dataclass
-class DataSet:
-    root: Path
-    total: int
-    files: int
-    shards: int
-    shard_size: int
-    small_files: int
-    small_file_size: int
-    part_size: int
-
-
-def make_dataset(args: argparse.Namespace, root: Path) -> tuple[DataSet, Any]:
-    shards = args.shards or max(1, round(args.size / (768 * MiB)))
-    say(
-        f"generating {shards} shard(s) of ~{args.size // shards / MiB:.0f} MiB "
-        f"+ {args.model_small_files} small files under {root}"
-    )
-    files = generate_model(
-        root,
-        args.size,
-        shards=shards,
-        small_files=args.model_small_files,
-        small_file_size=args.model_small_file_size,
-    )
-    total = sum(f.size for f in files)
-    data = DataSet(
-        root,
-        total,
-        len(files),
-        shards,
-        args.size // shards,
-        args.model_small_files,
-        args.model_small_file_size,
-        args.part_size,
-    )
-    return data, files
-
-
-# ---- tools -----------------------------------------------------------------------------------
-
-
-@dataclass
-class Tool:
-    name: str
-    group: str  # s3 | hub | ceiling | small
-    label: str  # what it runs, for the report
-    cmds: Callable[[Path], list[list[str]]]
-    env: dict[str, str]
-    warm: list[Path]
-    servers: list[int]
-    count: Callable[[Path, list[Path]], int] = lambda dest, outs: count_bytes(dest)
-    missing: str = ""  # why it is not available, when it is not
-    json_out: bool = False
-
-
-def prefetch_cmd() -> list[str]:
-    exe = find_bin("prefetch")
-    return [exe] if exe else [sys.executable, "-m", "prefetch.cli"]
-
-
-def baseline_cmd(package_dir: str) -> list[str]:
-    """``prefetch`` run with the package in ``package_dir`` (``python -m`` would put the current
-    directory, the repository, first on sys.path)."""
-    code = (
-        f"import sys; sys.path.insert(0, {str(Path(package_dir).resolve())!r}); "
-        "sys.argv[0] = 'prefetch'; from prefetch.cli import main; main()"
-    )
-    return [sys.executable, "-c", code]
-
-
-def curl_sum(dest: Path, outs: list[Path]) -> int:
-    total = 0
-    for out in outs:
-        for line in out.read_text().split():
-            with contextlib.suppress(ValueError):
-                total += int(float(line))
-    return total
 
 
 class Bench:
@@ -574,226 +216,35 @@ class Bench:
         else:
             shutil.rmtree(self.work / "dest", ignore_errors=True)
 
-    # -- tool catalogue
+    # -- tool catalogue (the rows themselves are in tools.py)
 
-    def s3_tools(self, server: SeaweedS3, prefix: str, data_root: Path, total: int) -> list[Tool]:
-        env = self.s3_env(server)
-        warm = [server.data_dir] if server.data_dir else []
-        srv = [server._proc.pid] if server._proc else []
-        uri = f"s3://{BUCKET}/{prefix}/"
-        pf = prefetch_cmd()
-        s5 = find_bin("s5cmd")
-        rc = find_bin("rclone")
-        aws = find_bin("aws")
-        a = self.args
-        tools = [
-            Tool(
-                "prefetch",
-                "s3",
-                "prefetch pull (verify on, defaults)",
-                lambda d: [[*pf, "pull", uri, str(d), "--json"]],
-                env,
-                warm,
-                srv,
-                json_out=True,
-            ),
-            Tool(
-                "prefetch-noverify",
-                "s3",
-                "prefetch pull --no-verify",
-                lambda d: [[*pf, "pull", uri, str(d), "--json", "--no-verify"]],
-                env,
-                warm,
-                srv,
-                json_out=True,
-            ),
-        ]
-        if a.baseline:
-            tools.append(
-                Tool(
-                    "prefetch-baseline",
-                    "s3",
-                    f"prefetch pull with the package from {a.baseline}",
-                    lambda d: [[*baseline_cmd(self.args.baseline), "pull", uri, str(d), "--json"]],
-                    env,
-                    warm,
-                    srv,
-                    json_out=True,
-                )
-            )
-        for spec in a.prefetch_variant:
-            name, _, extra = spec.partition("=")
-            words = extra.split()
-            tools.append(
-                Tool(
-                    f"prefetch-{name}",
-                    "s3",
-                    f"prefetch pull {extra}",
-                    lambda d, x=words: [[*pf, "pull", uri, str(d), "--json", *x]],
-                    env,
-                    warm,
-                    srv,
-                    json_out=True,
-                )
-            )
-        s5_tuned = a.s5cmd_tuned.split()
+    def s3_context(self, server: SeaweedS3, prefix: str) -> ToolContext:
+        """What the S3 rows need: ``server``, serving ``prefix`` of the bucket."""
+        return ToolContext(
+            self.s3_env(server),
+            [server.data_dir] if server.data_dir else [],
+            [server._proc.pid] if server._proc else [],
+            {
+                **run_values(self.args),
+                "endpoint": server.endpoint,
+                "prefix": prefix,
+                "uri": f"s3://{BUCKET}/{prefix}/",
+            },
+        )
 
-        def s5cmd(name: str, label: str, global_flags: list[str], cp_flags: list[str]) -> Tool:
-            return Tool(
-                name,
-                "s3",
-                label,
-                lambda d: [
-                    [
-                        s5 or "s5cmd",
-                        "--endpoint-url",
-                        server.endpoint,
-                        *global_flags,
-                        "cp",
-                        *cp_flags,
-                        f"s3://{BUCKET}/{prefix}/*",
-                        f"{d}/",
-                    ]
-                ],
-                env,
-                warm,
-                srv,
-                missing="" if s5 else "not available: s5cmd not installed",
-            )
-
-        def rclone(name: str, label: str, flags: list[str]) -> Tool:
-            return Tool(
-                name,
-                "s3",
-                label,
-                lambda d: [[rc or "rclone", "copy", *flags, f"benchs3:{BUCKET}/{prefix}", str(d)]],
-                env,
-                warm,
-                srv,
-                missing="" if rc else "not available: rclone not installed",
-            )
-
-        tools += [
-            s5cmd("s5cmd", "s5cmd cp (defaults: 256 workers, -c 5, -p 50)", [], []),
-            s5cmd("s5cmd-tuned", f"s5cmd {a.s5cmd_tuned}", s5_tuned[:2], s5_tuned[2:]),
-            rclone("rclone", "rclone copy (defaults)", []),
-            rclone(
-                "rclone-mts8",
-                "rclone copy --multi-thread-streams 8",
-                ["--multi-thread-streams", "8"],
-            ),
-            Tool(
-                "aws",
-                "s3",
-                "aws s3 cp --recursive (awscli defaults)",
-                lambda d: [
-                    [
-                        aws or "aws",
-                        "--endpoint-url",
-                        server.endpoint,
-                        "s3",
-                        "cp",
-                        uri,
-                        str(d),
-                        "--recursive",
-                        "--only-show-errors",
-                    ]
-                ],
-                env,
-                warm,
-                srv,
-                missing="" if aws else "not available: aws (awscli) not installed",
-            ),
-            Tool(
-                "boto3",
-                "s3",
-                f"boto3 TransferManager (download_file's engine), max_concurrency="
-                f"{a.boto3_concurrency}, chunk {a.boto3_chunk_size // MiB} MiB",
-                lambda d: [
-                    [
-                        sys.executable,
-                        str(REPO / "bench" / "clients.py"),
-                        "boto3",
-                        "--bucket",
-                        BUCKET,
-                        "--prefix",
-                        prefix,
-                        "--dest",
-                        str(d),
-                        "--concurrency",
-                        str(a.boto3_concurrency),
-                        "--chunk-size",
-                        str(a.boto3_chunk_size),
-                    ]
-                ],
-                env,
-                warm,
-                srv,
-            ),
-        ]
-        return tools
+    def s3_tools(self, server: SeaweedS3, prefix: str) -> list[Tool]:
+        """The S3 rows for ``prefix``: prefetch's (and ``--prefetch-variant``'s), the rivals'."""
+        return build_s3_tools(self.s3_context(server, prefix), self.args.prefetch_variant)
 
     def ceiling_tools(self, server: SeaweedS3, prefix: str, total: int) -> list[Tool]:
-        env = self.s3_env(server)
-        warm = [server.data_dir] if server.data_dir else []
-        srv = [server._proc.pid] if server._proc else []
-        curl = find_bin("curl")
-        streams = self.args.ceiling_streams
-        tools: list[Tool] = []
-        if curl:
-            configs = self.curl_configs(server, prefix, streams)
-            tools.append(
-                Tool(
-                    "ceiling-get",
-                    "ceiling",
-                    f"{streams} curl processes, {self.args.ceiling_chunk_size // MiB} MiB ranged "
-                    "GETs (presigned) of the same objects into /dev/null: the server's limit",
-                    lambda d: [[curl, "-sS", "--fail", "-K", str(c)] for c in configs],
-                    env,
-                    warm,
-                    srv,
-                    count=curl_sum,
-                )
-            )
-        else:
-            tools.append(
-                Tool(
-                    "ceiling-get",
-                    "ceiling",
-                    "curl ranged GETs",
-                    lambda d: [],
-                    env,
-                    warm,
-                    srv,
-                    missing="not available: curl not installed",
-                )
-            )
-        dd = find_bin("dd")
-        for name, flags, what in (
-            ("ceiling-dd", "oflag=direct conv=fsync", "the disk's sequential write limit"),
-            ("dd-buffered", "conv=fsync", "through the page cache (for reference, not a ceiling)"),
-        ):
-            tools.append(
-                Tool(
-                    name,
-                    "ceiling",
-                    f"dd if=/dev/zero bs=16M {flags} of=DEST, same byte count: {what}",
-                    lambda d, flags=flags: [
-                        [
-                            "sh",
-                            "-c",
-                            f"exec {dd} if=/dev/zero of={d}/dd.bin "
-                            f"bs=16M count={total} iflag=count_bytes {flags} "
-                            "status=none",
-                        ]
-                    ],
-                    env,
-                    warm,
-                    srv,
-                    missing="" if dd else "not available: dd not found",
-                )
-            )
-        return tools
+        """The ceilings: curl's ranged GETs of ``prefix`` (config files written only when curl is
+        there), dd writing ``total`` bytes."""
+        ctx = self.s3_context(server, prefix)
+        ctx.values["total"] = total
+        ctx.values["curl_configs"] = (
+            self.curl_configs(server, prefix, self.args.ceiling_streams) if find_bin("curl") else []
+        )
+        return build_rows(CEILING_ROWS, ctx)
 
     def curl_configs(self, server: SeaweedS3, prefix: str, streams: int) -> list[Path]:
         client = server.client()
@@ -829,90 +280,12 @@ class Bench:
         return configs
 
     def hub_tools(self, endpoint: str, data: DataSet) -> list[Tool]:
+        """The Hub rows, against the local Hub-compatible server at ``endpoint``."""
         env = self.base_env()
         env["HF_ENDPOINT"] = endpoint
         env["HF_HUB_ETAG_TIMEOUT"] = "60"
-        warm = [data.root]
-        srv = [self.hub_proc.pid] if self.hub_proc else []
-        pf = prefetch_cmd()
-        hf = find_bin("hf")
-
-        def with_home(argv: list[str], d: Path) -> list[str]:
-            # a fresh HF_HOME per run, inside the destination (deleted with it)
-            return ["env", f"HF_HOME={d}", *argv]
-
-        tools = []
-        if self.args.baseline:
-            tools.append(
-                Tool(
-                    "hf-prefetch-baseline",
-                    "hub",
-                    f"prefetch pull hf://{HUB_REPO} with the package from {self.args.baseline}",
-                    lambda d: [
-                        with_home(
-                            [
-                                *baseline_cmd(self.args.baseline),
-                                "pull",
-                                f"hf://{HUB_REPO}",
-                                str(d),
-                                "--json",
-                            ],
-                            d / ".prefetch-hf-home",
-                        )
-                    ],
-                    env,
-                    warm,
-                    srv,
-                    json_out=True,
-                )
-            )
-        return [
-            Tool(
-                "hf-prefetch",
-                "hub",
-                f"prefetch pull hf://{HUB_REPO} (verify on, defaults)",
-                lambda d: [
-                    with_home(
-                        [*pf, "pull", f"hf://{HUB_REPO}", str(d), "--json"], d / ".prefetch-hf-home"
-                    )
-                ],
-                env,
-                warm,
-                srv,
-                json_out=True,
-            ),
-            *tools,
-            Tool(
-                "hf-snapshot",
-                "hub",
-                "huggingface_hub.snapshot_download (defaults, fresh HF_HOME)",
-                lambda d: [
-                    with_home(
-                        [
-                            sys.executable,
-                            str(REPO / "bench" / "clients.py"),
-                            "snapshot",
-                            "--repo",
-                            HUB_REPO,
-                        ],
-                        d,
-                    )
-                ],
-                env,
-                warm,
-                srv,
-            ),
-            Tool(
-                "hf-cli",
-                "hub",
-                f"hf download {HUB_REPO} (fresh HF_HOME)",
-                lambda d: [with_home([hf or "hf", "download", HUB_REPO], d)],
-                env,
-                warm,
-                srv,
-                missing="" if hf else "not available: hf CLI not installed",
-            ),
-        ]
+        servers = [self.hub_proc.pid] if self.hub_proc else []
+        return build_rows(HUB_ROWS, ToolContext(env, [data.root], servers, run_values(self.args)))
 
     # -- measuring
 
@@ -1039,7 +412,7 @@ class Bench:
         variants |= {"prefetch-baseline", "hf-prefetch-baseline"} if a.baseline else set()
         tools = [
             t
-            for t in self.s3_tools(server, MODEL_PREFIX, data.root, data.total)
+            for t in self.s3_tools(server, MODEL_PREFIX)
             if t.name in want or t.name in variants or "s3" in want
         ]
         tools += [
@@ -1071,11 +444,7 @@ class Bench:
                 server.client(), SMALL_PREFIX, a.small_files, a.small_file_size
             )
             small_names = {"prefetch", "s5cmd", "rclone", "aws", "boto3"}
-            small_tools = [
-                t
-                for t in self.s3_tools(server, SMALL_PREFIX, data.root, small_total)
-                if t.name in small_names
-            ]
+            small_tools = [t for t in self.s3_tools(server, SMALL_PREFIX) if t.name in small_names]
             self.results["small_files"] = {
                 "files": a.small_files,
                 "file_size": a.small_file_size,
@@ -1104,9 +473,7 @@ class Bench:
 
     def resume(self, server: SeaweedS3, total: int) -> dict[str, Any]:
         """SIGKILL ``prefetch pull`` once it has written half the bytes, pull again, count."""
-        tool = next(
-            t for t in self.s3_tools(server, MODEL_PREFIX, Path(), total) if t.name == "prefetch"
-        )
+        tool = build(PREFETCH, self.s3_context(server, MODEL_PREFIX))
         dest = self.work / "dest"
         trials = []
         for run in range(1, self.args.runs + 1):
@@ -1172,33 +539,8 @@ class Bench:
                 s3_upload_stream(
                     client, f"{SCALE_PREFIX}/{name}", unit, 1000 + i, self.args.part_size
                 )
-            base = next(
-                t for t in self.s3_tools(server, SCALE_PREFIX, Path(), 0) if t.name == "prefetch"
-            )
-            tools = []
-            for p in sorted(points):
-                inc = [x for n in names[: p // unit] for x in ("--include", n)]
-                tools.append(
-                    Tool(
-                        f"prefetch@{p / GiB:g}GiB",
-                        "scaling",
-                        f"prefetch pull {p / GiB:g} GiB",
-                        lambda d, inc=inc: [
-                            [
-                                *prefetch_cmd(),
-                                "pull",
-                                f"s3://{BUCKET}/{SCALE_PREFIX}/",
-                                str(d),
-                                "--json",
-                                *inc,
-                            ]
-                        ],
-                        base.env,
-                        base.warm,
-                        base.servers,
-                        json_out=True,
-                    )
-                )
+            ctx = self.s3_context(server, SCALE_PREFIX)
+            tools = [build(scaling_row(p, names[: p // unit]), ctx) for p in sorted(points)]
             rows = []
             samples: dict[str, list[Sample]] = {t.name: [] for t in tools}
             for run in range(1, self.args.scaling_runs + 1):
@@ -1213,274 +555,6 @@ class Bench:
         finally:
             self.stop_s3(server)
         return {"points": rows, **linearity(rows)}
-
-
-def linearity(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    pts = [(r["size_bytes"], r["median_wall_s"]) for r in rows if r.get("median_wall_s")]
-    if len(pts) < 2:
-        return {}
-    n = len(pts)
-    mx = sum(x for x, _ in pts) / n
-    my = sum(y for _, y in pts) / n
-    sxx = sum((x - mx) ** 2 for x, _ in pts)
-    slope = sum((x - mx) * (y - my) for x, y in pts) / sxx
-    intercept = my - slope * mx
-    worst = max(abs(y - (intercept + slope * x)) / y for x, y in pts)
-    return {
-        "fit_seconds_per_gib": round(slope * GiB, 3),
-        "fit_fixed_seconds": round(intercept, 3),
-        "fit_worst_deviation_pct": round(100 * worst, 1),
-        "mb_s_smallest_vs_largest": [pts and rows[0]["mb_s"], rows[-1]["mb_s"]],
-    }
-
-
-def summarize(tool: Tool, samples: list[Sample], expected: int) -> dict[str, Any]:
-    row: dict[str, Any] = {
-        "tool": tool.name,
-        "group": tool.group,
-        "label": tool.label,
-        "available": not tool.missing,
-        "note": tool.missing,
-    }
-    good = [s for s in samples if s.ok]
-    row["runs"] = [asdict(s) for s in samples]
-    row["ok"] = bool(samples) and len(good) == len(samples)
-    if not good:
-        row.update(
-            median_wall_s=None,
-            mb_s=None,
-            cpu_s=None,
-            peak_rss_mib=None,
-            server_cpu_s=None,
-            other_cpu_s=None,
-        )
-        if samples:
-            row["note"] = samples[-1].error
-        return row
-    wall = statistics.median(s.wall_s for s in good)
-    row.update(
-        median_wall_s=round(wall, 3),
-        mb_s=round(mb_s(expected, wall), 1),
-        cpu_s=round(statistics.median(s.cpu_s for s in good), 2),
-        peak_rss_mib=round(max(s.peak_rss_bytes for s in good) / MiB, 1),
-        server_cpu_s=round(statistics.median(s.server_cpu_s for s in good), 2),
-        other_cpu_s=round(statistics.median(s.other_cpu_s for s in good), 2),
-        walls=[s.wall_s for s in good],
-    )
-    return row
-
-
-# ---- report ------------------------------------------------------------------------------------
-
-
-def fmt(v: Any, spec: str = "") -> str:
-    return "-" if v is None else format(v, spec)
-
-
-def ratio_rows(rows: list[dict[str, Any]]) -> None:
-    """Time of each row over the prefetch row of its group (>1: slower than prefetch)."""
-    ref = {"s3": "prefetch", "ceiling": "prefetch", "hub": "hf-prefetch"}
-    walls = {r["tool"]: r["median_wall_s"] for r in rows}
-    for r in rows:
-        base = walls.get(ref.get(r["group"], "prefetch"))
-        r["time_vs_prefetch"] = (
-            round(r["median_wall_s"] / base, 2) if base and r["median_wall_s"] else None
-        )
-
-
-def table(rows: list[dict[str, Any]], title: str) -> str:
-    out = [
-        f"### {title}",
-        "",
-        "| tool | runs | median s | MB/s | time / prefetch | CPU s | peak RSS MiB | server CPU s "
-        "| other load CPU s | what |",
-        "|---|---|--:|--:|--:|--:|--:|--:|--:|---|",
-    ]
-    for r in rows:
-        if not r["available"]:
-            out.append(f"| {r['tool']} | - | - | - | - | - | - | - | - | {r['note']} |")
-            continue
-        walls = ", ".join(f"{w:.2f}" for w in r.get("walls", []))
-        note = r["label"] + ("" if r["ok"] else f" **FAILED** {r['note']}")
-        out.append(
-            f"| {r['tool']} | {walls} | {fmt(r['median_wall_s'], '.2f')} | {fmt(r['mb_s'], '.0f')}"
-            f" | {fmt(r.get('time_vs_prefetch'), '.2f')} | {fmt(r['cpu_s'], '.2f')}"
-            f" | {fmt(r['peak_rss_mib'], '.0f')} | {fmt(r['server_cpu_s'], '.2f')}"
-            f" | {fmt(r['other_cpu_s'], '.2f')} | {note} |"
-        )
-    return "\n".join(out)
-
-
-def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
-    rows = {r["tool"]: r for r in res.get("compare", {}).get("rows", [])}
-    out: list[dict[str, Any]] = []
-
-    def wall(name: str) -> float | None:
-        r = rows.get(name)
-        return r["median_wall_s"] if r and r["available"] else None
-
-    pf = wall("prefetch")
-    rivals = {n: wall(n) for n in ("s5cmd", "s5cmd-tuned", "rclone", "rclone-mts8")}
-    rivals = {n: w for n, w in rivals.items() if w}
-    if pf and rivals:
-        best = min(rivals, key=lambda n: rivals[n])
-        out.append(
-            {
-                "target": "S3: wall <= best of s5cmd/rclone",
-                "value": f"{pf:.2f}s vs {best} {rivals[best]:.2f}s",
-                "met": pf <= rivals[best],
-            }
-        )
-    hp, hs = wall("hf-prefetch"), wall("hf-snapshot")
-    if hp and hs:
-        out.append(
-            {
-                "target": "Hub: >= 2x snapshot_download",
-                "value": f"{hs / hp:.2f}x",
-                "met": hs / hp >= 2,
-            }
-        )
-    elif hs:
-        out.append(
-            {
-                "target": "Hub: >= 2x snapshot_download",
-                "value": "hf-prefetch not available",
-                "met": None,
-            }
-        )
-    ceil = [
-        rows[n]["mb_s"] for n in ("ceiling-get", "ceiling-dd") if n in rows and rows[n].get("mb_s")
-    ]
-    if pf and ceil:
-        c = min(ceil)
-        got = rows["prefetch"]["mb_s"]
-        out.append(
-            {
-                "target": ">= 90% of the ceiling (min of GET and dd)",
-                "value": f"{100 * got / c:.0f}% ({got:.0f} of {c:.0f} MB/s)",
-                "met": got >= 0.9 * c,
-            }
-        )
-    rss = [
-        r["peak_rss_mib"]
-        for r in res.get("compare", {}).get("rows", [])
-        if r["tool"] in ("prefetch", "prefetch-noverify", "hf-prefetch") and r["peak_rss_mib"]
-    ]
-    rss += [
-        r["peak_rss_mib"] for r in res.get("scaling", {}).get("points", []) if r["peak_rss_mib"]
-    ]
-    if rss:
-        out.append(
-            {
-                "target": "peak RSS <= 150 MB",
-                "value": f"{max(rss) * MiB / 1e6:.0f} MB "
-                "(max over prefetch rows and scaling points)",
-                "met": max(rss) * MiB <= 150e6,
-            }
-        )
-    pct = res.get("resume", {}).get("median_refetched_pct")
-    if pct is not None:
-        out.append({"target": "resume re-fetches <= 5%", "value": f"{pct:.2f}%", "met": pct <= 5})
-    return out
-
-
-def report(res: dict[str, Any]) -> str:
-    meta = res["meta"]
-    parts = [
-        f"## model-prefetch benchmark ({meta['date']})",
-        "",
-        f"`{meta['command']}`",
-        "",
-        f"Data: {res['dataset']['total'] / MiB:.0f} MiB in {res['dataset']['files']} files "
-        f"({res['dataset']['shards']} shards); {meta['runs']} run(s) per tool, alternating; "
-        f"{meta['cache']}. Machine: {meta['cpus']} CPUs shared by client and server, "
-        f"{meta['mem_gib']} GiB RAM. MB/s = 10^6 bytes/s. CPU s = user+sys of the tool's process "
-        "tree; server CPU s = SeaweedFS / hub server meanwhile; other load = the rest of the "
-        "machine (noise).",
-        "",
-    ]
-    if "compare" in res:
-        rows = res["compare"]["rows"]
-        ratio_rows(rows)
-        parts += [
-            table(
-                [r for r in rows if r["group"] in ("s3", "ceiling")], "S3 (SeaweedFS), whole model"
-            ),
-            "",
-        ]
-        hub = [r for r in rows if r["group"] == "hub"]
-        if hub:
-            parts += [table(hub, "Hugging Face Hub (local Hub-compatible server)"), ""]
-        on = next((r for r in rows if r["tool"] == "prefetch"), None)
-        off = next((r for r in rows if r["tool"] == "prefetch-noverify"), None)
-        if on and off and on.get("median_wall_s") and off.get("median_wall_s"):
-            res["verify_cost"] = {
-                "verify_on_s": on["median_wall_s"],
-                "verify_off_s": off["median_wall_s"],
-                "cost_pct": round(100 * (on["median_wall_s"] / off["median_wall_s"] - 1), 1),
-                "cpu_on_s": on["cpu_s"],
-                "cpu_off_s": off["cpu_s"],
-            }
-            v = res["verify_cost"]
-            parts += [
-                f"Verification: on {v['verify_on_s']:.2f}s / off {v['verify_off_s']:.2f}s "
-                f"({v['cost_pct']:+.1f}% wall), CPU {v['cpu_on_s']:.2f}s vs "
-                f"{v['cpu_off_s']:.2f}s.",
-                "",
-            ]
-    if "small_files" in res:
-        s = res["small_files"]
-        ratio_rows(s["rows"])
-        parts += [
-            table(s["rows"], f"Many small files ({s['files']} x {s['file_size'] // 1024} KiB)"),
-            "",
-        ]
-    if "resume" in res:
-        r = res["resume"]
-        parts += ["### Resume after SIGKILL at 50%", ""]
-        for t in r["trials"]:
-            if "refetched_pct" in t:
-                parts.append(
-                    f"- killed after {t['killed_after_bytes'] / MiB:.0f} MiB written; the "
-                    f"second pull fetched {t['second_pull_bytes_downloaded'] / MiB:.0f} MiB "
-                    f"(resumed {t['second_pull_resumed_bytes'] / MiB:.0f} MiB from the "
-                    f"journal): re-fetched {t['refetched_bytes'] / MiB:.1f} MiB = "
-                    f"**{t['refetched_pct']:.2f}%**{'' if t['ok'] else ' FAILED'}"
-                )
-            else:
-                parts.append(f"- {t['error']}")
-        parts.append("")
-    if "scaling" in res:
-        sc = res["scaling"]
-        parts += [
-            "### Scaling (prefetch pull, verify on)",
-            "",
-            "| size | median s | MB/s | CPU s | peak RSS MiB | runs |",
-            "|--:|--:|--:|--:|--:|---|",
-        ]
-        for r in sc["points"]:
-            parts.append(
-                f"| {r['size_bytes'] / GiB:g} GiB | {fmt(r['median_wall_s'], '.2f')} | "
-                f"{fmt(r['mb_s'], '.0f')} | {fmt(r['cpu_s'], '.2f')} | "
-                f"{fmt(r['peak_rss_mib'], '.0f')} | "
-                f"{', '.join(f'{w:.2f}' for w in r.get('walls', []))} |"
-            )
-        if "fit_seconds_per_gib" in sc:
-            parts += [
-                "",
-                f"Linear fit: {sc['fit_fixed_seconds']:.2f}s + "
-                f"{sc['fit_seconds_per_gib']:.2f}s/GiB; worst point off the line by "
-                f"{sc['fit_worst_deviation_pct']:.1f}%.",
-            ]
-        parts.append("")
-    res["targets"] = targets(res)
-    if res["targets"]:
-        parts += ["### Targets", "", "| target | value | met |", "|---|---|---|"]
-        for t in res["targets"]:
-            met = "n/a" if t["met"] is None else ("yes" if t["met"] else "**no**")
-            parts.append(f"| {t['target']} | {t['value']} | {met} |")
-        parts.append("")
-    return "\n".join(parts)
 
 
 # ---- command line ------------------------------------------------------------------------------
