@@ -7,12 +7,15 @@ warnings, errors) goes to stderr. Every PrefetchError becomes one ``Error: ...``
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -20,21 +23,115 @@ from typing import Any, TypeVar
 import click
 
 from prefetch import __version__
-from prefetch.errors import ConfigError, LayoutError, PrefetchError, VerifyError
+from prefetch.errors import (
+    AccessDeniedError,
+    ChecksumMismatchError,
+    ConfigError,
+    InsufficientSpaceError,
+    LayoutError,
+    LockTimeoutError,
+    MissingChecksumError,
+    NodeGateError,
+    NoMatchingFilesError,
+    NotFoundError,
+    PrefetchError,
+    SourceChangedError,
+    SourceError,
+    TransferError,
+    TransientSourceError,
+    VerifyError,
+)
 from prefetch.progress import NullProgress, ProgressSink, TerminalProgress
+from prefetch.redact import install_filter, printable, redact
 from prefetch.retry import RetryPolicy
 from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.transfer import TransferConfig
-from prefetch.units import format_bytes, parse_size
+from prefetch.sync import SyncResult, VerifyReport
+from prefetch.transfer import Cancelled, TransferConfig
+from prefetch.units import format_bytes, parse_duration, parse_size
 
 F = TypeVar("F", bound=Callable[..., Any])
 log = logging.getLogger("prefetch")
 
 
 def fail(exc: PrefetchError) -> None:
-    click.echo(f"Error: {exc}", err=True)
+    click.echo(f"Error: {printable(redact(str(exc)))}", err=True)
     if exc.hint:
-        click.echo(f"Hint: {exc.hint}", err=True)
+        click.echo(f"Hint: {printable(redact(exc.hint))}", err=True)
+
+
+#: ``error_reason`` in a failed command's ``--json`` object: a stable name per kind of failure,
+#: for scripts (the ``error`` line is for people and may change). Subclasses first: the first
+#: class the exception is an instance of names it.
+ERROR_REASONS: tuple[tuple[type[BaseException], str], ...] = (
+    (ChecksumMismatchError, "checksum_mismatch"),
+    (MissingChecksumError, "missing_checksum"),
+    (VerifyError, "verify_failed"),
+    (NoMatchingFilesError, "no_matching_files"),
+    (NotFoundError, "not_found"),
+    (AccessDeniedError, "access_denied"),
+    (SourceChangedError, "source_changed"),
+    (TransientSourceError, "transient"),
+    (SourceError, "source_error"),
+    (InsufficientSpaceError, "insufficient_space"),
+    (Cancelled, "cancelled"),
+    (TransferError, "transfer_failed"),
+    (LockTimeoutError, "lock_timeout"),
+    (LayoutError, "layout"),
+    (ConfigError, "config"),
+    (click.ClickException, "config"),
+    (NodeGateError, "node_gate"),
+    (PrefetchError, "error"),
+    (KeyboardInterrupt, "cancelled"),
+    (OSError, "os_error"),
+)
+
+
+def error_reason(exc: BaseException) -> str:
+    """The ``error_reason`` of ``exc`` (see ERROR_REASONS); ``internal`` for a bug."""
+    return next((reason for cls, reason in ERROR_REASONS if isinstance(exc, cls)), "internal")
+
+
+def failure_json(exc: BaseException, done: dict[str, Any]) -> str:
+    """A failed command's one JSON object: what it had done, the error and its reason."""
+    if isinstance(exc, click.ClickException):
+        message = exc.format_message()
+    elif isinstance(exc, KeyboardInterrupt):
+        message = "interrupted"
+    else:
+        message = str(exc) or type(exc).__name__
+    message = printable(redact(message))  # as the Error: line shows it: no secrets
+    out = {**done, "error": message.splitlines()[0] if message else message}
+    out["error_reason"] = error_reason(exc)
+    if "ok" in out:
+        out["ok"] = False  # a report cut short by an error is not a clean one
+    return json.dumps(out, sort_keys=True)
+
+
+def json_even_on_failure(new_record: Callable[[dict[str, Any]], Any]) -> Callable[[F], F]:
+    """With ``--json``, the command prints one JSON object on stdout whether it succeeds or not.
+
+    ``new_record(params)`` makes the object (with a ``to_json()``) that the command, called with
+    it as ``record``, fills in as it goes; when the command raises, its ``to_json()`` plus
+    ``error`` and ``error_reason`` are printed before the group turns the error into the usual
+    ``Error: ...`` line on stderr and exit status. Deliberate exits (``sys.exit``) print nothing
+    more: the command has printed its own object by then."""
+
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(**params: Any) -> Any:
+            record = new_record(params)
+            try:
+                return fn(record=record, **params)
+            except (SystemExit, click.exceptions.Exit):
+                raise
+            except BaseException as exc:
+                if params.get("as_json"):
+                    click.echo(failure_json(exc, record.to_json()))
+                raise
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
 
 
 class _Group(click.Group):
@@ -57,7 +154,7 @@ class _Group(click.Group):
         except OSError as exc:
             if debug:
                 raise
-            click.echo(f"Error: {exc}", err=True)
+            click.echo(f"Error: {printable(redact(str(exc)))}", err=True)
             ctx.exit(1)
 
 
@@ -68,9 +165,14 @@ def main(verbose: int) -> None:
     """Pre-fetch model weights to local disk, verified, in the Hugging Face cache layout."""
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        install_filter(handler)  # -vv shows urllib3's requests: never their signatures
     if verbose < 2:
         for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "filelock"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+_NUMBER = re.compile(r"\d+(\.\d+)?")
 
 
 def size_option(value: str | None, name: str) -> int | None:
@@ -94,18 +196,49 @@ def transfer_options(fn: F) -> F:
         click.option("--no-verify", is_flag=True, help="Skip checksum verification (sizes only)."),
         click.option("--attempts", type=click.IntRange(1, 100), default=6, show_default=True,
                      help="Tries per chunk on timeouts, resets, 5xx and throttling."),
+        click.option("--min-rate", default="64KiB", envvar="PREFETCH_MIN_RATE",
+                     show_default=True,
+                     help="Bytes/s a request must average over --stall-timeout, or it is "
+                     "abandoned and retried from its last byte (0: off)."),
+        click.option("--stall-timeout", default="30s", envvar="PREFETCH_STALL_TIMEOUT",
+                     show_default=True, help="Window of the --min-rate rule (e.g. 30s, 2m)."),
+        click.option("--deadline", default="off", envvar="PREFETCH_DEADLINE", show_default=True,
+                     help="Give up (resumably) when the download takes longer (e.g. 2h)."),
     ]  # fmt: skip
     for option in reversed(options):
         fn = option(fn)
     return fn
 
 
+def duration_option(value: str, name: str) -> float | None:
+    """A duration flag ('30s', '2m', '90'; '0'/'off': None), as a click usage error if bad."""
+    text = value.strip()
+    try:
+        return parse_duration(float(text) if _NUMBER.fullmatch(text) else text, field=name)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc)) from exc
+
+
 def make_config(
-    concurrency: int, chunk_size: str, require_checksum: bool, no_verify: bool, attempts: int
+    concurrency: int,
+    chunk_size: str,
+    require_checksum: bool,
+    no_verify: bool,
+    attempts: int,
+    min_rate: str = "64KiB",
+    stall_timeout: str = "30s",
+    deadline: str = "off",
 ) -> TransferConfig:
     size = size_option(chunk_size, "--chunk-size")
     assert size is not None
+    rate = size_option(min_rate, "--min-rate")
+    window = duration_option(stall_timeout, "--stall-timeout")
+    if window is None:
+        raise click.BadParameter("--stall-timeout: must be positive (use --min-rate 0 for off)")
     return TransferConfig(
+        min_rate=rate or 0,
+        stall_window=window,
+        deadline=duration_option(deadline, "--deadline"),
         concurrency=concurrency,
         chunk_size=size,
         buffer_size=min(1024 * 1024, size),
@@ -233,6 +366,7 @@ def pull_spec(
 @click.option("--progress/--no-progress", default=None,
               help="Progress bar (default: when stderr is a terminal).")  # fmt: skip
 @transfer_options
+@json_even_on_failure(lambda params: SyncResult(model=params["name"], source=params["uri"]))
 def pull(
     uri: str,
     dest: str,
@@ -249,6 +383,7 @@ def pull(
     delete: bool,
     as_json: bool,
     progress: bool | None,
+    record: SyncResult,
     **transfer: Any,
 ) -> None:
     """Download a model from URI (s3://bucket/prefix or hf://org/name) into DEST, verified and
@@ -263,7 +398,9 @@ def pull(
         uri, name=name, include=include, exclude=exclude, revision=revision, hf_repo=hf_repo,
         hf_revision=hf_revision, layout_name=layout_name,
     )  # fmt: skip
+    record.model = spec.name
     root = writable_destination(dest)
+    record.path = str(root)
     hub = None
     if spec.source.scheme == "hf":
         from prefetch.sources.hf import HubOptions
@@ -285,8 +422,12 @@ def pull(
         layout = PlainLayout(root)
     show = sys.stderr.isatty() if progress is None else progress
     sink: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()
-    result = sync(spec, source, layout, config, progress=sink, delete=delete,
-                  stop=stop_on_sigterm())  # fmt: skip
+    t0 = time.monotonic()
+    try:
+        result = sync(spec, source, layout, config, progress=sink, delete=delete,
+                      stop=stop_on_sigterm(), so_far=record)  # fmt: skip
+    finally:
+        record.seconds = round(time.monotonic() - t0, 3)
     if result.files_unverified:
         click.echo(
             f"Warning: {len(result.files_unverified)} file(s) had no checksum at the source "
@@ -311,10 +452,11 @@ def pull(
 @main.command("verify")
 @click.argument("dest")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
-def verify_cmd(dest: str, as_json: bool) -> None:
+@json_even_on_failure(lambda params: VerifyReport())
+def verify_cmd(dest: str, as_json: bool, record: VerifyReport) -> None:
     """Re-check the files under DEST against the checksums recorded when they were pulled."""
     from prefetch.layout import PlainLayout
-    from prefetch.sync import VerifyReport, verify_local
+    from prefetch.sync import verify_local
 
     root = Path(dest).expanduser().resolve()
     if not root.is_dir():
@@ -326,23 +468,15 @@ def verify_cmd(dest: str, as_json: bool) -> None:
         layouts = [layout for layout in hub_layouts(root) if layout.recorded()]
         if not layouts:
             raise VerifyError(f"nothing recorded under {root / 'hub'}: no model was pulled there")
-        report = VerifyReport()
-        for layout in layouts:
-            one = verify_local(layout)
-            report.checked += one.checked
-            report.unverifiable += one.unverifiable
-            report.failures += one.failures
     else:
-        report = verify_local(PlainLayout(root))
+        layouts = [PlainLayout(root)]
+    report = record
+    for layout in layouts:
+        report.merge(verify_local(layout))
     if as_json:
-        click.echo(json.dumps({
-            "ok": report.ok,
-            "checked": len(report.checked),
-            "unverifiable": report.unverifiable,
-            "failures": [str(e) for e in report.failures],
-        }, sort_keys=True))  # fmt: skip
+        click.echo(json.dumps(report.to_json(), sort_keys=True))
     for failure in report.failures:
-        click.echo(f"Error: {failure}", err=True)
+        click.echo(f"Error: {printable(str(failure))}", err=True)
     if not as_json and report.ok:
         click.echo(f"{len(report.checked)} files verified under {root}")
     if report.unverifiable:

@@ -16,9 +16,16 @@ builtin where that is true, so callers can also catch them as ``FileNotFoundErro
     │   │   └── NoMatchingFilesError         include/exclude patterns matched nothing
     │   ├── AccessDeniedError (PermissionError)  401/403, bad or missing credentials / token
     │   ├── SourceChangedError               the object changed under a pinned download (ETag/412)
+    │   ├── InvalidListingError              a listed entry that cannot be a file (a negative
+    │   │   │                                size, no blob id, a malformed LFS block): refused
+    │   │   │                                before any byte is fetched
+    │   │   └── UnsafePathError              a path that could escape DEST or clash: `..`, a leading
+    │   │                                    `/`, `.`/empty segments, control characters, a file
+    │   │                                    and a directory of one name, the reserved `.prefetch/`
     │   └── TransientSourceError             timeouts, resets, 5xx, throttling (retried)
     ├── TransferError                        a download could not be completed
-    │   └── InsufficientSpaceError (OSError) not enough free space (before or during the pull)
+    │   ├── InsufficientSpaceError (OSError) not enough free space (before or during the pull)
+    │   └── DeadlineExceededError            the pull's --deadline passed (partials are kept)
     ├── VerifyError
     │   ├── ChecksumMismatchError            carries path, algorithm, expected, actual
     │   └── MissingChecksumError             --require-checksum and the source has none
@@ -77,6 +84,20 @@ class SourceChangedError(SourceError):
     """The remote object changed while we were downloading it (ETag no longer matches)."""
 
 
+class InvalidListingError(SourceError):
+    """The source listed an entry no file can have; the whole snapshot is refused before any
+    byte is fetched, so a hostile or broken server never gets a partial model published."""
+
+
+class UnsafePathError(InvalidListingError):
+    """A listed path that could write outside the destination, into the tool's own state, or
+    over another listed file. ``path`` is the offending path as the source gave it."""
+
+    def __init__(self, message: str, *, path: str, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.path = path
+
+
 class TransientSourceError(SourceError):
     """A failure worth retrying: timeout, connection reset, 5xx, throttling.
 
@@ -94,6 +115,10 @@ class TransferError(PrefetchError):
 
 class InsufficientSpaceError(TransferError, OSError):
     pass
+
+
+class DeadlineExceededError(TransferError):
+    """The transfer's overall deadline passed; it stopped resumably (partials stay journaled)."""
 
 
 class VerifyError(PrefetchError):

@@ -56,9 +56,11 @@ from prefetch.layout import (
     RecordBook,
     RecordedFile,
     atomic_write,
-    entry_checksum,
+    entry_checksums,
     file_entry,
     fsync_file,
+    make_dirs_inside,
+    refuse_symlinks,
     safe_join,
 )
 from prefetch.snapshot import Checksum, RemoteFile, Snapshot
@@ -128,6 +130,15 @@ class HfCacheLayout:
     def staging_dir(self) -> Path:
         return self.state / "partial"
 
+    def prepare(self) -> None:
+        make_dirs_inside(self.cache_dir, self.staging_dir())
+        for d in (self.blobs, self.snapshots):  # scan_cache_dir wants snapshots/ to exist
+            make_dirs_inside(self.cache_dir, d)
+
+    def _dir(self, path: Path) -> Path:
+        """Create ``path`` (below the cache) refusing symlinked components, see make_dirs_inside."""
+        return make_dirs_inside(self.cache_dir, path)
+
     def model_path(self, snapshot: Snapshot) -> Path:
         return self.snapshots / _safe_name(snapshot.revision_id, "snapshot id")
 
@@ -186,13 +197,15 @@ class HfCacheLayout:
         # no version to name it by (a server without ETags): hash the content itself
         return verify.hash_file(staged, Checksum("sha256", ""))
 
-    def publish(self, file: RemoteFile, staged: Path, checksum: Checksum | None) -> None:
-        blob = self.blob_name(file, checksum, staged)
+    def publish(self, file: RemoteFile, staged: Path, checksums: tuple[Checksum, ...]) -> None:
+        # a verified sha256 (served, or a sidecar's) names the blob by its content
+        naming = next((c for c in checksums if _verified_sha256(c)), None)
+        blob = self.blob_name(file, naming or (checksums[0] if checksums else None), staged)
         target = self.blob_path(blob)
-        self.blobs.mkdir(parents=True, exist_ok=True)
-        self.snapshots.mkdir(parents=True, exist_ok=True)  # scan_cache_dir wants it to exist
+        self._dir(self.blobs)
+        self._dir(self.snapshots)  # scan_cache_dir wants it to exist
         _move(staged, target)
-        entry = file_entry(file, checksum or verify.pick(file.checksums))
+        entry = file_entry(file, checksums or verify.checks_for(file.checksums))
         # the same content may come from several source versions (two S3 objects with one
         # sha256): remember them all, or each pull would fetch one of them again
         previous = self._loaded().get(blob, {})
@@ -221,9 +234,9 @@ class HfCacheLayout:
                     hint="run the pull again",
                 )
             links[f.path] = blob
-        self.snapshots.mkdir(parents=True, exist_ok=True)
+        self._dir(self.snapshots)
         self._remove_leftovers()
-        final = self.snapshots / commit
+        final = refuse_symlinks(self.cache_dir, self.snapshots / commit)
         if final.is_dir():
             self._link_all(final, links)
         else:
@@ -317,7 +330,7 @@ class HfCacheLayout:
             return
         if link.is_dir() and not link.is_symlink():
             raise LayoutError(f"cannot link {link}: a directory is in the way")
-        link.parent.mkdir(parents=True, exist_ok=True)
+        self._dir(link.parent)
         tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
@@ -389,6 +402,7 @@ class HfCacheLayout:
         with contextlib.suppress(OSError):
             if path.read_text() == commit:
                 return
+        self._dir(path.parent)
         atomic_write(path, commit.encode())
         _fsync_dir(path.parent)
 
@@ -422,18 +436,21 @@ class HfCacheLayout:
                         local=local,
                         size=int(entry["size"]),
                         version=str(entry.get("version", "")),
-                        checksum=entry_checksum(entry),
+                        checksums=entry_checksums(entry),
                     )
                 )
         return out
 
     def forget(self, path: str) -> None:
         """Drop the blob behind a recorded file (it failed re-verification): the next sync sees
-        it missing and fetches it again; its links come back valid with it."""
+        it missing and fetches it again; its links come back valid with it. A link that leads
+        anywhere but our blobs/ (planted) is removed itself, never what it points to."""
         for rec in self.recorded():
             if rec.path == path:
+                target = Path(os.path.realpath(rec.local))
+                ours = target.parent == Path(os.path.realpath(self.blobs))
                 with contextlib.suppress(OSError):
-                    Path(os.path.realpath(rec.local)).unlink()
+                    (target if ours else rec.local).unlink()
                 self._entries = self._index = None
                 return
 

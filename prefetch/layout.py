@@ -12,40 +12,47 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, Protocol
 
 from filelock import FileLock, Timeout
 
 from prefetch.errors import LayoutError, LockTimeoutError
+from prefetch.paths import STATE_DIR, path_problem
 from prefetch.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.spec import ModelSpec
-
-STATE_DIR = ".prefetch"
 
 
 @dataclass(frozen=True)
 class RecordedFile:
-    """A published file as recorded: where it is on disk and what it must hash to."""
+    """A published file as recorded: where it is on disk and what it must hash to (every one of
+    ``checksums``; empty: checked by size only)."""
 
     path: str  # relative path in the model
     local: Path
     size: int
     version: str
-    checksum: Checksum | None
+    checksums: tuple[Checksum, ...]
 
 
 class Layout(Protocol):
     root: Path
 
+    def prepare(self) -> None:
+        """Create the layout's own directories (state, staging) before the lock is taken,
+        refusing a symbolic link anywhere below the destination (LayoutError)."""
+        ...
+
     def lock_path(self) -> Path: ...
     def staging_dir(self) -> Path: ...
     def is_current(self, file: RemoteFile) -> bool: ...
-    def publish(self, file: RemoteFile, staged: Path, checksum: Checksum | None) -> None:
-        """Move the verified ``staged`` file into place; Transfer hands it over already fsynced."""
+    def publish(self, file: RemoteFile, staged: Path, checksums: tuple[Checksum, ...]) -> None:
+        """Move the verified ``staged`` file into place and record ``checksums`` (those it
+        passed) for ``prefetch verify``; Transfer hands it over already fsynced."""
         ...
 
     def commit(
@@ -61,16 +68,59 @@ class Layout(Protocol):
 
 
 def safe_join(root: Path, relative: str) -> Path:
-    """``root / relative`` for a relative POSIX path that stays inside root; else LayoutError."""
-    pure = PurePosixPath(relative)
-    if (
-        not relative
-        or pure.is_absolute()
-        or any(part in ("..", "", ".") for part in relative.split("/"))
-        or "\0" in relative
-    ):
-        raise LayoutError(f"refusing unsafe file path from the source: {relative!r}")
-    return root.joinpath(*pure.parts)
+    """``root / relative`` for a relative POSIX path that stays inside root, with no directory
+    below root that is a symbolic link (a planted link would lead reads, writes and deletes out
+    of root); else LayoutError. The last component may be a link: the Hugging Face layout's
+    snapshot files are ours, and replacing or removing a link never follows it."""
+    problem = path_problem(relative)
+    if problem is not None:
+        raise LayoutError(f"refusing unsafe file path {relative!r}: {problem}")
+    path = root.joinpath(*relative.split("/"))
+    refuse_symlinks(root, path.parent)
+    return path
+
+
+def refuse_symlinks(root: Path, path: Path) -> Path:
+    """``path`` (root itself or below it) if no existing component below ``root`` up to and
+    including ``path`` is a symbolic link; else LayoutError naming it. ``root`` itself may be a
+    link: the user chose it (a DEST on /mnt, say)."""
+    current = root
+    for part in path.relative_to(root).parts:
+        current = current / part
+        try:
+            mode = os.lstat(current).st_mode
+        except FileNotFoundError:
+            break  # nothing further down exists yet
+        if stat.S_ISLNK(mode):
+            raise _symlink_error(current, root)
+    return path
+
+
+def make_dirs_inside(root: Path, path: Path) -> Path:
+    """``mkdir -p path`` for a ``path`` below ``root``, one component at a time, refusing any
+    that exists as a symbolic link or a non-directory (LayoutError): the tool's directories never
+    lead out of ``root``. ``root`` is created too, and may itself be a link."""
+    root.mkdir(parents=True, exist_ok=True)
+    current = root
+    for part in path.relative_to(root).parts:
+        current = current / part
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(current)
+        mode = os.lstat(current).st_mode
+        if stat.S_ISLNK(mode):
+            raise _symlink_error(current, root)
+        if not stat.S_ISDIR(mode):
+            raise LayoutError(f"cannot create the directory {current}: a file is in the way")
+    return path
+
+
+def _symlink_error(path: Path, root: Path) -> LayoutError:
+    return LayoutError(
+        f"refusing to write through {path}: it is a symbolic link, and model-prefetch never "
+        f"follows links out of {root}",
+        hint="remove the link (or make it a real directory), or choose a DEST that is the "
+        "target itself",
+    )
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -123,10 +173,7 @@ class RecordBook:
     def load(self) -> dict[str, Any]:
         data: dict[str, Any] = {"format": 1, "entries": {}}
         with contextlib.suppress(FileNotFoundError):
-            try:
-                data = json.loads(self.manifest.read_text())
-            except json.JSONDecodeError as exc:
-                raise LayoutError(f"{self.manifest} is corrupt: {exc}") from exc
+            data = self._read_manifest()
         entries: dict[str, Any] = data.setdefault("entries", {})
         with contextlib.suppress(FileNotFoundError):
             for line in self.log.read_text().splitlines():
@@ -136,6 +183,23 @@ class RecordBook:
                     break  # torn last line
                 entries[item["key"]] = item["entry"]
         return data
+
+    def _read_manifest(self) -> dict[str, Any]:
+        """The manifest's records; LayoutError naming the file and the way out when it is not
+        the JSON object we write (a crash cannot cause that: it is replaced atomically)."""
+        try:
+            data = json.loads(self.manifest.read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            problem = f"not JSON ({exc})"
+        else:
+            if isinstance(data, dict) and isinstance(data.get("entries", {}), dict):
+                return data
+            problem = "not the JSON object model-prefetch writes"
+        raise LayoutError(
+            f"the record of what was pulled, {self.manifest}, is corrupt: {problem}",
+            hint=f"move it aside (mv {self.manifest} {self.manifest}.bad) and pull again: "
+            "the model is then fetched and verified again",
+        )
 
     def append(self, key: str, entry: dict[str, Any]) -> None:
         line = json.dumps({"key": key, "entry": entry}, sort_keys=True) + "\n"
@@ -151,18 +215,28 @@ class RecordBook:
                 self.log.unlink()
 
 
-def file_entry(file: RemoteFile, checksum: Checksum | None) -> dict[str, Any]:
-    return {
+def file_entry(file: RemoteFile, checksums: tuple[Checksum, ...]) -> dict[str, Any]:
+    """A file's record. ``checksum`` keeps the first (strongest served) one, as records made
+    before a file could need several checks had it, so an older reader still verifies by it;
+    ``checksums`` has all of them (a CRC from S3 and a sidecar's sha256, say)."""
+    entry: dict[str, Any] = {
         "path": file.path,
         "size": file.size,
         "version": file.version,
-        "checksum": checksum.to_json() if checksum else None,
+        "checksum": checksums[0].to_json() if checksums else None,
     }
+    if len(checksums) > 1:
+        entry["checksums"] = [c.to_json() for c in checksums]
+    return entry
 
 
-def entry_checksum(entry: dict[str, Any]) -> Checksum | None:
-    raw = entry.get("checksum")
-    return Checksum.from_json(raw) if raw else None
+def entry_checksums(entry: dict[str, Any]) -> tuple[Checksum, ...]:
+    """Every checksum a record holds; reads both forms of ``file_entry``."""
+    raw = entry.get("checksums")
+    if raw:
+        return tuple(Checksum.from_json(c) for c in raw)
+    single = entry.get("checksum")
+    return (Checksum.from_json(single),) if single else ()
 
 
 class PlainLayout:
@@ -179,6 +253,9 @@ class PlainLayout:
 
     def staging_dir(self) -> Path:
         return self.state / "partial"
+
+    def prepare(self) -> None:
+        make_dirs_inside(self.root, self.staging_dir())
 
     def model_path(self, snapshot: Snapshot) -> Path:
         return self.root
@@ -197,13 +274,13 @@ class PlainLayout:
         except FileNotFoundError:
             return False
 
-    def publish(self, file: RemoteFile, staged: Path, checksum: Checksum | None) -> None:
+    def publish(self, file: RemoteFile, staged: Path, checksums: tuple[Checksum, ...]) -> None:
         target = safe_join(self.root, file.path)
-        target.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs_inside(self.root, target.parent)
         if target.is_dir():
             raise LayoutError(f"cannot publish {file.path}: a directory is in the way")
         os.replace(staged, target)
-        entry = file_entry(file, checksum)
+        entry = file_entry(file, checksums)
         self.book.append(file.path, entry)
         self._loaded()[file.path] = entry
 
@@ -248,7 +325,7 @@ class PlainLayout:
                 local=safe_join(self.root, p),
                 size=entries[p]["size"],
                 version=entries[p].get("version", ""),
-                checksum=entry_checksum(entries[p]),
+                checksums=entry_checksums(entries[p]),
             )
             for p in paths
             if p in entries

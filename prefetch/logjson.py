@@ -2,19 +2,23 @@
 
 Fields: ``ts`` (UTC, RFC 3339 with milliseconds), ``level``, ``logger``, ``msg``, and when the
 call passed them through ``extra=``: ``model``, ``phase``, ``bytes``, ``rate``, ``error``. An
-exception adds ``error`` (type and message) and ``traceback``. Messages are scrubbed of anything
-that looks like a credential (presigned URL signatures, bearer tokens, Hub tokens, AWS secret
-keys) as a last line of defence; the code never logs them on purpose.
+exception adds ``error`` (type and message) and ``traceback``. Every record passes
+:class:`prefetch.redact.RedactingFilter` and the formatters scrub again: nothing that looks like a
+credential (presigned URL signatures, bearer tokens, Hub tokens, AWS secret keys) is written, and a
+message is one line, control characters escaped. The code never logs secrets on purpose; this is
+the last line of defence against a library's debug log.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 import sys
+import threading
 import time
 from typing import Any, TextIO
+
+from prefetch.redact import install_filter, redact
 
 #: ``extra=`` keys copied into the JSON object, in this order.
 EXTRA_FIELDS = ("model", "phase", "bytes", "rate", "error")
@@ -29,37 +33,8 @@ NOISY_LOGGERS = (
     "asyncio",
 )
 
-_SECRETS = (
-    # presigned URLs: signature, credential and session token query parameters
-    (re.compile(r"(?i)\b(X-Amz-(?:Signature|Credential|Security-Token)=)[^&\s\"']+"), r"\1***"),
-    (re.compile(r"(?i)\b(Signature=|Expires=|Policy=|Key-Pair-Id=)[^&\s\"']+"), r"\1***"),
-    # Authorization headers and bearer tokens
-    (
-        re.compile(
-            r"(?i)\b(authorization[\"']?\s*[:=]\s*[\"']?)(?:bearer\s+|aws4-hmac-sha256\s+)?"
-            r"[^\s\"',}]+"
-        ),
-        r"\1***",
-    ),
-    (re.compile(r"(?i)\b(bearer\s+)[A-Za-z0-9._~+/=-]{8,}"), r"\1***"),
-    # Hugging Face user/org tokens
-    (re.compile(r"\bhf_[A-Za-z0-9]{16,}\b"), "hf_***"),
-    # key=value / "key": "value" pairs whose key names a secret
-    (
-        re.compile(
-            r"(?i)\b((?:aws_)?(?:secret(?:_access)?_key|session_token|password|token)"
-            r"[\"']?\s*[:=]\s*[\"']?)[^\s\"',}&]+"
-        ),
-        r"\1***",
-    ),
-)
-
-
-def scrub(text: str) -> str:
-    """``text`` with credential-looking substrings replaced by ``***``."""
-    for pattern, repl in _SECRETS:
-        text = pattern.sub(repl, text)
-    return text
+#: Kept under its old name for callers: see :func:`prefetch.redact.redact`.
+scrub = redact
 
 
 class JsonFormatter(logging.Formatter):
@@ -106,6 +81,7 @@ def setup_logging(
     """Route every log record to ``stream`` (stderr) in ``fmt`` (json|text), replacing handlers."""
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    install_filter(handler)
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
@@ -113,4 +89,19 @@ def setup_logging(
     root.setLevel(level)
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(max(level, logging.WARNING))
+    # what Python would print on stderr by itself goes through the handler too: one format
+    logging.captureWarnings(True)
+    threading.excepthook = _log_thread_exception
     return handler
+
+
+def _log_thread_exception(args: threading.ExceptHookArgs) -> None:
+    """An exception that ended a thread: one log record, not a raw traceback on stderr."""
+    if args.exc_type is SystemExit:
+        return
+    thread = args.thread.name if args.thread is not None else "?"
+    logging.getLogger("prefetch.thread").error(
+        "uncaught exception in thread %s",
+        thread,
+        exc_info=(args.exc_type, args.exc_value or args.exc_type(), args.exc_traceback),
+    )

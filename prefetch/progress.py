@@ -10,6 +10,7 @@ import threading
 import time
 from typing import Protocol, TextIO
 
+from prefetch.redact import printable, redact
 from prefetch.units import format_bytes, format_seconds
 
 
@@ -69,7 +70,7 @@ class TerminalProgress(NullProgress):
 
     def retry(self, reason: str) -> None:
         if not self._tty:
-            self._stream.write(f"retrying: {reason}\n")
+            self._stream.write(f"retrying: {printable(redact(reason))}\n")
 
     def finish(self) -> None:
         self._draw(force=True)
@@ -84,8 +85,9 @@ class TerminalProgress(NullProgress):
         eta = format_seconds(left / rate) if rate > 0 else "--:--"
         pct = 100.0 * self._done / self._total if self._total else 100.0
         return (
-            f"{self._model} {pct:5.1f}% {format_bytes(self._done)}/{format_bytes(self._total)} "
-            f"{format_bytes(rate)}/s ETA {eta} files {self._files}/{self._total_files}"
+            f"{printable(self._model)} {pct:5.1f}% "
+            f"{format_bytes(self._done)}/{format_bytes(self._total)} {format_bytes(rate)}/s "
+            f"ETA {eta} files {self._files}/{self._total_files}"
         )
 
     def _draw(self, *, force: bool = False) -> None:

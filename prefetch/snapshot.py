@@ -6,6 +6,8 @@ import hashlib
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from prefetch.paths import check_listing
+
 
 @dataclass(frozen=True)
 class Checksum:
@@ -91,6 +93,11 @@ class Snapshot:
     requested_revision: str | None = None  # what the user asked for (branch/tag), if any
     repo_id: str | None = None  # the Hub repo id, when the snapshot belongs to one
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        # every source builds one: a listing that cannot be laid out safely is refused here,
+        # before any byte is fetched (see prefetch.paths)
+        check_listing(self.files)
 
     @property
     def total_bytes(self) -> int:

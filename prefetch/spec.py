@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from prefetch.errors import ConfigError
+from prefetch.paths import ref_name_problem
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,254}$")
@@ -87,6 +88,17 @@ def validate_patterns(patterns: tuple[str, ...], *, field_name: str) -> tuple[st
     return patterns
 
 
+def validate_revision(revision: str, *, field_name: str = "revision") -> str:
+    """A revision must be a valid git ref name (or a commit sha, which is one): it names a file
+    under the cache's ``refs/`` and is sent in URLs, so ``../../x`` is refused up front."""
+    problem = ref_name_problem(revision)
+    if problem is not None:
+        raise ConfigError(
+            f"{field_name}: {revision!r} is not a valid branch, tag or commit name ({problem})"
+        )
+    return revision
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One model to have on the node."""
@@ -112,6 +124,8 @@ class ModelSpec:
         validate_patterns(self.exclude, field_name="exclude")
         if self.source.scheme == "hf" and self.source.revision and self.revision is None:
             object.__setattr__(self, "revision", self.source.revision)
+        for revision in {self.source.revision, self.revision} - {None}:
+            validate_revision(revision)
         if self.hf_repo is not None and (
             not _HF_REPO.match(self.hf_repo) or "/" not in self.hf_repo
         ):

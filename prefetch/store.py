@@ -172,6 +172,28 @@ class Store:
 
         self._update_usage(spec, change)
 
+    def record_pin(self, spec: ModelSpec) -> bool:
+        """Record the config's pin flag for ``spec`` if its entry is in the cache.
+
+        The pin must follow the config whenever it is loaded, not only when bytes are synced: a
+        pin added to a model already cached would otherwise go unrecorded, and once the model
+        left the config it would be evicted although pinned (and an unpin would never free it).
+        Writes only when the record differs; returns whether it did.
+        """
+        entry = self.entry_dir(spec)
+        if not entry.is_dir():
+            return False
+        with self._lock:
+            record = self._read_usage(entry)["models"].get(spec.name)
+        if isinstance(record, dict) and record.get("pin") is spec.pin:
+            return False
+
+        def change(data: dict[str, Any]) -> None:
+            data["models"].setdefault(spec.name, {})["pin"] = spec.pin
+
+        self._update_usage(spec, change)
+        return True
+
     def record_sync(
         self, spec: ModelSpec, *, digest: str, revision: str, files: int, bytes_total: int
     ) -> None:

@@ -28,7 +28,7 @@ from prefetch.progress import NullProgress, ProgressSink
 from prefetch.snapshot import RemoteFile, Snapshot
 from prefetch.sources.base import Source
 from prefetch.spec import ModelSpec
-from prefetch.transfer import Transfer, TransferConfig, staged_name
+from prefetch.transfer import Transfer, TransferConfig, TransferStats, staged_name
 from prefetch.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -38,26 +38,46 @@ SPACE_MARGIN = 64 * 1024 * 1024
 
 @dataclass
 class SyncResult:
+    """What a sync did. :func:`sync` fills one in as it goes, so after a failure the caller's
+    ``so_far`` says what was done before it (``prefetch pull --json`` prints it)."""
+
     model: str
     source: str
-    revision: str
-    path: str
-    files: int
-    bytes_total: int
-    bytes_downloaded: int
-    files_downloaded: int
-    files_verified: int
-    files_unverified: list[str]
-    checksum_algorithms: dict[str, int]
-    deleted: list[str]
-    retries: int
-    checksum_failures: int
-    resumed_bytes: int
-    seconds: float
+    revision: str = ""
+    path: str = ""
+    files: int = 0
+    bytes_total: int = 0
+    bytes_downloaded: int = 0
+    files_downloaded: int = 0
+    files_verified: int = 0
+    files_unverified: list[str] = field(default_factory=list)
+    checksum_algorithms: dict[str, int] = field(default_factory=dict)
+    deleted: list[str] = field(default_factory=list)
+    retries: int = 0
+    checksum_failures: int = 0
+    resumed_bytes: int = 0
+    seconds: float = 0.0
     up_to_date: bool = field(default=False)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+    def note_snapshot(self, snapshot: Snapshot, layout: Layout) -> None:
+        self.source = snapshot.source
+        self.revision = snapshot.revision_id
+        self.path = str(layout.model_path(snapshot))
+        self.files = len(snapshot.files)
+        self.bytes_total = snapshot.total_bytes
+
+    def note_transfer(self, stats: TransferStats) -> None:
+        self.bytes_downloaded = stats.bytes_downloaded
+        self.files_downloaded = stats.files_downloaded
+        self.files_verified = stats.files_verified
+        self.files_unverified = list(stats.unverified)
+        self.checksum_algorithms = dict(stats.checksum_algorithms)
+        self.retries = stats.retries
+        self.checksum_failures = stats.checksum_failures
+        self.resumed_bytes = stats.resumed_bytes
 
 
 def plan(snapshot: Snapshot, layout: Layout) -> list[RemoteFile]:
@@ -95,14 +115,19 @@ def sync(
     lock_timeout: float = 3600.0,
     snapshot: Snapshot | None = None,
     superseded_grace: float = 0.0,
+    so_far: SyncResult | None = None,
 ) -> SyncResult:
     """Bring ``layout`` to the snapshot ``spec`` names. Concurrency-safe (per-model lock).
 
     ``delete``: remove local files the snapshot no longer has, and snapshots a moved ref left
-    behind ``superseded_grace`` seconds ago or more (see ``Layout.commit``)."""
+    behind ``superseded_grace`` seconds ago or more (see ``Layout.commit``). ``so_far``: the
+    result to fill in as the sync goes (read it after a failure); returned on success."""
     progress = progress or NullProgress()
     t0 = time.monotonic()
+    result = so_far if so_far is not None else SyncResult(spec.name, str(spec.source))
     snapshot = snapshot or source.resolve(spec)
+    result.note_snapshot(snapshot, layout)
+    layout.prepare()  # the state directories, refusing symlinks out of the destination
     with model_lock(layout.lock_path(), timeout=lock_timeout):
         todo = plan(snapshot, layout)
         todo_bytes = sum(f.size for f in todo)
@@ -118,8 +143,11 @@ def sync(
             source, layout.staging_dir(), layout.publish, config, progress=progress, stop=stop
         )
         try:
-            stats = transfer.run(todo)
-            deleted = layout.commit(
+            try:
+                transfer.run(todo)
+            finally:
+                result.note_transfer(transfer.stats)
+            result.deleted = layout.commit(
                 snapshot, spec, delete=delete, superseded_grace=superseded_grace
             )
         except OSError as exc:
@@ -132,25 +160,9 @@ def sync(
             ) from exc
         finally:
             progress.finish()
-    return SyncResult(
-        model=spec.name,
-        source=snapshot.source,
-        revision=snapshot.revision_id,
-        path=str(layout.model_path(snapshot)),
-        files=len(snapshot.files),
-        bytes_total=snapshot.total_bytes,
-        bytes_downloaded=stats.bytes_downloaded,
-        files_downloaded=stats.files_downloaded,
-        files_verified=stats.files_verified,
-        files_unverified=stats.unverified,
-        checksum_algorithms=stats.checksum_algorithms,
-        deleted=deleted,
-        retries=stats.retries,
-        checksum_failures=stats.checksum_failures,
-        resumed_bytes=stats.resumed_bytes,
-        seconds=round(time.monotonic() - t0, 3),
-        up_to_date=not todo and not deleted,
-    )
+    result.seconds = round(time.monotonic() - t0, 3)
+    result.up_to_date = not todo and not result.deleted
+    return result
 
 
 @dataclass
@@ -163,9 +175,23 @@ class VerifyReport:
     def ok(self) -> bool:
         return not self.failures
 
+    def merge(self, other: VerifyReport) -> None:
+        self.checked += other.checked
+        self.unverifiable += other.unverifiable
+        self.failures += other.failures
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "checked": len(self.checked),
+            "unverifiable": list(self.unverifiable),
+            "failures": [str(e) for e in self.failures],
+        }
+
 
 def verify_local(layout: Layout, *, read_rate: float | None = None) -> VerifyReport:
-    """Re-hash every recorded file on disk against its recorded checksum.
+    """Re-hash every recorded file on disk against each of its recorded checksums (one read
+    per file), so a file that passed a served CRC and a sidecar's sha256 is held to both.
 
     ``read_rate`` (bytes/s) bounds the read rate, for background re-verification on a busy node.
     """
@@ -190,12 +216,13 @@ def _verify_one(rec: RecordedFile, report: VerifyReport, limiter: _RateLimiter |
             VerifyError(f"{rec.path}: size is {size} bytes, expected {rec.size}")
         )
         return
-    if rec.checksum is None:
+    if not rec.checksums:
         report.unverifiable.append(rec.path)
         return
-    actual = verify.hash_file(rec.local, rec.checksum, reader=limiter)
+    actuals = verify.hash_file_all(rec.local, rec.checksums, reader=limiter)
     try:
-        verify.check(rec.path, rec.checksum, actual)
+        for checksum, actual in zip(rec.checksums, actuals, strict=True):
+            verify.check(rec.path, checksum, actual)
         report.checked.append(rec.path)
     except ChecksumMismatchError as exc:
         report.failures.append(exc)

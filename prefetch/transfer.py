@@ -16,6 +16,21 @@ and filesystems without ``O_DIRECT`` use the ordinary buffered descriptor. A lar
 sequential checksum (sha256 of a Hub LFS file) is hashed while it downloads: a hash worker reads
 back (O_DIRECT) each newly contiguous run of finished chunks.
 
+Hostile or failing servers are bounded three ways. A ranged request that delivers fewer than
+``min_rate`` bytes/s over a ``stall_window`` is abandoned and retried like any transient error (as
+curl's --speed-limit/--speed-time), from the last byte written. ``deadline`` bounds the whole run:
+when it passes the transfer stops (partials stay journaled) and fails with DeadlineExceededError.
+A stop (SIGTERM) takes effect mid-read, not when a buffer fills. All three are enforced by one
+watchdog thread (:class:`_Watchdog`) that aborts the read in progress by shutting its socket down.
+Why a watchdog and not short socket timeouts with the flag checked between reads: a timed-out
+socket file cannot be read again (``SocketIO`` refuses after a timeout, and http.client's buffer
+state is lost), so a timeout would cost the connection anyway, and a timeout shorter than a healthy
+server's pauses turns slow servers into errors; ``shutdown(SHUT_RDWR)`` from another thread wakes a
+blocked ``recv`` at once (Linux, macOS), whatever the timeout, and leaves the healthy path free
+of polling and timeouts. Reads ask for at most :func:`read_slice` bytes so the rule sees bytes as
+they arrive. Not covered: waiting for response headers (bounded by the sources' socket read
+timeout, 60 s) and small objects fetched whole by describe (bounded by the S3 source).
+
 Why threads and not asyncio: the hot path is ``readinto`` a preallocated buffer, ``pwrite``, and a
 CRC/hash update, all of which release the GIL; threads do it without the extra copy asyncio
 streams make, and the agent's event loop simply runs a sync in a worker thread.
@@ -42,6 +57,7 @@ from prefetch import verify
 from prefetch.errors import (
     ChecksumMismatchError,
     ConfigError,
+    DeadlineExceededError,
     InsufficientSpaceError,
     MissingChecksumError,
     PrefetchError,
@@ -73,6 +89,12 @@ class TransferConfig:
     each ranged request; ``piece_size`` (or the chunk size, if smaller) the granularity of resume:
     a killed pull re-fetches at most ``concurrency * piece_size`` bytes. ``direct_io`` writes
     large files with O_DIRECT (buffered writes where the filesystem refuses it).
+
+    ``min_rate`` and ``stall_window``: a ranged request that delivers fewer than ``min_rate``
+    bytes/s over any ``stall_window`` seconds (also a server that sends nothing) is abandoned
+    and retried from its last byte like a connection reset; ``min_rate=0`` turns this off.
+    ``deadline``: seconds the whole transfer may take (None: no limit); when it passes the
+    transfer stops, keeps its partial files and raises DeadlineExceededError.
     """
 
     concurrency: int = 16
@@ -88,6 +110,9 @@ class TransferConfig:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     piece_size: int = 8 * MiB
     direct_io: bool = True
+    min_rate: int = 64 * 1024
+    stall_window: float = 30.0
+    deadline: float | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.concurrency <= 512:
@@ -102,6 +127,12 @@ class TransferConfig:
             raise ConfigError(f"piece size: must be at least 64KiB, got {self.piece_size}")
         if self.retry.attempts < 1:
             raise ConfigError("attempts: must be at least 1")
+        if self.min_rate < 0:
+            raise ConfigError(f"min rate: must be 0 (off) or more, got {self.min_rate}")
+        if not self.stall_window > 0:
+            raise ConfigError(f"stall timeout: must be positive, got {self.stall_window}")
+        if self.deadline is not None and not self.deadline > 0:
+            raise ConfigError(f"deadline: must be positive, got {self.deadline}")
 
 
 @dataclass
@@ -109,6 +140,7 @@ class TransferStats:
     bytes_downloaded: int = 0
     files_downloaded: int = 0
     files_verified: int = 0
+    #: files checked with each algorithm (a file with a sidecar counts under two)
     checksum_algorithms: dict[str, int] = field(default_factory=dict)
     unverified: list[str] = field(default_factory=list)
     retries: int = 0
@@ -125,16 +157,18 @@ class Cancelled(TransferError):
     """The transfer was asked to stop (SIGTERM); resumable state is left on disk."""
 
 
-#: publish(file, staged_path, checksum_used) -> None; called once a file is complete and verified
-PublishFn = Callable[[RemoteFile, Path, Checksum | None], None]
+#: publish(file, staged_path, checksums_verified) -> None; called once a file is complete and
+#: every one of its checks agreed (an empty tuple: it was checked by size only)
+PublishFn = Callable[[RemoteFile, Path, tuple[Checksum, ...]], None]
 
 
 @dataclass
 class _FileJob:
     file: RemoteFile
     staged: Path
-    checksum: Checksum | None
+    checksum: Checksum | None  # the check computed per range (verify.inline_check), if any
     chunks: list[tuple[int, int]]
+    checks: tuple[Checksum, ...] = ()  # every check the file must pass (verify.checks_for)
     journal: Journal | None = None
     fd: int = -1
     dfd: int = -1  # the same file opened with O_DIRECT, or -1
@@ -147,11 +181,12 @@ class _FileJob:
 
 @dataclass
 class _SeqHash:
-    """A sequential checksum (sha256, git-sha1, md5 of one part) fed in file order while the
-    download goes on: a hash worker reads back each newly contiguous run of finished chunks, so
-    only the last run is left to hash when the download ends."""
+    """A large file's sequential checksums (sha256, git-sha1, md5 of one part; one hasher per
+    algorithm) fed in file order while the download goes on: a hash worker reads back each newly
+    contiguous run of finished chunks, once for all of them, so only the last run is left to
+    hash when the download ends."""
 
-    hasher: verify.Hasher
+    hasher: verify.MultiHasher
     next: int = 0  # first chunk not hashed yet
     busy: bool = False  # a hash worker is feeding the hasher
     seal_when_idle: bool = False  # the download ended while busy: seal after this feed
@@ -202,6 +237,8 @@ class Transfer:
         self._stop = stop or threading.Event()
         self._local = threading.local()
         self.stats = TransferStats()
+        self._watchdog = _Watchdog(config, self._stop)
+        self._slice = read_slice(config)
 
     # -- public ------------------------------------------------------------------------------
 
@@ -209,6 +246,7 @@ class Transfer:
         self._staging.mkdir(parents=True, exist_ok=True)
         cfg = self._config
         self._jobs: list[_FileJob] = []
+        self._watchdog.start()
         try:
             with (
                 ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="prefetch-io") as io,
@@ -229,6 +267,7 @@ class Transfer:
                         fut.cancel()
                     raise
         finally:
+            self._watchdog.close()
             # Every worker has stopped: only now is it safe to close descriptors and delete files.
             for job in self._jobs:
                 if job.discard:
@@ -272,6 +311,12 @@ class Transfer:
                 elif kind == "hash":
                     self._finish_verified(item, result, futures)
         if first_error is not None:
+            if self._watchdog.deadline_passed and isinstance(first_error, Cancelled):
+                raise DeadlineExceededError(
+                    f"the transfer did not finish within its deadline of "
+                    f"{self._config.deadline:g}s; the partial files are kept",
+                    hint="run the pull again to resume, or raise --deadline",
+                ) from first_error
             raise first_error
 
     def _describe_more(self, futures: dict[Future[Any], tuple[str, Any]]) -> None:
@@ -284,7 +329,8 @@ class Transfer:
             self._describing += 1
 
     def _start_file(self, file: RemoteFile, futures: dict[Future[Any], tuple[str, Any]]) -> None:
-        checksum = verify.pick(file.checksums) if self._config.verify else None
+        checks = verify.checks_for(file.checksums) if self._config.verify else ()
+        checksum = verify.inline_check(checks)
         if checksum is None and self._config.verify:
             if self._config.require_checksum:
                 raise MissingChecksumError(
@@ -296,7 +342,7 @@ class Transfer:
             self.stats.unverified.append(file.path)
         staged = self._staging / staged_name(file)
         piece = min(self._config.piece_size, self._config.chunk_size)
-        job = _FileJob(file, staged, checksum, plan_chunks(file.size, piece, checksum))
+        job = _FileJob(file, staged, checksum, plan_chunks(file.size, piece, checksum), checks)
         self._jobs.append(job)
         self._open_job(job)
         todo = [i for i in range(len(job.chunks)) if i not in job.journal.done]  # type: ignore[union-attr]
@@ -360,8 +406,10 @@ class Transfer:
             except (OSError, AttributeError) as exc:
                 log.debug("no O_DIRECT for %s (%s): buffered writes", job.staged, exc)
         job.seq = None
-        if job.checksum is not None and verify.mode_of(job.checksum) == "sequential" and large:
-            job.seq = _SeqHash(verify.new_hasher(job.checksum.algorithm, size=job.file.size))
+        sequential = {c.algorithm for c in job.checks if verify.mode_of(c) == "sequential"}
+        if sequential and large:
+            hashers = {a: verify.new_hasher(a, size=job.file.size) for a in sorted(sequential)}
+            job.seq = _SeqHash(verify.MultiHasher(hashers))
 
     def _file_complete(self, job: _FileJob, futures: dict[Future[Any], tuple[str, Any]]) -> None:
         if job.seq is not None and job.seq.busy:
@@ -397,10 +445,11 @@ class Transfer:
         else:
             self._advance_hash(job, futures)
 
-    def _seal(self, job: _FileJob) -> str | None:
+    def _seal(self, job: _FileJob) -> list[str]:
         """A hash worker's part of finishing a file: flush it to disk (so the fsync before
-        publishing is cheap and the coordinator never waits on the disk) and compute its
-        checksum: joined from the journal, or read back for sequential checksums."""
+        publishing is cheap and the coordinator never waits on the disk) and compute the value
+        of each of its checks (in ``job.checks`` order): joined from the journal, finished from
+        the in-order hashers, or read back (small files) in one pass for all that remain."""
         try:
             os.fsync(job.fd)
         except OSError as exc:
@@ -408,30 +457,46 @@ class Transfer:
                 raise _no_space(job, exc) from exc
             raise TransferError(f"cannot write {job.staged}: {exc.strerror}") from exc
         self._close(job)
-        assert job.journal is not None
-        checksum = job.checksum
-        if checksum is None:
-            return None
+        values: dict[int, str] = {}
         if job.seq is not None:
             start = job.chunks[job.seq.next][0] if job.seq.next < len(job.chunks) else job.file.size
             verify.hash_range(
                 job.seq.hasher, job.staged, start, job.file.size, self._config.direct_io
             )
-            return verify.encode(job.seq.hasher.digest(), checksum.encoding)
-        if verify.mode_of(checksum) == "sequential":
+            digests = {a: h.digest() for a, h in job.seq.hasher.hashers.items()}
+            for i, c in enumerate(job.checks):
+                if c.algorithm in digests and verify.mode_of(c) == "sequential":
+                    values[i] = verify.encode(digests[c.algorithm], c.encoding)
+        for i, c in enumerate(job.checks):
+            if i not in values and c is job.checksum:
+                inline = self._inline_value(job)
+                if inline is not None:
+                    values[i] = inline
+        rest = [i for i in range(len(job.checks)) if i not in values]
+        if rest:
+            read = verify.hash_file_all(job.staged, [job.checks[i] for i in rest])
+            values.update(zip(rest, read, strict=True))
+        return [values[i] for i in range(len(job.checks))]
+
+    def _inline_value(self, job: _FileJob) -> str | None:
+        """The inline check's value from the journal's per-chunk results (None: it was not
+        computed inline, as for the sequential check of a file of several chunks)."""
+        assert job.journal is not None and job.checksum is not None
+        if verify.mode_of(job.checksum) == "sequential":
             inline = job.journal.done.get(0) if len(job.chunks) == 1 else None
             # a one-chunk file was hashed as it arrived (see verify.ChunkHasher)
-            return inline if isinstance(inline, str) else verify.hash_file(job.staged, checksum)
+            return inline if isinstance(inline, str) else None
         results = [job.journal.done[i] for i in range(len(job.chunks))]
-        return verify.finish_inline(checksum, results)
+        return verify.finish_inline(job.checksum, results)
 
     def _finish_verified(
-        self, job: _FileJob, actual: str | None, futures: dict[Future[Any], tuple[str, Any]]
+        self, job: _FileJob, actuals: list[str], futures: dict[Future[Any], tuple[str, Any]]
     ) -> None:
         assert job.journal is not None
-        if job.checksum is not None and actual is not None:
+        if job.checks:
             try:
-                verify.check(job.file.path, job.checksum, actual)
+                for checksum, actual in zip(job.checks, actuals, strict=True):
+                    verify.check(job.file.path, checksum, actual)
             except ChecksumMismatchError as exc:
                 self.stats.checksum_failures += 1
                 self._progress.checksum_failure(job.file.path)
@@ -442,10 +507,11 @@ class Transfer:
                 job.attempt += 1
                 self._restart(job, futures)
                 return
-            alg = job.checksum.algorithm
-            self.stats.checksum_algorithms[alg] = self.stats.checksum_algorithms.get(alg, 0) + 1
+            counts = self.stats.checksum_algorithms
+            for checksum in job.checks:
+                counts[checksum.algorithm] = counts.get(checksum.algorithm, 0) + 1
             self.stats.files_verified += 1
-        self._publish(job.file, job.staged, job.checksum)
+        self._publish(job.file, job.staged, job.checks)
         job.journal.remove()
         self.stats.files_downloaded += 1
         self._progress.file_done(job.file.path, job.file.size)
@@ -524,8 +590,11 @@ class Transfer:
 
     def _read_range(self, job: _FileJob, cursor: _Cursor, end: int, view: memoryview) -> None:
         """Read [cursor.pos, end) into the file; cursor.pos always marks what is written and
-        hashed, also when this raises, so a retry continues from exactly there."""
+        hashed, also when this raises, so a retry continues from exactly there. The watchdog may
+        abort the read (stop, stall, deadline): the blocked ``readinto`` then returns or fails at
+        once and the reason it gives replaces whatever the reader said."""
         reader = self._source.open_range(job.file, cursor.pos, end)
+        watch = self._watchdog.watch(reader, f"{job.file.path} bytes {cursor.pos}-{end - 1}")
         try:
             while cursor.pos < end:
                 if self._stop.is_set():
@@ -535,17 +604,24 @@ class Transfer:
                 got = 0
                 try:
                     while got < want:
-                        n = reader.readinto(view[got:want])
+                        try:
+                            n = reader.readinto(view[got : min(want, got + self._slice)])
+                        except PrefetchError:
+                            watch.raise_if_aborted()
+                            raise
+                        watch.raise_if_aborted()
                         if n <= 0:
                             raise TransientSourceError(
                                 f"{job.file.path}: connection closed at byte "
                                 f"{cursor.pos + got} of {job.file.size}"
                             )
                         got += n
+                        watch.received += n
                 finally:
                     if got:  # also on errors: keep what arrived, the retry starts after it
                         self._write(job, view[:got], cursor)
         finally:
+            self._watchdog.unwatch(watch)
             reader.close()
 
     def _write(self, job: _FileJob, data: memoryview, cursor: _Cursor) -> None:
@@ -574,6 +650,120 @@ class _Cursor:
     indices: list[int]
     k: int = 0
     hasher: verify.ChunkHasher | None = None
+
+
+def read_slice(config: TransferConfig) -> int:
+    """Most bytes one ``readinto`` asks for. A socket file's ``readinto`` returns only when the
+    slice is full, so the stall rule counts a request's bytes a slice at a time: slices of an
+    eighth of what a window must deliver keep a request that meets ``min_rate`` from being
+    judged by a half-filled buffer. The buffer is still filled whole before it is written."""
+    if not config.min_rate:
+        return config.buffer_size
+    wanted = int(config.min_rate * config.stall_window / 8)
+    return max(16 * 1024, min(config.buffer_size, wanted))
+
+
+class _Watch:
+    """One ranged read the watchdog looks after. Only its worker writes ``received``; only the
+    watchdog writes the window marks and ``reason`` (under the watchdog's lock)."""
+
+    def __init__(self, reader: Any, what: str, now: float) -> None:
+        self.reader = reader
+        self.what = what
+        self.received = 0
+        self.window_start = now
+        self.window_mark = 0
+        self.reason: PrefetchError | None = None
+
+    def raise_if_aborted(self) -> None:
+        if self.reason is not None:
+            raise self.reason
+
+
+class _Watchdog:
+    """Enforces the stall rule, the deadline and stop on the reads in flight (see the module
+    docstring for why it aborts reads instead of relying on socket timeouts).
+
+    Every ``tick`` seconds it looks at each watched read: a read that received fewer than
+    ``min_rate * stall_window`` bytes since its window started is aborted with a
+    TransientSourceError (the engine retries it from its last byte); otherwise its window starts
+    again. Once ``stop`` is set (by the caller, or by this thread when the deadline passes) every
+    read is aborted with Cancelled. Aborting calls the reader's ``abort()`` (sources shut the
+    socket down); readers without one are in memory and never block.
+    """
+
+    def __init__(self, config: TransferConfig, stop: threading.Event) -> None:
+        self._config = config
+        self._stop = stop
+        self._lock = threading.Lock()
+        self._watches: set[_Watch] = set()
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._deadline_at: float | None = None
+        self.deadline_passed = False
+        self.tick = min(0.5, config.stall_window / 4)
+
+    def start(self) -> None:
+        if self._config.deadline is not None:
+            self._deadline_at = time.monotonic() + self._config.deadline
+        self._done.clear()
+        self._thread = threading.Thread(target=self._run, name="prefetch-watchdog", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def watch(self, reader: Any, what: str) -> _Watch:
+        w = _Watch(reader, what, time.monotonic())
+        with self._lock:
+            self._watches.add(w)
+        return w
+
+    def unwatch(self, w: _Watch) -> None:
+        """After this returns the watchdog never aborts ``w``'s reader (so a reader that finished
+        cleanly may hand its connection back to the pool)."""
+        with self._lock:
+            self._watches.discard(w)
+
+    def _run(self) -> None:
+        while not self._done.wait(self.tick):
+            self.check(time.monotonic())
+
+    def check(self, now: float) -> None:
+        """One look at every read in flight (the thread calls this every ``tick`` seconds)."""
+        if self._deadline_at is not None and now >= self._deadline_at and not self._stop.is_set():
+            self.deadline_passed = True
+            self._stop.set()
+        stopping = self._stop.is_set()
+        cfg = self._config
+        with self._lock:
+            for w in self._watches:
+                if w.reason is not None:
+                    continue
+                if stopping:
+                    self._abort(w, Cancelled("stopped"))
+                    continue
+                elapsed = now - w.window_start
+                if elapsed < cfg.stall_window:
+                    continue
+                got = w.received - w.window_mark
+                if cfg.min_rate and got < cfg.min_rate * cfg.stall_window:
+                    self._abort(w, TransientSourceError(
+                        f"{w.what}: stalled: {got} bytes in the last {elapsed:.0f}s, below the "
+                        f"minimum rate of {cfg.min_rate} bytes/s (--min-rate, --stall-timeout)"
+                    ))  # fmt: skip
+                else:
+                    w.window_start, w.window_mark = now, w.received
+
+    @staticmethod
+    def _abort(w: _Watch, reason: PrefetchError) -> None:
+        w.reason = reason
+        abort = getattr(w.reader, "abort", None)
+        if abort is not None:
+            log.debug("aborting %s: %s", w.what, reason)
+            abort()
 
 
 def group_chunks(

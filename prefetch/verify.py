@@ -8,7 +8,14 @@ Three ways to check a file, chosen from its checksum:
   hashes). The planner aligns chunks to part boundaries, each part is hashed as it arrives, and the
   part digests are hashed at the end: no re-read either.
 * ``sequential``: a whole-object hash that must see the bytes in order (sha256, sha1, md5 of a
-  single-part object, git blob sha1). The file is hashed once it is complete, files in parallel.
+  single-part object, git blob sha1). Large files are fed in order as their pieces land (see
+  ``prefetch.transfer``), small ones hashed once complete.
+
+Which checksums are checked (:func:`checks_for`): the strongest one the serving source states, and
+every one an independent record states (the ``SHA256SUMS`` sidecar). A sidecar is the only check
+that does not come from the server that sent the bytes, so it is never shadowed by the server's
+own checksum: a file may need two checks (a CRC per range and a sha256 in order), and every one of
+them must agree.
 
 Per-chunk results are small (a CRC or a few digests) and go into the resume journal, so a resumed
 download never re-reads what it already checked.
@@ -40,6 +47,8 @@ _HASHLIB = {"sha256": hashlib.sha256, "sha1": hashlib.sha1, "md5": hashlib.md5}
 ALGORITHMS = frozenset(_CRC) | frozenset(_HASHLIB) | {"git-sha1"}
 #: Strongest first; Verify uses the first checksum of a file whose algorithm is known.
 STRENGTH = ("sha256", "sha1", "git-sha1", "crc64nvme", "crc32c", "md5", "crc32")
+#: Origins of checksums that do not come from the server that serves the bytes: always checked.
+INDEPENDENT_ORIGINS = frozenset({"sidecar"})
 READ_BUFFER = 4 * 1024 * 1024
 
 
@@ -96,11 +105,40 @@ def mode_of(checksum: Checksum) -> str:
 
 
 def pick(checksums: Iterable[Checksum]) -> Checksum | None:
-    """The checksum Verify will use: the first known one (sources list strongest first)."""
+    """The first checksum whose algorithm is known (sources list strongest first)."""
     for c in checksums:
         if c.algorithm in ALGORITHMS:
             return c
     return None
+
+
+def checks_for(checksums: Iterable[Checksum]) -> tuple[Checksum, ...]:
+    """Every checksum Verify computes for a file, and all of them must agree.
+
+    The rule: the strongest known checksum the serving source states (its other ones add no
+    independence, only cost), plus every known checksum from an independent record (a
+    ``SHA256SUMS`` sidecar), which the server's own checksum must never shadow. Served first,
+    so a clean file is reported by its strongest served algorithm; duplicates are dropped.
+    """
+    known = [c for c in checksums if c.algorithm in ALGORITHMS]
+    served = pick(c for c in known if c.origin not in INDEPENDENT_ORIGINS)
+    chosen = ([served] if served else []) + [c for c in known if c.origin in INDEPENDENT_ORIGINS]
+    unique: list[Checksum] = []
+    for c in chosen:
+        key = (c.algorithm, normalize(c.value, c.encoding), c.encoding, c.part_sizes)
+        if all((u.algorithm, normalize(u.value, u.encoding), u.encoding, u.part_sizes) != key
+               for u in unique):  # fmt: skip
+            unique.append(c)
+    return tuple(unique)
+
+
+def inline_check(checks: Sequence[Checksum]) -> Checksum | None:
+    """The check computed per range while bytes arrive (and that chunks align to): a CRC or
+    composite one when there is one, else the first (sequential) check."""
+    for c in checks:
+        if mode_of(c) != "sequential":
+            return c
+    return checks[0] if checks else None
 
 
 # ---- inline hashing: per chunk, while the bytes arrive -------------------------------------
@@ -251,6 +289,57 @@ def hash_file(
     if mode == "parts":
         return _composite(checksum, digests)
     return encode(digests[0], checksum.encoding)
+
+
+def hash_file_all(
+    path: Path, checksums: Sequence[Checksum], *, reader: Callable[[int], None] | None = None
+) -> list[str]:
+    """The values of several checksums of the file at ``path``, computed in one read of it
+    (a record with a CRC and a sidecar sha256 costs one pass over the disk, not two)."""
+    size = os.path.getsize(path)
+    hashers = [ChunkHasher(c, 0, size, size) for c in checksums]
+    buf = bytearray(max(min(READ_BUFFER, size), 1))
+    view = memoryview(buf)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        pos = 0
+        while pos < size:
+            n = os.preadv(fd, [view[: min(len(view), size - pos)]], pos)
+            if n == 0:
+                raise OSError(errno.EIO, f"{path} is shorter than {size} bytes")
+            for h in hashers:
+                h.feed(view[:n])
+            pos += n
+            if reader is not None:
+                reader(n)
+    finally:
+        os.close(fd)
+    return [_whole_value(c, h) for c, h in zip(checksums, hashers, strict=True)]
+
+
+def _whole_value(checksum: Checksum, hasher: ChunkHasher) -> str:
+    """The encoded value of a ChunkHasher that saw a whole file."""
+    if mode_of(checksum) == "sequential":
+        value = hasher.result()
+        assert isinstance(value, str)
+        return value
+    return finish_inline(checksum, [hasher.result()])
+
+
+class MultiHasher:
+    """Feeds the same bytes to several hashers: one read-back pass serves every sequential
+    checksum of a file (say the server's sha1 and a sidecar's sha256)."""
+
+    def __init__(self, hashers: dict[str, Hasher]) -> None:
+        self.hashers = hashers
+
+    def update(self, data: bytes | memoryview, /) -> None:
+        for h in self.hashers.values():
+            h.update(data)
+
+    def digest(self) -> bytes:
+        raise TypeError("MultiHasher has one digest per algorithm: use .hashers")
 
 
 def hash_range(h: Hasher, path: Path, start: int, end: int, direct: bool = True) -> None:

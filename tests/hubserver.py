@@ -810,6 +810,11 @@ class HubServer:
             ``/api/resolve-cache/models/{repo}/{sha}/{path}``, as huggingface.co does for public
             namespaced repos. Off by default.
         cdn_url_ttl: seconds a CDN URL stays valid (403 after that).
+
+    Hostile answers, for tests of what a client must refuse: ``tamper_tree`` (settable) gets
+    every ``/tree`` entry and returns what to send instead (a negative size, no ``oid``, an unsafe
+    path); ``hostile_redirects`` maps a repo path to the ``Location`` its ``/resolve`` answers
+    with (a ``302``), e.g. ``file:///etc/passwd``.
     """
 
     def __init__(
@@ -825,6 +830,8 @@ class HubServer:
         self.small_file_redirect = small_file_redirect
         self.cdn_url_ttl = cdn_url_ttl
         self.faults = Faults()
+        self.tamper_tree: Callable[[dict[str, object]], dict[str, object]] | None = None
+        self.hostile_redirects: dict[str, str] = {}
         self._repos: dict[str, HubRepo] = {}
         self._blobs: dict[str, HubFile] = {}  # sha256 -> an LFS file with that content
         self._lock = threading.RLock()
@@ -1263,6 +1270,8 @@ class HubServer:
                 return _error(400, "Invalid cursor")
         page = names[offset : offset + self.tree_page_size]
         entries = [self._entry(commit, p, expand, d) for p, d in page]
+        if self.tamper_tree is not None:
+            entries = [self.tamper_tree(e) for e in entries]
         headers: list[tuple[str, str]] = []
         if offset + self.tree_page_size < len(names):
             cursor = base64.urlsafe_b64encode(
@@ -1351,6 +1360,9 @@ class HubServer:
                 404, f"Entry not found: {path}", "EntryNotFound", [("X-Repo-Commit", commit.sha)]
             )
         common = [("X-Repo-Commit", commit.sha), ("Accept-Ranges", "bytes")]
+        hostile = self.hostile_redirects.get(path)
+        if hostile is not None:
+            return _Response(302, [*common, ("Location", hostile)], file=f)
         if f.is_lfs:
             assert f.sha256 is not None
             expires = int(time.time() + self.cdn_url_ttl)

@@ -42,7 +42,8 @@ def publish(layout: HfCacheLayout, f: RemoteFile, data: bytes, checksum: Checksu
     staged = layout.staging_dir() / f"{f.path.replace('/', '_')}.incomplete"
     staged.parent.mkdir(parents=True, exist_ok=True)
     staged.write_bytes(data)
-    layout.publish(f, staged, checksum if checksum is not None else f.checksum)
+    chosen = checksum if checksum is not None else f.checksum
+    layout.publish(f, staged, (chosen,) if chosen is not None else ())
     assert not staged.exists()
 
 

@@ -35,7 +35,7 @@ def publish_plain(cache: Path, s: ModelSpec, files: dict[str, bytes]) -> PlainLa
         f = RemoteFile(path=path, size=len(data), version="etag-1")
         staged = layout.staging_dir() / "staged"
         staged.write_bytes(data)
-        layout.publish(f, staged, Checksum("sha256", hashlib.sha256(data).hexdigest()))
+        layout.publish(f, staged, (Checksum("sha256", hashlib.sha256(data).hexdigest()),))
         remote.append(f)
     layout.commit(Snapshot(str(s.source), "rev-" + s.name, tuple(remote)), s, delete=False)
     return layout

@@ -8,6 +8,8 @@
     listen: 0.0.0.0:8090                  # /healthz, /readyz, /metrics
     concurrency: 16                       # ranged requests in flight per model sync
     chunkSize: 64MiB
+    minRate: 64KiB                        # a request slower than this over stallTimeout is retried
+    stallTimeout: 30s                     # (from its last byte; minRate 0: off)
     parallelModels: 2                     # models synced at the same time
     verifyInterval: 0                     # re-hash cached files this often (0/off: never)
     verifyReadRate: 200MB                 # bytes/s bound for those reads (0: unbounded)
@@ -24,6 +26,12 @@
         required: true                    # gates /readyz and the startup taint
         hfRepo: org/name                  # s3 only: publish in the HF layout under this id
         pin: false                        # never evicted, even after leaving the config
+
+One model per Hub repo: two models that publish into the same ``hub/models--org--name`` (two
+``hf://`` sources of one repo, whatever their revisions, or an S3 mirror whose ``hfRepo`` is
+another model's repo) are rejected, naming both; merge their include patterns into one model.
+A model's ``pin`` is written into the cache's records each time the config loads, so pinning (or
+unpinning) a model that is already cached takes effect at once, with no download.
 
 Every error is a :class:`~prefetch.errors.ConfigError` whose message starts with the file and the
 field path (``models[1].source: ...``). Unknown keys and duplicate model names are rejected.
@@ -59,6 +67,8 @@ _TOP_KEYS = (
     "listen",
     "concurrency",
     "chunkSize",
+    "minRate",
+    "stallTimeout",
     "parallelModels",
     "verifyInterval",
     "verifyReadRate",
@@ -97,6 +107,9 @@ class AgentConfig:
     listen: str = DEFAULT_LISTEN
     concurrency: int = 16
     chunk_size: int = 64 * MiB
+    #: The engine's stall rule (see TransferConfig): one trickling server cannot hold a sync slot.
+    min_rate: int = 64 * 1024
+    stall_timeout: float = 30.0
     parallel_models: int = 2
     verify_interval: float | None = None
     verify_read_rate: int | None = 200 * 1000 * 1000
@@ -124,6 +137,8 @@ class AgentConfig:
             chunk_size=self.chunk_size,
             buffer_size=min(MiB, self.chunk_size),
             retry=RetryPolicy(),
+            min_rate=self.min_rate,
+            stall_window=self.stall_timeout,
         )
 
     def with_overrides(
@@ -351,7 +366,35 @@ def _models(value: Any, path: str) -> tuple[ModelSpec, ...]:
             )
         seen[spec.name] = i
         specs.append(spec)
+    _reject_shared_repos(specs, path)
     return tuple(specs)
+
+
+def _reject_shared_repos(specs: list[ModelSpec], path: str) -> None:
+    """One model per Hub repo: models sharing ``hub/models--org--name`` would undo each other.
+
+    Every sync deletes what its own include/exclude patterns leave out of the snapshot, a moved
+    branch prunes the snapshots and blobs no ref names, and eviction and re-verification work on
+    the whole repo folder. Two models publishing into one repo (two ``hf://`` sources, or an S3
+    mirror whose ``hfRepo`` is a Hub model's repo) therefore delete each other's files on every
+    resolve and re-download them, both reporting ready. Different revisions do not make it safe:
+    a branch can move onto the commit another model asked for, and then both write one snapshot.
+    Repo ids are compared as the Hub does, ignoring case. Plain models cannot collide: each has
+    its own ``models/<name>`` and names are unique.
+    """
+    owners: dict[str, int] = {}
+    for i, spec in enumerate(specs):
+        repo = spec.repo_id
+        if repo is None:
+            continue
+        first = owners.setdefault(repo.casefold(), i)
+        if first != i:
+            raise ConfigError(
+                f"{path}[{i}] ({spec.name}): same Hub repo as {path}[{first}] "
+                f"({specs[first].name}) ({repo}); one model per repo: merge their include "
+                "patterns",
+                hint="list the repo once, with every file pattern its users need",
+            )
 
 
 def _model(value: Any, where: str) -> ModelSpec:
@@ -425,6 +468,8 @@ def _parse(doc: Any) -> AgentConfig:
         listen=_get(m, "listen", "", _listen, d.listen),
         concurrency=_get(m, "concurrency", "", _int_range(1, 512), d.concurrency),
         chunk_size=_get(m, "chunkSize", "", _chunk_size, d.chunk_size),
+        min_rate=_get(m, "minRate", "", _size, d.min_rate),
+        stall_timeout=_get(m, "stallTimeout", "", _positive_duration, d.stall_timeout),
         parallel_models=_get(m, "parallelModels", "", _int_range(1, 16), d.parallel_models),
         verify_interval=_get(m, "verifyInterval", "", _duration, d.verify_interval),
         verify_read_rate=verify_rate or None,

@@ -21,7 +21,10 @@ A model is *ready* while a complete, verified copy of it is in the cache: after 
 or at start-up when the copy recorded by an earlier run is still whole (sizes checked). A failed
 refresh of a ready model keeps it ready (the copy is still there) and shows the error. One model's
 failure never holds up another: each has its own state and exponential backoff
-(``retryBackoff``). SIGTERM sets every job's stop event (the engine starts no new chunk and leaves
+(``retryBackoff``), and a source that trickles or goes silent fails by the engine's stall rule
+(``minRate`` over ``stallTimeout``, each attempt) instead of holding a ``parallelModels`` slot,
+so the slot passes to the next due model while the stalled one backs off. SIGTERM sets every
+job's stop event (the engine starts no new chunk, interrupts reads in flight and leaves
 resumable partials), closes the server and returns within the grace period.
 """
 
@@ -562,9 +565,26 @@ class Agent:
                 self.metrics.forget_model(name)
         with self._lock:
             self._models = new_states
+        self._record_pins(config)
         for ms in new_states.values():
             self._publish(ms)
         self._poke()
+
+    def _record_pins(self, config: AgentConfig) -> None:
+        """Write each cached model's pin (or unpin) from ``config`` now: a pin changed on a model
+        already in the cache starts no sync, and it must hold even if the model leaves the
+        config before the next one."""
+        for spec in config.models:
+            try:
+                if self.store.record_pin(spec):
+                    log.info(
+                        "%s: recorded %s",
+                        spec.name,
+                        "pinned" if spec.pin else "not pinned",
+                        extra={"model": spec.name, "phase": "config"},
+                    )
+            except OSError as exc:
+                log.warning("%s: cannot record its pin: %s", spec.name, exc)
 
     def _new_state(self, spec: ModelSpec, digest: str, index: int) -> ModelState:
         ms = ModelState(spec=spec, digest=digest, index=index)

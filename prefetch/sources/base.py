@@ -2,17 +2,67 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+import contextlib
+import http.client
+import socket
+from typing import Any, Protocol
 
 from prefetch.snapshot import RemoteFile, Snapshot
 from prefetch.spec import ModelSpec
 
 
 class RangeReader(Protocol):
-    """An open ranged read: fill buffers until the range is exhausted (readinto returns 0)."""
+    """An open ranged read: fill buffers until the range is exhausted (readinto returns 0).
+
+    A reader never returns more than the range: a body that runs past it raises. A reader may
+    also have ``abort()``: callable from any thread, it makes a ``readinto`` blocked on the
+    network return (0 or an error) at once; the engine's watchdog uses it (stop, stall, deadline).
+    """
 
     def readinto(self, buf: memoryview, /) -> int: ...
     def close(self) -> None: ...
+
+
+def range_answer_problem(
+    start: int,
+    end: int,
+    size: int,
+    status: int | None,
+    content_range: str | None,
+    content_length: int | str | None,
+) -> str | None:
+    """What is wrong with the answer to a GET of bytes ``[start, end)`` of a ``size``-byte object,
+    or None when it is exactly that range: status 206, ``Content-Range: bytes start-(end-1)/size``
+    and, when stated, a Content-Length of ``end - start``. Anything else (a server that ignored
+    the Range and sent the whole object with 200, another range, another total) would write the
+    wrong bytes at this offset, so it must be refused, never "fixed up"."""
+    expected = f"bytes {start}-{end - 1}/{size}"
+    if status != 206:
+        return f"the server answered {status}, not 206 (it ignored the Range header)"
+    got = content_range.strip() if content_range is not None else None
+    if got != expected:
+        return f"the server answered Content-Range {got!r}, expected {expected!r}"
+    if content_length is not None and str(content_length).strip() != str(end - start):
+        return f"the body is {str(content_length).strip()} bytes, the range is {end - start}"
+    return None
+
+
+def shutdown_socket_of(response: Any) -> None:
+    """Shut down the socket under an ``http.client`` response (or a urllib3 response wrapping
+    one) so that a read blocked on it in another thread returns now. ``shutdown`` and not
+    ``close``: closing a descriptor another thread is blocked on does not wake it on Linux."""
+    for candidate in (response, getattr(response, "_fp", None)):
+        if isinstance(candidate, http.client.HTTPResponse):
+            sock = getattr(getattr(candidate.fp, "raw", None), "_sock", None)
+            if isinstance(sock, socket.socket):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                return
+    conn = getattr(response, "_connection", None)
+    sock = getattr(conn, "sock", None)
+    if isinstance(sock, socket.socket):
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
 
 
 class Source(Protocol):

@@ -42,8 +42,10 @@ import urllib3
 from prefetch import __version__
 from prefetch.errors import (
     AccessDeniedError,
+    InvalidListingError,
     NoMatchingFilesError,
     NotFoundError,
+    PrefetchError,
     RepoNotFoundError,
     RevisionNotFoundError,
     SourceChangedError,
@@ -52,6 +54,7 @@ from prefetch.errors import (
 )
 from prefetch.retry import RetryPolicy, call_with_deadline, call_with_retries
 from prefetch.snapshot import Checksum, RemoteFile, Snapshot
+from prefetch.sources.base import shutdown_socket_of
 from prefetch.spec import ModelSpec, SourceURI
 
 log = logging.getLogger(__name__)
@@ -355,6 +358,8 @@ class HubSource:
         def translated() -> T:
             try:
                 return fn()
+            except PrefetchError:
+                raise  # already ours (a malformed listing): not an API error to translate
             except Exception as exc:
                 raise translate_api_error(
                     exc, what, repo=self._repo, revision=revision, has_token=bool(self._token)
@@ -384,11 +389,8 @@ class HubSource:
             commit = str(getattr(info, "sha", "") or "")
             if not _COMMIT.match(commit):
                 raise SourceError(f"resolving {repo}@{revision}: the Hub gave no commit sha")
-        entries = self._call(
-            f"listing {repo}@{commit[:12]}",
-            revision,
-            lambda: list(self._api.list_repo_tree(repo, recursive=True, revision=commit)),
-        )
+        listing = f"listing {repo}@{commit[:12]}"
+        entries = self._call(listing, revision, lambda: self._list_tree(commit, listing))
         repo_files = [e for e in entries if isinstance(e, RepoFile)]
         if not repo_files:
             raise NoMatchingFilesError(f"{repo}@{commit[:12]} has no files")
@@ -408,19 +410,43 @@ class HubSource:
             extra={"endpoint": self._endpoint},
         )
 
+    def _list_tree(self, commit: str, what: str) -> list[Any]:
+        """Every entry of the repo at ``commit``. huggingface_hub builds each entry as the pages
+        arrive; one it cannot build (no ``oid``, an ``lfs`` block without its fields) is the
+        server's error: refused at once, not retried, with what was wrong."""
+        try:
+            return list(self._api.list_repo_tree(self._repo, recursive=True, revision=commit))
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise InvalidListingError(
+                f"{what}: the Hub sent a malformed tree entry ({type(exc).__name__}: {exc})"
+            ) from exc
+
     def _remote_file(self, entry: Any, commit: str) -> RemoteFile:
-        path, size = str(entry.path), int(entry.size)
+        path, size = str(entry.path), entry.size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise InvalidListingError(
+                f"{self._repo}: {path!r}: the Hub gave an invalid size {size!r}"
+            )
         lfs = entry.lfs
         if lfs is not None:
             blob = str(lfs.sha256 if hasattr(lfs, "sha256") else lfs["sha256"]).lower()
             algorithm = "sha256"
             if not _SHA256.match(blob):
-                raise SourceError(f"{self._repo}/{path}: the Hub gave a malformed sha256 {blob!r}")
+                raise InvalidListingError(
+                    f"{self._repo}: {path!r}: the Hub gave a malformed sha256 {blob!r}"
+                )
+            lfs_size = lfs.size if hasattr(lfs, "size") else lfs.get("size")
+            if lfs_size != size:
+                raise InvalidListingError(
+                    f"{self._repo}: {path!r}: the Hub gave two sizes, {size!r} and {lfs_size!r}"
+                )
         else:
             blob = str(entry.blob_id).lower()
             algorithm = "git-sha1"
             if not _COMMIT.match(blob):
-                raise SourceError(f"{self._repo}/{path}: the Hub gave a malformed blob id {blob!r}")
+                raise InvalidListingError(
+                    f"{self._repo}: {path!r}: the Hub gave a malformed blob id {blob!r}"
+                )
         return RemoteFile(
             path=path,
             size=size,
@@ -475,6 +501,10 @@ class HubSource:
             if not location:
                 raise SourceError(f"{what}: redirect without a Location from {_redact(url)}")
             url = urljoin(url, location)
+            if urlsplit(url).scheme.lower() not in ("http", "https"):
+                raise SourceError(
+                    f"{what}: refusing a redirect to {_redact(url)!r}: not an HTTP(S) location"
+                )
         else:
             raise SourceError(f"{what}: more than {_MAX_REDIRECTS} redirects")
         reader = self._reader(file, resp, url, start, end, what)
@@ -669,6 +699,7 @@ class _HubRangeReader:
         self._left = length
         self._length_known = length_known
         self._clean = False
+        self._aborted = False
 
     def readinto(self, buf: memoryview, /) -> int:
         if self._left <= 0:
@@ -696,8 +727,14 @@ class _HubRangeReader:
             raise SourceChangedError(f"{self._what}: the body is longer than the range")
         self._clean = True
 
+    def abort(self) -> None:
+        """Make a read blocked in another thread return now (see RangeReader); the connection
+        is then discarded, never handed back to the pool."""
+        self._aborted = True
+        shutdown_socket_of(self._fp if self._fp is not None else self._resp)
+
     def close(self) -> None:
-        if self._clean:
+        if self._clean and not self._aborted:
             self._resp.release_conn()
         else:
             _discard(self._resp)

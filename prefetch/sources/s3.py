@@ -21,12 +21,14 @@ from prefetch.errors import (
     AccessDeniedError,
     BucketNotFoundError,
     NoMatchingFilesError,
+    PrefetchError,
     SourceChangedError,
     SourceError,
     TransientSourceError,
 )
 from prefetch.retry import RetryPolicy, call_with_retries
 from prefetch.snapshot import Checksum, RemoteFile, Snapshot, listing_digest
+from prefetch.sources.base import range_answer_problem, shutdown_socket_of
 from prefetch.spec import SIDECAR_MANIFEST, ModelSpec, SourceURI
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,8 @@ _SIDECAR_LINE = re.compile(r"^([0-9a-fA-F]{64}) [ *](.+)$")
 #: file costs one request instead of two. At most _SMALL_BUDGET bytes wait at any time.
 SMALL_OBJECT = 1024 * 1024
 _SMALL_BUDGET = 64 * 1024 * 1024
+#: A small object's body must arrive within this many seconds (at least 17 KiB/s for 1 MiB).
+SMALL_GET_LIMIT = 60.0
 
 
 def make_s3_client(
@@ -140,32 +144,54 @@ def translate(exc: Exception, what: str) -> Exception:
 
 
 class _S3RangeReader:
-    """The body of one ranged GET.
+    """The body of one ranged GET, never more or less than the ``length`` bytes asked for.
 
     botocore's StreamingBody wraps a urllib3 response whose ``readinto`` reads into a temporary
     bytes object and copies it; reading the ``http.client`` response beneath it (which honours
     Content-Length and chunked encoding) fills our buffer straight from the socket instead. The
-    layers are private, so anything unexpected falls back to the StreamingBody.
+    layers are private, so anything unexpected falls back to the StreamingBody. A body that ends
+    early is a TransientSourceError (the engine retries from the last byte written); one that
+    runs past the range (possible only without a Content-Length) is a SourceError.
     """
 
-    def __init__(self, body: Any, what: str) -> None:
+    def __init__(self, body: Any, what: str, length: int) -> None:
         self._body = body
         self._what = what
+        self._left = length
         raw = getattr(body, "_raw_stream", None)
+        self._raw = raw
         fp = getattr(raw, "_fp", None)
         fresh = getattr(body, "_amount_read", 0) == 0 and not getattr(raw, "_decoded_buffer", None)
         self._fp = fp if isinstance(fp, http.client.HTTPResponse) and fresh else None
 
     def readinto(self, buf: memoryview, /) -> int:
+        if self._left <= 0:
+            return 0
+        view = buf[: self._left] if len(buf) > self._left else buf
+        n = self._read(view)
+        if n <= 0:
+            raise TransientSourceError(
+                f"{self._what}: the body ended {self._left} bytes before the end of the range"
+            )
+        self._left -= n
+        if self._left == 0 and self._read(memoryview(bytearray(1))) > 0:
+            raise SourceError(f"{self._what}: the body is longer than the range")
+        return n
+
+    def _read(self, view: memoryview) -> int:
         if self._fp is not None:
             try:
-                return self._fp.readinto(buf)
+                return self._fp.readinto(view)
             except (OSError, http.client.HTTPException) as exc:
                 raise TransientSourceError(f"{self._what}: {type(exc).__name__}: {exc}") from exc
         try:
-            return int(self._body.readinto(buf))
+            return int(self._body.readinto(view))
         except Exception as exc:
             raise translate(exc, self._what) from exc
+
+    def abort(self) -> None:
+        """Make a read blocked in another thread return now (see RangeReader)."""
+        shutdown_socket_of(self._fp if self._fp is not None else self._raw)
 
     def close(self) -> None:
         self._body.close()
@@ -200,11 +226,15 @@ class S3Source:
         self._small: dict[tuple[str, str], bytes] = {}  # (key, etag) -> body, see SMALL_OBJECT
         self._small_reserved = 0
         self._small_lock = threading.Lock()
+        #: Seconds a whole-object GET of a small object (see SMALL_OBJECT) may take.
+        self.small_get_limit = SMALL_GET_LIMIT
 
     def _call(self, what: str, fn: Any, **kwargs: Any) -> Any:
         def once() -> Any:
             try:
                 return fn(**kwargs)
+            except PrefetchError:
+                raise  # already one of ours (e.g. a stalled small-object GET)
             except Exception as exc:
                 raise translate(exc, what) from exc
 
@@ -370,15 +400,39 @@ class S3Source:
             # the raw bytes: botocore would check the checksum itself, and a mismatch must be
             # found (and handled: delete, retry once) by Verify like for every other file
             raw = getattr(body, "_raw_stream", None)
+            # a trickling server would hold this read for ever (each byte resets the socket's
+            # read timeout), and the engine's stall rule only watches ranged reads: bound it
+            fired = threading.Event()
+
+            def too_slow() -> None:
+                fired.set()
+                shutdown_socket_of(raw)
+
+            cut = threading.Timer(self.small_get_limit, too_slow)
+            cut.daemon = True
+            cut.start()
             try:
                 data = raw.read() if raw is not None else body.read()
+            except Exception as exc:
+                if fired.is_set():
+                    raise TransientSourceError(
+                        f"GET {what}: the body took longer than {self.small_get_limit:g}s "
+                        "(a stalled server)"
+                    ) from exc
+                raise
             finally:
+                cut.cancel()
                 body.close()
             return resp, bytes(data)
 
         resp, data = self._call(f"GET {what}", get)
-        if len(data) != int(resp.get("ContentLength", -1)):
-            raise TransientSourceError(f"GET {what}: got {len(data)} bytes of the object")
+        status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if status != 200:
+            raise SourceError(f"GET {what}: the server answered {status} to a whole-object GET")
+        if len(data) != int(resp.get("ContentLength", -1)) or len(data) != file.size:
+            raise TransientSourceError(
+                f"GET {what}: got {len(data)} bytes of the object, the listing says {file.size}"
+            )
         described = self._described(file, resp, what)
         with self._small_lock:
             self._small[(key, described.version)] = data
@@ -445,11 +499,15 @@ class S3Source:
         if file.version and etag and etag != file.version:
             resp["Body"].close()
             raise SourceChangedError(f"{what}: the object changed during the download")
-        content_range = resp.get("ContentRange")
-        expected = f"bytes {start}-{end - 1}/{file.size}"
-        if content_range is not None and content_range != expected:
+        problem = range_answer_problem(
+            start,
+            end,
+            file.size,
+            resp.get("ResponseMetadata", {}).get("HTTPStatusCode"),
+            resp.get("ContentRange"),
+            resp.get("ContentLength"),
+        )
+        if problem is not None:
             resp["Body"].close()
-            raise SourceChangedError(
-                f"{what}: server answered {content_range!r}, expected {expected!r}"
-            )
-        return _S3RangeReader(resp["Body"], what)
+            raise SourceError(f"{what}: {problem}")
+        return _S3RangeReader(resp["Body"], what, end - start)

@@ -1,0 +1,87 @@
+"""Text fit to print: credentials redacted, control characters escaped.
+
+Two hazards reach our output from outside. Signed URLs and headers: a CDN redirect carries
+``Signature=...``, a presigned S3 URL ``X-Amz-Signature``/``X-Amz-Credential``, a request an
+``Authorization`` header, and with ``-vv`` urllib3 and botocore log them all; :func:`redact`
+replaces their values with ``***``. Names from the source: an S3 key or a file path may hold a
+newline or a terminal escape, so printing it raw could forge a line (``evil\\nError: forged``) or
+drive the terminal; :func:`printable` escapes such characters. :class:`RedactingFilter` applies
+both to every log record a handler emits; the CLI's ``Error:`` line and progress lines call them
+directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import unicodedata
+
+_SECRETS = (
+    # presigned URLs: signature, credential and session token query parameters
+    (re.compile(r"(?i)\b(X-Amz-(?:Signature|Credential|Security-Token)=)[^&\s\"']+"), r"\1***"),
+    (re.compile(r"(?i)\b(Signature=|Expires=|Policy=|Key-Pair-Id=)[^&\s\"']+"), r"\1***"),
+    # Authorization headers (also as logged in a Python dict) and bearer tokens
+    (
+        re.compile(
+            r"(?i)\b(authorization[\"']?\s*[:=]\s*[\"']?)(?:bearer\s+|aws4-hmac-sha256\s+)?"
+            r"[^\s\"',}]+"
+        ),
+        r"\1***",
+    ),
+    (re.compile(r"(?i)\b(bearer\s+)[A-Za-z0-9._~+/=-]{8,}"), r"\1***"),
+    # Hugging Face user/org tokens
+    (re.compile(r"\bhf_[A-Za-z0-9]{16,}\b"), "hf_***"),
+    # key=value / "key": "value" pairs whose key names a secret
+    (
+        re.compile(
+            r"(?i)\b((?:aws_)?(?:secret(?:_access)?_key|session_token|password|token)"
+            r"[\"']?\s*[:=]\s*[\"']?)[^\s\"',}&]+"
+        ),
+        r"\1***",
+    ),
+)
+
+
+def redact(text: str) -> str:
+    """``text`` with signatures, credentials and tokens (in URLs, headers, pairs) as ``***``."""
+    for pattern, repl in _SECRETS:
+        text = pattern.sub(repl, text)
+    return text
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters escaped (``\\n``, ``\\x1b``, ``\\u2028``): one line,
+    nothing a terminal acts on. Everything else, including non-ASCII names, is kept."""
+    if text.isprintable():
+        return text
+    return "".join(_escape(c) for c in text)
+
+
+def _escape(char: str) -> str:
+    """Controls, format characters (bidi overrides, zero-width), line and paragraph separators,
+    lone surrogates (undecodable bytes) and unassigned code points, escaped; the rest kept."""
+    category = unicodedata.category(char)
+    if category[0] == "C" or category in ("Zl", "Zp"):
+        return char.encode("unicode_escape").decode("ascii")
+    return char
+
+
+class RedactingFilter(logging.Filter):
+    """Makes each record's message (with its args) and traceback safe to print: redacted, and
+    on one line. Install it on a handler, so records from every logger (urllib3's too) pass it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed call: logging reports it when formatting
+            return True
+        record.msg, record.args = printable(redact(message)), None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = redact(logging.Formatter().formatException(record.exc_info))
+        return True
+
+
+def install_filter(handler: logging.Handler) -> None:
+    """Add one RedactingFilter to ``handler`` (idempotent)."""
+    if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+        handler.addFilter(RedactingFilter())

@@ -1,0 +1,281 @@
+"""A small S3-compatible server on 127.0.0.1 that misbehaves on request, for hostile-server tests.
+
+It speaks just enough S3 for the S3 source (path-style ``ListObjectsV2``, ``HEAD`` and ``GET`` of
+an object, with ``Range`` and ``If-Match``) and checks no signature, so any credentials work.
+Objects get an opaque ETag by default (neither an MD5 nor a multipart ETag, as with SSE-KMS), so
+the source states no checksum for them: exactly the case where only the range checks stand
+between a lying server and a wrong file. ``put(..., md5_etag=True)`` gives the usual MD5 ETag.
+
+Usage::
+
+    with MisbehavingS3() as s3:
+        s3.put("bucket", "model/weights.bin", data)
+        s3.misbehave(ignore_range=True)               # every object GET, until clear()
+        s3.misbehave(trickle=(1, 0.5), count=1)       # the next GET sends 1 byte every 0.5 s
+        client = s3.client()                          # boto3, pointed here, retries off
+
+A :class:`Misbehaviour` applies to GETs of objects (``key``: only that key) and is used up after
+``count`` responses (``None``: until :meth:`MisbehavingS3.clear`). The first armed rule that
+matches a request applies, alone. Trickling and stalled responses end (the connection closes)
+when the client goes away or the server stops, so a test never leaves a thread behind for long.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+from xml.sax.saxutils import escape
+
+from prefetch.sources.s3 import make_s3_client
+
+
+@dataclass
+class Misbehaviour:
+    """What a GET answer does wrong (combine freely; unset fields behave)."""
+
+    #: Answer a ranged GET with 200 and the whole object, as a server that ignores Range.
+    ignore_range: bool = False
+    #: Content-Range to send instead of the true one: (start, last byte, size) -> header value.
+    content_range: Callable[[int, int, int], str] | None = None
+    #: Send this many bytes fewer than Content-Length states, then close the connection.
+    short_by: int = 0
+    #: Send this many bytes past the range; with ``omit_length`` the client cannot tell by length.
+    long_by: int = 0
+    #: Send no Content-Length (the body ends when the connection closes).
+    omit_length: bool = False
+    #: (n, t): send the body n bytes every t seconds.
+    trickle: tuple[int, float] | None = None
+    #: Send this many bytes of the body, then nothing (the connection stays open).
+    stall_after: int | None = None
+    key: str | None = None
+    count: int | None = None
+
+
+@dataclass
+class _Object:
+    data: bytes
+    etag: str
+
+
+class MisbehavingS3:
+    """The server; a context manager (``endpoint`` is valid once entered)."""
+
+    def __init__(self) -> None:
+        self._objects: dict[tuple[str, str], _Object] = {}
+        self._rules: list[Misbehaviour] = []
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
+        #: (method, key, Range header or None) of every object request, in order
+        self.requests: list[tuple[str, str, str | None]] = []
+        handler = _handler_for(self)
+        self._server = _QuietServer(("127.0.0.1", 0), handler)
+        self._server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def put(self, bucket: str, key: str, data: bytes, *, md5_etag: bool = False) -> str:
+        """Store an object; returns its ETag (opaque unless ``md5_etag``)."""
+        digest = hashlib.md5(data).hexdigest()
+        etag = digest if md5_etag else f"kms-{digest}"
+        with self._lock:
+            self._objects[(bucket, key)] = _Object(data, etag)
+        return etag
+
+    def misbehave(self, **fields: Any) -> Misbehaviour:
+        rule = Misbehaviour(**fields)
+        with self._lock:
+            self._rules.append(rule)
+        return rule
+
+    def clear(self) -> None:
+        with self._lock:
+            self._rules.clear()
+
+    def client(self) -> Any:
+        return make_s3_client(
+            endpoint_url=self.endpoint, access_key="test", secret_key="test", region="us-east-1"
+        )
+
+    def env(self) -> dict[str, str]:
+        """Environment variables pointing a ``prefetch`` subprocess at this server."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": "test",
+            "AWS_SECRET_ACCESS_KEY": "test",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+
+    def _take_rule(self, key: str) -> Misbehaviour | None:
+        with self._lock:
+            for rule in self._rules:
+                if rule.key is not None and rule.key != key:
+                    continue
+                if rule.count is not None:
+                    rule.count -= 1
+                    if rule.count <= 0:
+                        self._rules.remove(rule)
+                return rule
+        return None
+
+    def _object(self, bucket: str, key: str) -> _Object | None:
+        with self._lock:
+            return self._objects.get((bucket, key))
+
+    def _listing(self, bucket: str, prefix: str) -> bytes:
+        with self._lock:
+            found = sorted(
+                (k, o)
+                for (b, k), o in self._objects.items()
+                if b == bucket and k.startswith(prefix)
+            )
+        contents = "".join(
+            f"<Contents><Key>{escape(k)}</Key><LastModified>2026-01-01T00:00:00.000Z"
+            f"</LastModified><ETag>&quot;{o.etag}&quot;</ETag><Size>{len(o.data)}</Size>"
+            "<StorageClass>STANDARD</StorageClass></Contents>"
+            for k, o in found
+        )
+        return (
+            '<?xml version="1.0" encoding="UTF-8"?>'
+            '<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+            f"<Name>{escape(bucket)}</Name><Prefix>{escape(prefix)}</Prefix>"
+            f"<KeyCount>{len(found)}</KeyCount><MaxKeys>1000</MaxKeys>"
+            f"<IsTruncated>false</IsTruncated>{contents}</ListBucketResult>"
+        ).encode()
+
+    def __enter__(self) -> MisbehavingS3:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._closing.set()
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # clients that hang up mid-response are the point of these tests
+
+
+def _handler_for(s3: MisbehavingS3) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            self._serve(head=False)
+
+        def do_HEAD(self) -> None:
+            self._serve(head=True)
+
+        def _serve(self, *, head: bool) -> None:
+            url = urlsplit(self.path)
+            bucket, _, key = unquote(url.path).lstrip("/").partition("/")
+            if not key:
+                query = parse_qs(url.query)
+                self._send(200, {"Content-Type": "application/xml"},
+                           s3._listing(bucket, query.get("prefix", [""])[0]))  # fmt: skip
+                return
+            s3.requests.append((self.command, key, self.headers.get("Range")))
+            obj = s3._object(bucket, key)
+            if obj is None:
+                self._send(404, {}, b"<Error><Code>NoSuchKey</Code></Error>")
+                return
+            if_match = (self.headers.get("If-Match") or "").strip('"')
+            if if_match and if_match != obj.etag:
+                self._send(412, {}, b"<Error><Code>PreconditionFailed</Code></Error>")
+                return
+            headers = {"ETag": f'"{obj.etag}"', "Last-Modified": "Thu, 01 Jan 2026 00:00:00 GMT"}
+            if head:
+                self._send(200, {**headers, "Content-Length": str(len(obj.data))}, b"", head=True)
+                return
+            self._get(obj, key, headers)
+
+        def _get(self, obj: _Object, key: str, headers: dict[str, str]) -> None:
+            size = len(obj.data)
+            rule = s3._take_rule(key) or Misbehaviour()
+            asked = _parse_range(self.headers.get("Range"), size)
+            if asked is None or rule.ignore_range:
+                status, start, end = 200, 0, size
+            else:
+                status, (start, end) = 206, asked
+                make = rule.content_range or (lambda s, last, n: f"bytes {s}-{last}/{n}")
+                headers["Content-Range"] = make(start, end - 1, size)
+            body = obj.data[start:end] + obj.data[end : end + rule.long_by]
+            if not rule.omit_length:
+                headers["Content-Length"] = str(end - start)
+            else:
+                self.close_connection = True
+            sent = body[: max(len(body) - rule.short_by, 0)] if rule.short_by else body
+            self.send_response(status)
+            for k, v in headers.items():
+                self.send_header(k, v)
+            self.end_headers()
+            try:
+                self._write_body(sent, rule)
+            except OSError:
+                self.close_connection = True  # the client went away
+                return
+            if rule.short_by or rule.long_by or rule.stall_after is not None:
+                self.close_connection = True
+
+        def _write_body(self, body: bytes, rule: Misbehaviour) -> None:
+            if rule.stall_after is not None:
+                self.wfile.write(body[: rule.stall_after])
+                self.wfile.flush()
+                self._hold()
+                return
+            if rule.trickle is None:
+                self.wfile.write(body)
+                return
+            n, interval = rule.trickle
+            for off in range(0, len(body), n):
+                self.wfile.write(body[off : off + n])
+                self.wfile.flush()
+                if s3._closing.wait(interval):
+                    return
+
+        def _hold(self) -> None:
+            """Keep the connection open, sending nothing, until the client or server goes."""
+            self.connection.settimeout(0.2)
+            while not s3._closing.is_set():
+                try:
+                    if self.connection.recv(1) == b"":
+                        return
+                except TimeoutError:
+                    continue
+                except OSError:
+                    return
+                time.sleep(0.05)
+
+        def _send(self, status: int, headers: dict[str, str], body: bytes, *, head: bool = False):  # type: ignore[no-untyped-def]
+            self.send_response(status)
+            for k, v in headers.items():
+                self.send_header(k, v)
+            if "Content-Length" not in headers:
+                self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if not head:
+                self.wfile.write(body)
+
+    return Handler
+
+
+def _parse_range(value: str | None, size: int) -> tuple[int, int] | None:
+    """``bytes=a-b`` -> [a, b+1) clipped to the object; None for no (or an unusable) Range."""
+    if not value or not value.startswith("bytes="):
+        return None
+    first, _, last = value[len("bytes=") :].partition("-")
+    if not first.isdigit():
+        return None
+    start = int(first)
+    end = min(int(last) + 1, size) if last.isdigit() else size
+    return (start, end) if start < end else None
