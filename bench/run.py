@@ -173,7 +173,7 @@ class Bench:
     def start_hub(self, root: Path) -> str:
         argv = [
             sys.executable,
-            str(REPO / "tests" / "hubserver.py"),
+            str(REPO / "tests" / "fakes" / "hubserver.py"),
             "--repo",
             HUB_REPO,
             "--dir",

@@ -34,7 +34,7 @@ from prefetch.constants import DEFAULT_LABEL_PREFIX, DEFAULT_STARTUP_TAINT_KEY
 from prefetch.locals3 import SeaweedS3
 from prefetch.modelgen import generate_model, upload_model
 from prefetch.store import Store
-from tests.k8s_stub import KubeStub, running_stub
+from tests.fakes.k8s_stub import KubeStub, running_stub
 
 MiB = 1024 * 1024
 NODE = "gpu-node-1"

@@ -7,7 +7,7 @@ import signal
 import time
 from pathlib import Path
 
-from .hubserver import HubServer, make_model_repo
+from .fakes.hubserver import HubServer, make_model_repo
 from .test_agent import AgentProcess, config_text, wait_for
 from .test_pull_hf import clean_env, hf_check, server_files
 

@@ -1,7 +1,7 @@
 """Hostile and failing servers never yield a wrong file, a hang or a leak.
 
-S3 cases run against :mod:`tests.misbehaving` (a fake S3 that lies on request), Hub cases against
-:mod:`tests.hubserver` and its faults; where both sources must behave alike they are parametrized
+S3 cases run against :mod:`tests.fakes.misbehaving` (a fake S3 that lies on request), Hub cases against
+:mod:`tests.fakes.hubserver` and its faults; where both sources must behave alike they are parametrized
 side by side.
 """
 
@@ -38,8 +38,8 @@ from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.sync import SyncResult, sync
 from prefetch.transfer import TransferConfig
 
-from .hubserver import HubServer, make_model_dir
-from .misbehaving import MisbehavingS3
+from .fakes.hubserver import HubServer, make_model_dir
+from .fakes.misbehaving import MisbehavingS3
 
 MiB = 1024 * 1024
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""Tests of tests/hubserver.py: the protocol against the real huggingface_hub client (run in a
+"""Tests of tests/fakes/hubserver.py: the protocol against the real huggingface_hub client (run in a
 subprocess, since it reads its environment at import), and the raw HTTP details and fault modes
 with http.client."""
 
@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from tests.hubserver import (
+from tests.fakes.hubserver import (
     HubServer,
     default_lfs_rule,
     git_blob_sha1,
@@ -684,7 +684,7 @@ def test_make_model_dir_layout(tmp_path: Path) -> None:
 
 
 def test_command_line_server(model_dir: Path) -> None:
-    command = [sys.executable, "tests/hubserver.py", "--repo", REPO, "--dir", str(model_dir)]
+    command = [sys.executable, "tests/fakes/hubserver.py", "--repo", REPO, "--dir", str(model_dir)]
     with subprocess.Popen(
         command, cwd=Path(__file__).parent.parent, stdout=subprocess.PIPE, text=True
     ) as proc:

@@ -15,7 +15,7 @@ from kubernetes.client.exceptions import ApiException
 from prefetch.agent.node import GateResult, NodeGate, in_cluster_gate, label_key
 from prefetch.constants import DEFAULT_LABEL_PREFIX, DEFAULT_STARTUP_TAINT_KEY
 from prefetch.errors import ConfigError, NodeGateError
-from tests.k8s_stub import KubeStub, apply_json_patch, running_stub, validate_node
+from tests.fakes.k8s_stub import KubeStub, apply_json_patch, running_stub, validate_node
 
 NODE = "ip-10-0-1-23.ec2.internal"
 PREFIX = DEFAULT_LABEL_PREFIX

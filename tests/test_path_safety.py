@@ -32,7 +32,7 @@ from prefetch.sources.hf import HubOptions, open_hub_source
 from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.sync import SyncResult, sync
 
-from .hubserver import HubServer
+from .fakes.hubserver import HubServer
 from .test_pull_hf import FAST, clean_env, run_cli
 from .test_pull_s3 import pull as pull_s3
 from .test_pull_s3 import put

@@ -1,4 +1,4 @@
-"""The Hub sync path end to end against tests/hubserver.py (hub and CDN ports on 127.0.0.1), the
+"""The Hub sync path end to end against tests/fakes/hubserver.py (hub and CDN ports on 127.0.0.1), the
 result checked by huggingface_hub itself in a subprocess (it reads its environment at import),
 plus the Hub source's HTTP checks against canned responses."""
 
@@ -42,7 +42,7 @@ from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.sync import SyncResult, sync, verify_local
 from prefetch.transfer import TransferConfig, staged_name
 
-from .hubserver import HubServer, make_model_dir, write_random_file
+from .fakes.hubserver import HubServer, make_model_dir, write_random_file
 from .test_pull_s3 import journaled_bytes
 
 MiB = 1024 * 1024

@@ -34,7 +34,7 @@ from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.sync import sync, verify_local
 from prefetch.transfer import TransferConfig
 
-from .s3proxy import S3FaultProxy
+from .fakes.s3proxy import S3FaultProxy
 
 MiB = 1024 * 1024
 FAST = TransferConfig(

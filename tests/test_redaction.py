@@ -15,7 +15,7 @@ from prefetch.errors import LayoutError
 from prefetch.logjson import setup_logging
 from prefetch.redact import RedactingFilter, printable, redact
 
-from .hubserver import HubServer, make_model_dir
+from .fakes.hubserver import HubServer, make_model_dir
 from .test_pull_hf import REPO, SHARDS, TOKEN, clean_env, run_cli
 
 SIGNED = (

@@ -1,0 +1,10 @@
+"""Stand-ins for the servers model-prefetch talks to, all on 127.0.0.1 and standard library only:
+
+* :mod:`tests.fakes.hubserver`: a Hugging Face Hub (API, /resolve, a CDN port) with fault rules;
+* :mod:`tests.fakes.misbehaving`: an S3-compatible server that lies on request (ignores Range,
+  trickles, stalls, sends short or long bodies);
+* :mod:`tests.fakes.s3proxy`: a proxy in front of the real local S3 server (SeaweedFS) that
+  corrupts or cuts response bodies and throttles them;
+* :mod:`tests.fakes.k8s_stub`: a Kubernetes API server for nodes (labels, taints, JSON Patch),
+  used through the real kubernetes client.
+"""
