@@ -173,6 +173,11 @@ def strict_schema(schema: Any) -> Any:
     return out
 
 
+def has_crd(doc: Doc) -> bool:
+    """Is there a CRD for this custom resource in the shared folder (which lists only some)?"""
+    return (doc["apiVersion"], doc["kind"]) in crd_schemas()
+
+
 def validate_custom(doc: Doc) -> None:
     key = (doc["apiVersion"], doc["kind"])
     schemas = crd_schemas()
