@@ -1,5 +1,7 @@
 """The data the tools download: a generated model-like data set, served from S3 and a local Hub.
 
+Every byte comes from prefetch.modelgen (the one generator of model files).
+
 Where it lives on the servers (one bucket, one prefix per test) is named here once, so the tools'
 commands (bench/tools.py) and the uploads agree.
 """
@@ -8,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import random
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,32 +17,13 @@ from typing import Any
 
 from harness import MiB, say
 
-from prefetch.modelgen import generate_model
+from prefetch.modelgen import RandomStream, generate_model, random_bytes
 
 BUCKET = "bench"
 MODEL_PREFIX = "model"
 SMALL_PREFIX = "small"
 SCALE_PREFIX = "scale"
 HUB_REPO = "acme/bench"
-
-
-class RandomStream(io.RawIOBase):
-    """``size`` seeded pseudo-random bytes, for uploads that need no local copy."""
-
-    def __init__(self, size: int, seed: int) -> None:
-        self._left = size
-        self._rng = random.Random(seed)
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        n = min(len(b), self._left)
-        if n <= 0:
-            return 0
-        b[:n] = self._rng.randbytes(n)
-        self._left -= n
-        return n
 
 
 def s3_upload_stream(client: Any, key: str, size: int, seed: int, part_size: int) -> None:
@@ -60,8 +42,7 @@ def s3_upload_stream(client: Any, key: str, size: int, seed: int, part_size: int
 def s3_put_small(client: Any, prefix: str, count: int, size: int) -> int:
     """``count`` objects of ``size`` bytes, single-part with SHA256 (as real uploads of mid-size
     files are); returns the bytes uploaded."""
-    rng = random.Random(7)
-    blobs = [(f"{prefix}/file-{i:05d}.bin", rng.randbytes(size)) for i in range(count)]
+    blobs = [(f"{prefix}/file-{i:05d}.bin", random_bytes(size, f"small/{i}")) for i in range(count)]
 
     def put(item: tuple[str, bytes]) -> None:
         client.put_object(Bucket=BUCKET, Key=item[0], Body=item[1], ChecksumAlgorithm="SHA256")

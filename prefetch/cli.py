@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import click
 
-from prefetch import __version__
+from prefetch import __version__, settings
 from prefetch.errors import (
     AccessDeniedError,
     ChecksumMismatchError,
@@ -41,10 +41,11 @@ from prefetch.errors import (
     TransientSourceError,
     VerifyError,
 )
+from prefetch.layout import layout_name_for
 from prefetch.progress import NullProgress, ProgressSink, TerminalProgress
 from prefetch.redact import install_filter, printable, redact
 from prefetch.retry import RetryPolicy
-from prefetch.spec import ModelSpec, parse_source_uri
+from prefetch.spec import ModelSpec, SpecError, parse_source_uri
 from prefetch.sync import SyncResult, VerifyReport
 from prefetch.transfer import Cancelled, TransferConfig
 from prefetch.units import format_bytes, parse_duration, parse_size
@@ -138,7 +139,11 @@ class _Group(click.Group):
     """Turns package errors into one clear line and exit 1, never a traceback."""
 
     def invoke(self, ctx: click.Context) -> Any:
-        debug = os.environ.get("PREFETCH_DEBUG", "") not in ("", "0")
+        try:
+            debug = settings.debug()
+        except ConfigError as exc:
+            fail(exc)
+            ctx.exit(1)
         try:
             return super().invoke(ctx)
         except PrefetchError as exc:
@@ -296,6 +301,10 @@ def hub_options(fn: F) -> F:
     return fn
 
 
+#: The pull flags that set ModelSpec fields, named in messages about combinations of them.
+_FLAG_NAMES = {"revision": "--revision", "hf_repo": "--hf-repo", "hf_revision": "--hf-revision"}
+
+
 def pull_spec(
     uri: str,
     *,
@@ -310,41 +319,25 @@ def pull_spec(
     """The spec and layout name (hf or plain) the pull options describe; ConfigError on a
     combination that makes no sense."""
     source = parse_source_uri(uri)
-    if source.scheme == "hf":
-        if hf_repo or hf_revision:
-            raise ConfigError(
-                "--hf-repo/--hf-revision are for S3 sources; an hf:// source is published "
-                "under its own repo id"
-            )
-        if revision and source.revision and revision != source.revision:
-            raise ConfigError(
-                f"two revisions given: {source.revision!r} in the URI and {revision!r} "
-                "in --revision"
-            )
-    else:
-        if revision:
-            raise ConfigError(
-                "--revision is for hf:// sources; an S3 mirror takes --hf-revision (with --hf-repo)"
-            )
-        if hf_revision and not hf_repo:
-            raise ConfigError("--hf-revision needs --hf-repo org/name")
-        if layout_name == "hf" and not hf_repo:
-            raise ConfigError(
-                "--layout hf needs --hf-repo org/name for an S3 source (the repo id to "
-                "publish under)"
-            )
-    spec = ModelSpec(
-        source=source,
-        name=name,
-        include=include,
-        exclude=exclude,
-        revision=revision or None,
-        hf_repo=hf_repo or None,
-        hf_revision=hf_revision or None,
-    )
-    if layout_name is None:
-        layout_name = "hf" if spec.repo_id is not None else "plain"
-    return spec, layout_name
+    try:
+        spec = ModelSpec(
+            source=source,
+            name=name,
+            include=include,
+            exclude=exclude,
+            revision=revision or None,
+            hf_repo=hf_repo or None,
+            hf_revision=hf_revision or None,
+        )
+    except SpecError as exc:
+        if not exc.cross_field:
+            raise
+        raise ConfigError(exc.render(_FLAG_NAMES), hint=exc.hint) from exc
+    if source.scheme == "s3" and layout_name == "hf" and not hf_repo:
+        raise ConfigError(
+            "--layout hf needs --hf-repo org/name for an S3 source (the repo id to publish under)"
+        )
+    return spec, layout_name_for(spec, layout_name)
 
 
 @main.command()
@@ -389,7 +382,7 @@ def pull(
     """Download a model from URI (s3://bucket/prefix or hf://org/name) into DEST, verified and
     resumable. With the hf layout DEST is an HF_HOME: vLLM with HF_HOME=DEST and HF_HUB_OFFLINE=1
     loads the model from it."""
-    from prefetch.layout import Layout, PlainLayout
+    from prefetch.layout import layout_for
     from prefetch.sources import open_source
     from prefetch.sync import sync
 
@@ -412,14 +405,7 @@ def pull(
             retry=config.retry,
         )
     source = open_source(spec, endpoint_url=endpoint_url, concurrency=config.concurrency, hub=hub)
-    layout: Layout
-    if layout_kind == "hf":
-        from prefetch.hf_layout import HfCacheLayout
-
-        assert spec.repo_id is not None
-        layout = HfCacheLayout(root, spec.repo_id)
-    else:
-        layout = PlainLayout(root)
+    layout = layout_for(spec, root, layout_name=layout_kind)
     show = sys.stderr.isatty() if progress is None else progress
     sink: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()
     t0 = time.monotonic()
@@ -455,24 +441,16 @@ def pull(
 @json_even_on_failure(lambda params: VerifyReport())
 def verify_cmd(dest: str, as_json: bool, record: VerifyReport) -> None:
     """Re-check the files under DEST against the checksums recorded when they were pulled."""
-    from prefetch.layout import PlainLayout
-    from prefetch.sync import verify_local
+    from prefetch.layout import layouts_under
+    from prefetch.sync import verify_layouts
 
     root = Path(dest).expanduser().resolve()
     if not root.is_dir():
         raise LayoutError(f"{root} does not exist or is not a directory")
-    if any((root / "hub").glob("models--*")):
-        # an HF_HOME: every Hugging Face cache repo we recorded there
-        from prefetch.hf_layout import hub_layouts
-
-        layouts = [layout for layout in hub_layouts(root) if layout.recorded()]
-        if not layouts:
-            raise VerifyError(f"nothing recorded under {root / 'hub'}: no model was pulled there")
-    else:
-        layouts = [PlainLayout(root)]
-    report = record
-    for layout in layouts:
-        report.merge(verify_local(layout))
+    layouts = layouts_under(root)  # none: an HF_HOME where we recorded no repo
+    if not layouts:
+        raise VerifyError(f"nothing recorded under {root / 'hub'}: no model was pulled there")
+    report = verify_layouts(layouts, into=record)
     if as_json:
         click.echo(json.dumps(report.to_json(), sort_keys=True))
     for failure in report.failures:

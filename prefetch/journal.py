@@ -39,10 +39,13 @@ class Journal:
             return journal
         if partial_exists and path.exists():
             journal.done = _load(path, header)
-        if not journal.done:
-            tmp = path.with_suffix(path.suffix + ".tmp")
-            tmp.write_text(json.dumps(header, sort_keys=True) + "\n")
-            os.replace(tmp, path)
+        # Always start from a clean file: the header and the records that stand. A journal left by
+        # a crash may end in a torn line, and a record appended after it would be lost with it.
+        lines = [json.dumps(header, sort_keys=True)]
+        lines += [json.dumps({"i": i, "r": r}) for i, r in sorted(journal.done.items())]
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text("\n".join(lines) + "\n")
+        os.replace(tmp, path)
         journal._fh = path.open("a", buffering=1)
         return journal
 

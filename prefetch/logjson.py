@@ -90,6 +90,9 @@ def setup_logging(
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(max(level, logging.WARNING))
     # what Python would print on stderr by itself goes through the handler too: one format
+    # (off first: captureWarnings(True) does nothing when it believes it is on already, even if
+    # something has put warnings.showwarning back since, as a second setup in one process finds)
+    logging.captureWarnings(False)
     logging.captureWarnings(True)
     threading.excepthook = _log_thread_exception
     return handler

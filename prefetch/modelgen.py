@@ -1,22 +1,33 @@
-"""Generated model-like data for the demo, the tests and the benchmark.
+"""Generated model-like data for the demo, the tests, the fake Hub and the benchmark.
 
-Safetensors-like shards (an 8-byte little-endian header length, a JSON header, random bytes) plus
-config/tokenizer JSON, written to disk in bounded memory, and an uploader that stores them in S3
-the ways real uploads do: multipart with a CRC64NVME checksum, single-part with SHA256, plain.
+The one generator of model files: safetensors shards (a valid header describing one ``U8`` tensor,
+then pseudo-random bytes), config/tokenizer JSON, a few small files, all determined by a seed and
+written in bounded memory (4 MiB at a time, so multi-GiB shards cost no RAM); the same bytes as a
+stream for uploads that need no local copy; and an uploader that stores files in S3 the ways real
+uploads do: multipart with a CRC64NVME checksum, single-part with SHA256, plain.
 """
 
 from __future__ import annotations
 
+import array
 import contextlib
+import hashlib
+import io
 import json
 import os
 import random
 import struct
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 MiB = 1024 * 1024
+BLOCK_SIZE = 4 * MiB
+"""Random bytes are made one block at a time (and a block is re-used with stamps, see below)."""
+PAGE_SIZE = 4096
+GIT_BLOB_LIMIT = 10 * MiB
+"""Files under this size also get a git blob sha1 (what the Hub calls a regular file's oid)."""
 
 
 @dataclass(frozen=True)
@@ -26,27 +37,199 @@ class GeneratedFile:
     size: int
 
 
-def _random_file(path: Path, size: int, rng: random.Random, header: bytes = b"") -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as fh:
-        fh.write(header)
-        left = size - len(header)
-        while left > 0:
-            n = min(left, 4 * MiB)
-            fh.write(rng.randbytes(n))
-            left -= n
+@dataclass(frozen=True)
+class WrittenDigests:
+    """Digests computed while a file was written, so nobody reads it again to hash it."""
+
+    sha256: str
+    git_sha1: str | None  # of the git blob, for files under GIT_BLOB_LIMIT
 
 
-def _safetensors_header(size: int, index: int) -> bytes:
-    body = max(size - 1024, 0)
-    tensor = {"dtype": "BF16", "shape": [body // 2], "data_offsets": [0, body]}
-    meta = {
-        "__metadata__": {"format": "pt", "shard": str(index)},
-        f"model.layers.{index}.weight": tensor,
+OnWritten = Callable[[Path, WrittenDigests], None]
+"""Told about every random file written (the fake Hub remembers the digests)."""
+
+
+# ---------------------------------------------------------------------------------- random bytes
+
+
+def random_blocks(size: int, seed: int | str) -> Iterator[bytes | bytearray]:
+    """``size`` deterministic pseudo-random bytes, at most BLOCK_SIZE per item.
+
+    Fast (GB/s): one random block from ``seed`` is re-used with a unique 8-byte stamp at the start
+    of every 4 KiB page, so no two pages of a file (or of files with other seeds) are equal and a
+    reader that confuses offsets is caught.
+    """
+    rng = random.Random(f"hubserver:{seed}")  # the prefix keeps the bytes of earlier versions
+    salt = rng.getrandbits(40) << 24
+    # A smaller file draws a smaller block: the same first bytes (whole 32-bit words), less work.
+    block = rng.randbytes(min(BLOCK_SIZE, -(-size // PAGE_SIZE) * PAGE_SIZE))
+    index = 0
+    remaining = size
+    while remaining > 0:
+        buf = bytearray(block)
+        words = memoryview(buf).cast("Q")
+        pages = len(words) // (PAGE_SIZE // 8)
+        first = salt + index * pages
+        words[:: PAGE_SIZE // 8] = array.array("Q", range(first, first + pages))
+        words.release()
+        take = min(remaining, BLOCK_SIZE)
+        yield buf if take == BLOCK_SIZE else buf[:take]
+        remaining -= take
+        index += 1
+
+
+def random_bytes(size: int, seed: int | str) -> bytes:
+    """:func:`random_blocks` joined: for small files kept in memory."""
+    return b"".join(random_blocks(size, seed))
+
+
+class RandomStream(io.RawIOBase):
+    """The bytes of :func:`random_blocks` as a readable file, for uploads without a local copy."""
+
+    def __init__(self, size: int, seed: int | str) -> None:
+        self._blocks = random_blocks(size, seed)
+        self._pending = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        if not self._pending:
+            block = next(self._blocks, None)
+            if block is None:
+                return 0
+            self._pending = memoryview(block)
+        n = min(len(b), len(self._pending))
+        b[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
+
+
+def safetensors_header(size: int) -> bytes:
+    """An 8-byte length + JSON header (space-padded to 8 bytes) for one U8 tensor filling a file
+    of ``size`` bytes, or ``b""`` when ``size`` is too small to hold one."""
+
+    def text(n: int) -> bytes:
+        meta = {
+            "__metadata__": {"format": "pt"},
+            "weight": {"dtype": "U8", "shape": [n], "data_offsets": [0, n]},
+        }
+        return json.dumps(meta, separators=(",", ":")).encode()
+
+    # The payload length n has at most as many digits as size, so text(size) bounds the header.
+    padded_len = len(text(size)) + (-(8 + len(text(size))) % 8)
+    n = size - 8 - padded_len
+    if n < 0:
+        return b""
+    header = text(n).ljust(padded_len)
+    return struct.pack("<Q", padded_len) + header
+
+
+def write_random_file(
+    path: str | os.PathLike[str], size: int, seed: int | str, *, safetensors: bool = False
+) -> WrittenDigests:
+    """Write ``size`` bytes of :func:`random_blocks` (after a safetensors header describing the
+    rest, with ``safetensors``); returns the digests computed on the way."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sha256 = hashlib.sha256()
+    git = hashlib.sha1(b"blob %d\0" % size) if size < GIT_BLOB_LIMIT else None
+    header = safetensors_header(size) if safetensors else b""
+    with open(out, "wb") as fh:
+        for data in (header, *random_blocks(size - len(header), seed)):
+            sha256.update(data)
+            if git is not None:
+                git.update(data)
+            fh.write(data)
+    return WrittenDigests(sha256.hexdigest(), git.hexdigest() if git is not None else None)
+
+
+# ------------------------------------------------------------------------------------- the model
+
+
+def shard_names(count: int) -> list[str]:
+    """``model.safetensors`` alone, else ``model-0000i-of-0000N.safetensors``."""
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def _text_files(seed: int, shards: Sequence[str], shard_sizes: Sequence[int]) -> dict[str, bytes]:
+    """The model's small JSON/text files, determined by ``seed``."""
+    rng = random.Random(f"hubserver-model:{seed}")
+    vocab = {f"tok{i}_{rng.randrange(1 << 30):x}": i for i in range(256 + seed % 7)}
+    texts: dict[str, bytes] = {
+        ".gitattributes": b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n"
+        b"*.bin filter=lfs diff=lfs merge=lfs -text\n",
+        "config.json": json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": 64 + seed % 32,
+                "num_hidden_layers": 2,
+                "vocab_size": len(vocab),
+                "torch_dtype": "bfloat16",
+                "seed": seed,
+            },
+            indent=2,
+        ).encode(),
+        "generation_config.json": json.dumps(
+            {"bos_token_id": 1, "eos_token_id": 2, "temperature": round(rng.random(), 3)}
+        ).encode(),
+        "tokenizer.json": json.dumps({"version": "1.0", "model": {"vocab": vocab}}).encode(),
+        "tokenizer_config.json": json.dumps({"model_max_length": 4096}).encode(),
+        "subdir/extra.txt": f"extra file for seed {seed}\n".encode()
+        + rng.randbytes(64).hex().encode(),
+        "subdir/nested/deep.json": json.dumps({"deep": True, "seed": seed}).encode(),
     }
-    text = json.dumps(meta).encode()
-    text += b" " * (1024 - 8 - len(text)) if len(text) < 1016 else b""
-    return struct.pack("<Q", len(text)) + text
+    if len(shards) > 1:
+        texts["model.safetensors.index.json"] = json.dumps(
+            {
+                "metadata": {"total_size": sum(shard_sizes)},
+                "weight_map": {f"layer{i}.weight": name for i, name in enumerate(shards)},
+            },
+            indent=2,
+        ).encode()
+    return texts
+
+
+def make_model_dir(
+    directory: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    shard_sizes: Sequence[int] = (3 << 20, 2 << 20),
+    extra_files: Mapping[str, bytes] | None = None,
+    small_files: int = 0,
+    small_file_size: int = 100 * 1024,
+    on_written: OnWritten | None = None,
+) -> dict[str, Path]:
+    """Write a small but realistic model repo to ``directory``; return ``{repo path: file}``.
+
+    Files: ``.gitattributes``, ``config.json``, ``generation_config.json``, ``tokenizer.json``,
+    ``tokenizer_config.json``, ``subdir/extra.txt``, ``subdir/nested/deep.json``, one shard per
+    entry of ``shard_sizes`` (see :func:`shard_names`), for several shards
+    ``model.safetensors.index.json``, ``small_files`` files ``extra/part-NNNN.bin`` and
+    ``extra_files``. Contents depend only on ``seed``; shards are valid safetensors files of
+    exactly the given sizes.
+    """
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    shards = shard_names(len(shard_sizes))
+    texts = _text_files(seed, shards, shard_sizes)
+    texts.update(extra_files or {})
+    out: dict[str, Path] = {}
+    for rel, data in texts.items():
+        target = root / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+        out[rel] = target
+    randoms = [(name, size, True) for name, size in zip(shards, shard_sizes, strict=True)]
+    randoms += [(f"extra/part-{i:04d}.bin", small_file_size, False) for i in range(small_files)]
+    for rel, size, safetensors in randoms:
+        digests = write_random_file(root / rel, size, f"{seed}/{rel}", safetensors=safetensors)
+        if on_written is not None:
+            on_written(root / rel, digests)
+        out[rel] = root / rel
+    return dict(sorted(out.items()))
 
 
 def generate_model(
@@ -58,38 +241,17 @@ def generate_model(
     small_file_size: int = 100 * 1024,
     seed: int = 0,
 ) -> list[GeneratedFile]:
-    """Write a model of about ``total_size`` bytes under ``root``; returns its files."""
-    rng = random.Random(seed)
-    files: list[tuple[str, Path, int]] = []
-
-    def add_json(rel: str, obj: Any) -> None:
-        p = root / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(obj, indent=2))
-        files.append((rel, p, p.stat().st_size))
-
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64}
-    add_json("config.json", {**config, "num_hidden_layers": shards, "seed": seed})
-    add_json("generation_config.json", {"bos_token_id": 1, "eos_token_id": 2})
-    add_json("tokenizer_config.json", {"tokenizer_class": "LlamaTokenizer"})
-    vocab = {f"tok{i}": i for i in range(2000)}
-    add_json("tokenizer.json", {"version": "1.0", "model": {"type": "BPE", "vocab": vocab}})
-    index_map = {}
+    """:func:`make_model_dir` with ``shards`` equal shards making about ``total_size`` bytes;
+    returns its files."""
     shard_size = max(total_size // max(shards, 1), 2048)
-    for i in range(1, shards + 1):
-        rel = f"model-{i:05d}-of-{shards:05d}.safetensors"
-        p = root / rel
-        _random_file(p, shard_size, rng, _safetensors_header(shard_size, i))
-        files.append((rel, p, shard_size))
-        index_map[f"model.layers.{i}.weight"] = rel
-    add_json("model.safetensors.index.json", {"metadata": {"total_size": shard_size * shards},
-                                              "weight_map": index_map})  # fmt: skip
-    for i in range(small_files):
-        rel = f"extra/part-{i:04d}.bin"
-        p = root / rel
-        _random_file(p, small_file_size, rng)
-        files.append((rel, p, small_file_size))
-    return [GeneratedFile(rel, p, size) for rel, p, size in sorted(files)]
+    written = make_model_dir(
+        root,
+        seed=seed,
+        shard_sizes=[shard_size] * max(shards, 1),
+        small_files=small_files,
+        small_file_size=small_file_size,
+    )
+    return [GeneratedFile(rel, path, path.stat().st_size) for rel, path in written.items()]
 
 
 def upload_model(

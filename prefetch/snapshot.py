@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from prefetch.paths import check_listing
@@ -92,7 +92,6 @@ class Snapshot:
     files: tuple[RemoteFile, ...]
     requested_revision: str | None = None  # what the user asked for (branch/tag), if any
     repo_id: str | None = None  # the Hub repo id, when the snapshot belongs to one
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         # every source builds one: a listing that cannot be laid out safely is refused here,

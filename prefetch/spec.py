@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from prefetch.errors import ConfigError
@@ -13,8 +14,46 @@ from prefetch.paths import ref_name_problem
 _DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,254}$")
 _HF_REPO = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$|^[A-Za-z0-9][\w.\-]*$")
+_COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
 #: The sidecar checksum file an S3 prefix may carry (sha256sum format), see README.
 SIDECAR_MANIFEST = "SHA256SUMS"
+#: The ModelSpec fields a rule's message may name (as ``{field}`` in its reason).
+SPEC_FIELDS = ("name", "source", "revision", "include", "exclude", "hf_repo", "hf_revision")
+
+
+class SpecError(ConfigError):
+    """A ModelSpec rule broken: ``field`` is the spec field at fault, ``reason`` says why and
+    may name other fields as ``{hf_repo}``-style placeholders. ``cross_field`` is true for a
+    rule about a combination of fields (its reason names the others).
+
+    ``str()`` names fields by their ModelSpec names (``hf_repo: ...``); a front end whose users
+    know the fields by other names (the CLI's flags, the config file's keys) calls
+    :meth:`render` with its names and the location of the spec, and changes nothing else.
+    """
+
+    def __init__(
+        self, field: str, reason: str, *, cross_field: bool = False, hint: str | None = None
+    ) -> None:
+        self.field = field
+        self.reason = reason
+        self.cross_field = cross_field
+        super().__init__(self.render(), hint=hint)
+
+    def render(self, names: Mapping[str, str] | None = None, *, prefix: str = "") -> str:
+        """The message with each field called by ``names`` (default: its spec name), the
+        faulty field's name preceded by ``prefix`` (e.g. ``models[0].``)."""
+        called = {f: f for f in SPEC_FIELDS} | dict(names or {})
+        return f"{prefix}{called.get(self.field, self.field)}: {self.reason.format_map(called)}"
+
+
+def _escape(text: str) -> str:
+    """``text`` taken literally inside a SpecError reason (braces doubled)."""
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+def _literal(value: object) -> str:
+    """``repr(value)`` taken literally inside a SpecError reason."""
+    return _escape(repr(value))
 
 
 @dataclass(frozen=True)
@@ -74,9 +113,10 @@ def default_model_name(uri: SourceURI) -> str:
 
 def validate_name(name: str, *, field_name: str = "name") -> str:
     if not _DNS_LABEL.match(name):
-        raise ConfigError(
-            f"{field_name}: {name!r} is not a DNS label "
-            "(lowercase letters, digits and '-', at most 63, starting and ending alphanumeric)"
+        raise SpecError(
+            field_name,
+            f"{_literal(name)} is not a DNS label "
+            "(lowercase letters, digits and '-', at most 63, starting and ending alphanumeric)",
         )
     return name
 
@@ -84,7 +124,7 @@ def validate_name(name: str, *, field_name: str = "name") -> str:
 def validate_patterns(patterns: tuple[str, ...], *, field_name: str) -> tuple[str, ...]:
     for p in patterns:
         if not isinstance(p, str) or not p:
-            raise ConfigError(f"{field_name}: patterns must be non-empty strings, got {p!r}")
+            raise SpecError(field_name, f"patterns must be non-empty strings, got {_literal(p)}")
     return patterns
 
 
@@ -93,8 +133,9 @@ def validate_revision(revision: str, *, field_name: str = "revision") -> str:
     under the cache's ``refs/`` and is sent in URLs, so ``../../x`` is refused up front."""
     problem = ref_name_problem(revision)
     if problem is not None:
-        raise ConfigError(
-            f"{field_name}: {revision!r} is not a valid branch, tag or commit name ({problem})"
+        raise SpecError(
+            field_name,
+            f"{_literal(revision)} is not a valid branch, tag or commit name ({_escape(problem)})",
         )
     return revision
 
@@ -114,7 +155,6 @@ class ModelSpec:
     hf_repo: str | None = None
     #: S3 sources with hf_repo: the commit sha to publish under (default: derived from the listing).
     hf_revision: str | None = None
-    extra: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -122,16 +162,61 @@ class ModelSpec:
         validate_name(self.name)
         validate_patterns(self.include, field_name="include")
         validate_patterns(self.exclude, field_name="exclude")
-        if self.source.scheme == "hf" and self.source.revision and self.revision is None:
-            object.__setattr__(self, "revision", self.source.revision)
-        for revision in {self.source.revision, self.revision} - {None}:
-            validate_revision(revision)
+        if self.source.scheme == "hf":
+            self._check_hub_fields()
+        else:
+            self._check_s3_fields()
+        for revision in (self.source.revision, self.revision):
+            if revision is not None:
+                validate_revision(revision)
         if self.hf_repo is not None and (
             not _HF_REPO.match(self.hf_repo) or "/" not in self.hf_repo
         ):
-            raise ConfigError(f"hf_repo: {self.hf_repo!r} is not a Hub repo id like org/name")
-        if self.hf_revision is not None and not re.fullmatch(r"[0-9a-f]{40}", self.hf_revision):
-            raise ConfigError(f"hf_revision: {self.hf_revision!r} is not a 40-hex commit sha")
+            raise SpecError(
+                "hf_repo", f"{_literal(self.hf_repo)} is not a Hub repo id like org/name"
+            )
+        if self.hf_revision is not None and not _COMMIT_SHA.match(self.hf_revision):
+            raise SpecError(
+                "hf_revision", f"{_literal(self.hf_revision)} is not a 40-hex commit sha"
+            )
+
+    def _check_hub_fields(self) -> None:
+        """An hf:// source: publishes under its own repo id, at one revision (the URI's
+        ``@rev`` or ``revision``, not two different ones)."""
+        if self.hf_repo is not None or self.hf_revision is not None:
+            raise SpecError(
+                "hf_repo" if self.hf_repo is not None else "hf_revision",
+                "only for s3:// sources; an hf:// source is published under its own repo id "
+                "(options like {hf_repo} are for S3 sources)",
+                cross_field=True,
+            )
+        uri_revision = self.source.revision
+        if self.revision is not None and uri_revision and self.revision != uri_revision:
+            raise SpecError(
+                "revision",
+                f"{_literal(self.revision)} conflicts with @{_escape(uri_revision)} "
+                "in the source (two revisions given)",
+                cross_field=True,
+            )
+        if uri_revision and self.revision is None:
+            object.__setattr__(self, "revision", uri_revision)
+
+    def _check_s3_fields(self) -> None:
+        """An s3:// source has no revisions; a mirror published in the Hub layout may name
+        the commit to publish under, with the repo id."""
+        if self.revision is not None:
+            raise SpecError(
+                "revision",
+                "S3 sources have no revisions; {revision} is for hf:// sources (an S3 mirror "
+                "takes the 40-hex commit to publish under as {hf_revision}, with {hf_repo})",
+                cross_field=True,
+            )
+        if self.hf_revision is not None and self.hf_repo is None:
+            raise SpecError(
+                "hf_revision",
+                "needs {hf_repo} org/name (the repo id to publish under)",
+                cross_field=True,
+            )
 
     @property
     def repo_id(self) -> str | None:

@@ -16,6 +16,7 @@ vanish at once) and then deletes it.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import json
 import logging
@@ -32,12 +33,20 @@ import psutil
 
 from prefetch.errors import LayoutError
 from prefetch.layout import (
-    STATE_DIR,
+    HUB_DIR,
+    MODELS_DIR,
+    HfCacheLayout,
     Layout,
     PlainLayout,
     atomic_write,
-    layout_for_model,
+    check_repo_folder,
+    is_repo_folder,
+    layout_for,
+    make_dirs_inside,
+    model_dir,
     model_lock,
+    repo_id_of,
+    repo_state_dir,
 )
 from prefetch.spec import ModelSpec
 
@@ -45,8 +54,6 @@ log = logging.getLogger(__name__)
 
 USAGE_FILE = "usage.json"
 TRASH_DIR = ".trash"
-HUB_DIR = "hub"
-MODELS_DIR = "models"
 
 
 @dataclass
@@ -113,23 +120,28 @@ class Store:
     # -- where things are ----------------------------------------------------------------------
 
     def entry_key(self, spec: ModelSpec) -> str:
-        if spec.repo_id is not None:
-            return f"{HUB_DIR}/models--{spec.repo_id.replace('/', '--')}"
-        return f"{MODELS_DIR}/{spec.name}"
+        """``hub/models--<org>--<name>`` or ``models/<name>``: the entry ``spec`` lives in."""
+        return self._key(self.entry_dir(spec))
 
     def entry_dir(self, spec: ModelSpec) -> Path:
-        return self.cache_dir / self.entry_key(spec)
+        return self.layout(spec).root
 
     def layout(self, spec: ModelSpec) -> Layout:
-        return layout_for_model(spec, self.cache_dir)
+        return layout_for(spec, self.cache_dir, shared=True)
+
+    def _key(self, entry_dir: Path) -> str:
+        return entry_dir.relative_to(self.cache_dir).as_posix()
+
+    def _is_hub_entry(self, entry_dir: Path) -> bool:
+        return entry_dir.parent == self.cache_dir / HUB_DIR
 
     def _state_dir(self, entry_dir: Path) -> Path:
-        """Our state for an entry: inside a plain entry, but outside ``hub/`` for Hub repos
-        (huggingface_hub's cache scan must see pristine repo folders), beside the
-        HfCacheLayout's records."""
-        if entry_dir.parent.name == HUB_DIR:
-            return self.cache_dir / STATE_DIR / HUB_DIR / entry_dir.name
-        return entry_dir / STATE_DIR
+        """Our state for an entry, where its layout keeps it: inside a plain entry, but outside
+        ``hub/`` for Hub repos (huggingface_hub's cache scan must see pristine repo folders),
+        beside the HfCacheLayout's records."""
+        if self._is_hub_entry(entry_dir):
+            return repo_state_dir(self.cache_dir, entry_dir.name)
+        return PlainLayout(entry_dir).state
 
     def _usage_path(self, entry_dir: Path) -> Path:
         return self._state_dir(entry_dir) / USAGE_FILE
@@ -278,7 +290,7 @@ class Store:
 
     def _entry_dirs(self) -> Iterator[tuple[str, Path]]:
         for kind, sub, accept in (
-            ("hub", HUB_DIR, lambda n: n.startswith("models--")),
+            ("hub", HUB_DIR, is_repo_folder),
             ("plain", MODELS_DIR, lambda n: not n.startswith(".")),
         ):
             base = self.cache_dir / sub
@@ -300,7 +312,7 @@ class Store:
         verified += [float(r["synced_at"]) for r in synced if r.get("synced_at")]
         revision = None
         if kind == "hub":
-            repo_id = entry.name[len("models--") :].replace("--", "/")
+            repo_id = repo_id_of(entry.name)
             name = repo_id
             revision = _hub_refs(entry) or None
         else:
@@ -312,7 +324,7 @@ class Store:
             revision = synced[0].get("revision")
         last_used = usage.get("last_used")
         return CachedModel(
-            key=f"{HUB_DIR if kind == 'hub' else MODELS_DIR}/{entry.name}",
+            key=self._key(entry),
             kind=kind,
             path=entry,
             name=name,
@@ -344,7 +356,7 @@ class Store:
         *,
         busy: Iterable[str] = (),
         include_pinned: bool = False,
-    ) -> list[CachedModel]:
+    ) -> builtins.list[CachedModel]:  # `list` here would name the method above
         """Entries no model in ``wanted`` maps to, not pinned, not ``busy`` (keys), LRU first."""
         skip = set(busy)
         entries = [
@@ -358,14 +370,14 @@ class Store:
         """Remove one entry under its model lock; returns the bytes it held."""
         path = self._safe_entry_dir(entry.key)
         lock = self._lock_path(entry)
-        trash = self.cache_dir / TRASH_DIR / f"{path.name}.{time.time_ns()}"
-        trash.parent.mkdir(parents=True, exist_ok=True)
+        trash_dir = make_dirs_inside(self.cache_dir, self.cache_dir / TRASH_DIR)
+        trash = trash_dir / f"{path.name}.{time.time_ns()}"
         with model_lock(lock, timeout=lock_timeout):
             if not path.exists():
                 return 0
             os.rename(path, trash)
             state = self._state_dir(path)
-            if state != path / STATE_DIR and state.is_dir():
+            if self._is_hub_entry(path) and state.is_dir():
                 # a Hub entry's records and partials live outside it: drop them too, but keep
                 # the lock file we hold
                 for item in state.iterdir():
@@ -389,23 +401,22 @@ class Store:
 
     def _lock_path(self, entry: CachedModel) -> Path:
         if entry.kind == "hub" and entry.repo_id is not None:
-            with contextlib.suppress(ImportError):
-                from prefetch.hf_layout import HfCacheLayout
-
-                return Path(HfCacheLayout(self.cache_dir, entry.repo_id).lock_path())
+            return HfCacheLayout(self.cache_dir, entry.repo_id).lock_path()
         return PlainLayout(entry.path).lock_path()
 
     def _safe_entry_dir(self, key: str) -> Path:
+        """The directory of the entry ``key``, its name checked as its layout checks names
+        (LayoutError for a key that names no entry, or an entry that is a symlink)."""
         top, _, name = key.partition("/")
-        if (
-            top not in (HUB_DIR, MODELS_DIR)
-            or not name
-            or "/" in name
-            or name in (".", "..")
-            or (top == HUB_DIR and not name.startswith("models--"))
-        ):
-            raise LayoutError(f"not a cache entry: {key!r}")
-        path = self.cache_dir / top / name
+        try:
+            if top == HUB_DIR:
+                path = self.cache_dir / HUB_DIR / check_repo_folder(name)
+            elif top == MODELS_DIR:
+                path = model_dir(self.cache_dir, name)
+            else:
+                raise LayoutError(f"unknown top folder {top!r}")
+        except LayoutError as exc:
+            raise LayoutError(f"not a cache entry: {key!r}") from exc
         if path.is_symlink():
             raise LayoutError(f"refusing to touch {path}: it is a symlink")
         return path

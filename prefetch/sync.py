@@ -1,18 +1,23 @@
 """The one sync path: ModelSpec -> resolve -> plan -> transfer -> verify -> publish.
 
-Every entry point (``prefetch pull``, the agent's reconcile loop) calls :func:`sync`; ``prefetch
-verify`` calls :func:`verify_local`. Neither has a private copy of any stage.
+A sync has two phases: :func:`prepare` (resolve, take the per-model lock, plan, count the space
+needed) and :func:`execute` (transfer, verify, publish, commit). ``prefetch pull`` runs both
+through :func:`sync`; the agent calls them itself so it can make room for
+``plan.bytes_needed`` in between. ``prefetch verify`` and the agent's re-verification call
+:func:`verify_local`, and the agent deletes what failed with :func:`forget_failures`. No entry
+point has a private copy of any stage.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import psutil
 
@@ -85,15 +90,25 @@ def plan(snapshot: Snapshot, layout: Layout) -> list[RemoteFile]:
     return [f for f in snapshot.files if not layout.is_current(f)]
 
 
-def check_free_space(layout: Layout, files: list[RemoteFile]) -> None:
-    """Fail before starting when the files to fetch cannot fit (partials already count)."""
+def bytes_needed(layout: Layout, files: list[RemoteFile]) -> int:
+    """Bytes fetching ``files`` will add to the destination: a partial download already
+    preallocated to its full size holds its space, so it counts as held, not needed."""
     staging = layout.staging_dir()
-    staging.mkdir(parents=True, exist_ok=True)
     needed = 0
     for f in files:
-        partial = staging / staged_name(f)
-        if not (partial.exists() and partial.stat().st_size == f.size):
+        try:
+            held = (staging / staged_name(f)).stat().st_size == f.size
+        except OSError:
+            held = False
+        if not held:
             needed += f.size
+    return needed
+
+
+def check_free_space(layout: Layout, needed: int) -> None:
+    """Fail before starting when ``needed`` bytes (see :func:`bytes_needed`) cannot fit."""
+    staging = layout.staging_dir()
+    staging.mkdir(parents=True, exist_ok=True)
     free = psutil.disk_usage(str(staging)).free
     if needed + SPACE_MARGIN > free:
         raise InsufficientSpaceError(
@@ -101,6 +116,117 @@ def check_free_space(layout: Layout, files: list[RemoteFile]) -> None:
             f"{format_bytes(needed)} and {format_bytes(free)} is free",
             hint="free some space (prefetch gc), narrow --include, or use a larger volume",
         )
+
+
+@dataclass
+class Plan:
+    """What :func:`prepare` found, holding the model's lock until closed (``with plan:``).
+
+    ``files`` are the snapshot's files not yet published at this version; ``bytes_needed`` is
+    the one space computation every caller uses (the agent makes room for it; :func:`execute`
+    checks it otherwise). The lock is held from planning through publishing, so no other
+    process changes what was planned before :func:`execute` acts on it."""
+
+    spec: ModelSpec
+    source: Source
+    layout: Layout
+    snapshot: Snapshot
+    files: list[RemoteFile]
+    bytes_needed: int
+    started: float
+    _lock: contextlib.ExitStack = field(repr=False)
+
+    @property
+    def bytes_to_fetch(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def close(self) -> None:
+        """Release the model's lock (idempotent)."""
+        self._lock.close()
+
+    def __enter__(self) -> Plan:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def prepare(
+    spec: ModelSpec,
+    source: Source,
+    layout: Layout,
+    *,
+    snapshot: Snapshot | None = None,
+    lock_timeout: float = 3600.0,
+) -> Plan:
+    """Phase one of a sync: resolve (unless ``snapshot`` is given), take the per-model lock,
+    plan, and count the space the plan needs. The returned :class:`Plan` holds the lock; close
+    it (``with prepare(...) as plan:``) after :func:`execute`, or to give up."""
+    started = time.monotonic()
+    snapshot = snapshot or source.resolve(spec)
+    layout.prepare()  # the state directories, refusing symlinks out of the destination
+    held = contextlib.ExitStack()
+    held.enter_context(model_lock(layout.lock_path(), timeout=lock_timeout))
+    try:
+        todo = plan(snapshot, layout)
+        needed = bytes_needed(layout, todo)
+    except BaseException:
+        held.close()
+        raise
+    log.info(
+        "%s: %d of %d files to fetch (%s of %s)",
+        spec.name, len(todo), len(snapshot.files),
+        format_bytes(sum(f.size for f in todo)), format_bytes(snapshot.total_bytes),
+    )  # fmt: skip
+    return Plan(spec, source, layout, snapshot, todo, needed, started, held)
+
+
+def execute(
+    plan: Plan,
+    config: TransferConfig,
+    *,
+    progress: ProgressSink | None = None,
+    stop: threading.Event | None = None,
+    delete: bool = False,
+    superseded_grace: float = 0.0,
+    so_far: SyncResult | None = None,
+    check_space: bool = True,
+) -> SyncResult:
+    """Phase two of a sync: transfer the planned files, verify and publish each, then commit
+    the snapshot. ``check_space=False`` when the caller already made room for
+    ``plan.bytes_needed`` (the agent does, keeping its own margin). ``delete`` and
+    ``superseded_grace``: see :func:`sync`. Does not release the plan's lock."""
+    spec, layout, todo = plan.spec, plan.layout, plan.files
+    progress = progress or NullProgress()
+    result = so_far if so_far is not None else SyncResult(spec.name, str(spec.source))
+    result.note_snapshot(plan.snapshot, layout)
+    if todo and check_space:
+        check_free_space(layout, plan.bytes_needed)
+    progress.start(spec.name, plan.bytes_to_fetch, len(todo))
+    transfer = Transfer(
+        plan.source, layout.staging_dir(), layout.publish, config, progress=progress, stop=stop
+    )
+    try:
+        try:
+            transfer.run(todo)
+        finally:
+            result.note_transfer(transfer.stats)
+        result.deleted = layout.commit(
+            plan.snapshot, spec, delete=delete, superseded_grace=superseded_grace
+        )
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or isinstance(exc, PrefetchError):
+            raise
+        raise InsufficientSpaceError(
+            f"no space left under {layout.root}: {exc}",
+            hint="free some space (prefetch gc); finished files and partial downloads are "
+            "kept and the next pull resumes",
+        ) from exc
+    finally:
+        progress.finish()
+    result.seconds = round(time.monotonic() - plan.started, 3)
+    result.up_to_date = not todo and not result.deleted
+    return result
 
 
 def sync(
@@ -117,56 +243,33 @@ def sync(
     superseded_grace: float = 0.0,
     so_far: SyncResult | None = None,
 ) -> SyncResult:
-    """Bring ``layout`` to the snapshot ``spec`` names. Concurrency-safe (per-model lock).
+    """Bring ``layout`` to the snapshot ``spec`` names: :func:`prepare` then :func:`execute`.
+    Concurrency-safe (per-model lock).
 
     ``delete``: remove local files the snapshot no longer has, and snapshots a moved ref left
     behind ``superseded_grace`` seconds ago or more (see ``Layout.commit``). ``so_far``: the
     result to fill in as the sync goes (read it after a failure); returned on success."""
-    progress = progress or NullProgress()
     t0 = time.monotonic()
     result = so_far if so_far is not None else SyncResult(spec.name, str(spec.source))
     snapshot = snapshot or source.resolve(spec)
-    result.note_snapshot(snapshot, layout)
-    layout.prepare()  # the state directories, refusing symlinks out of the destination
-    with model_lock(layout.lock_path(), timeout=lock_timeout):
-        todo = plan(snapshot, layout)
-        todo_bytes = sum(f.size for f in todo)
-        log.info(
-            "%s: %d of %d files to fetch (%s of %s)",
-            spec.name, len(todo), len(snapshot.files),
-            format_bytes(todo_bytes), format_bytes(snapshot.total_bytes),
-        )  # fmt: skip
-        if todo:
-            check_free_space(layout, todo)
-        progress.start(spec.name, todo_bytes, len(todo))
-        transfer = Transfer(
-            source, layout.staging_dir(), layout.publish, config, progress=progress, stop=stop
+    result.note_snapshot(snapshot, layout)  # known even if the lock is not had
+    with prepare(spec, source, layout, snapshot=snapshot, lock_timeout=lock_timeout) as ready:
+        ready.started = t0  # the resolve counts in the sync's seconds
+        return execute(
+            ready,
+            config,
+            progress=progress,
+            stop=stop,
+            delete=delete,
+            superseded_grace=superseded_grace,
+            so_far=result,
         )
-        try:
-            try:
-                transfer.run(todo)
-            finally:
-                result.note_transfer(transfer.stats)
-            result.deleted = layout.commit(
-                snapshot, spec, delete=delete, superseded_grace=superseded_grace
-            )
-        except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or isinstance(exc, PrefetchError):
-                raise
-            raise InsufficientSpaceError(
-                f"no space left under {layout.root}: {exc}",
-                hint="free some space (prefetch gc); finished files and partial downloads are "
-                "kept and the next pull resumes",
-            ) from exc
-        finally:
-            progress.finish()
-    result.seconds = round(time.monotonic() - t0, 3)
-    result.up_to_date = not todo and not result.deleted
-    return result
 
 
 @dataclass
 class VerifyReport:
+    """What :func:`verify_local` found: files checked, files with no checksum, failures."""
+
     checked: list[str] = field(default_factory=list)
     unverifiable: list[str] = field(default_factory=list)
     failures: list[VerifyError] = field(default_factory=list)
@@ -174,6 +277,10 @@ class VerifyReport:
     @property
     def ok(self) -> bool:
         return not self.failures
+
+    def mismatched_paths(self) -> list[str]:
+        """The files whose content failed a checksum (not the missing or truncated ones)."""
+        return [f.path for f in self.failures if isinstance(f, ChecksumMismatchError)]
 
     def merge(self, other: VerifyReport) -> None:
         self.checked += other.checked
@@ -189,11 +296,27 @@ class VerifyReport:
         }
 
 
-def verify_local(layout: Layout, *, read_rate: float | None = None) -> VerifyReport:
+@overload
+def verify_local(
+    layout: Layout, *, read_rate: float | None = None, stop: None = None
+) -> VerifyReport: ...
+
+
+@overload
+def verify_local(
+    layout: Layout, *, read_rate: float | None = None, stop: threading.Event
+) -> VerifyReport | None: ...
+
+
+def verify_local(
+    layout: Layout, *, read_rate: float | None = None, stop: threading.Event | None = None
+) -> VerifyReport | None:
     """Re-hash every recorded file on disk against each of its recorded checksums (one read
     per file), so a file that passed a served CRC and a sidecar's sha256 is held to both.
 
     ``read_rate`` (bytes/s) bounds the read rate, for background re-verification on a busy node.
+    ``stop`` is checked between files: once set, the check ends and returns None (a partial
+    report would pass for a clean one).
     """
     report = VerifyReport()
     records = layout.recorded()
@@ -201,8 +324,33 @@ def verify_local(layout: Layout, *, read_rate: float | None = None) -> VerifyRep
         raise VerifyError(f"nothing recorded under {layout.root}: no model was pulled there")
     limiter = _RateLimiter(read_rate) if read_rate else None
     for rec in records:
+        if stop is not None and stop.is_set():
+            return None
         _verify_one(rec, report, limiter)
     return report
+
+
+def verify_layouts(layouts: Iterable[Layout], *, into: VerifyReport | None = None) -> VerifyReport:
+    """:func:`verify_local` each layout, one report for all (``into``: the report to fill in as
+    it goes, so a caller reading it after a failure sees what was checked before)."""
+    report = into if into is not None else VerifyReport()
+    for layout in layouts:
+        report.merge(verify_local(layout))
+    return report
+
+
+def forget_failures(layout: Layout, report: VerifyReport) -> list[str]:
+    """Delete, through ``layout.forget``, each recorded file whose checksum failed, so the next
+    sync fetches it again; returns their paths. Missing or truncated files need nothing: the
+    next sync fetches them anyway."""
+    recorded = {r.path for r in layout.recorded()}
+    forgotten = []
+    for path in report.mismatched_paths():
+        if path in recorded:
+            layout.forget(path)
+            forgotten.append(path)
+            log.info("deleted %s (failed re-verification)", path, extra={"phase": "verify"})
+    return forgotten
 
 
 def _verify_one(rec: RecordedFile, report: VerifyReport, limiter: _RateLimiter | None) -> None:
@@ -239,7 +387,3 @@ class _RateLimiter:
         ahead = self._bytes / self._rate - (time.monotonic() - self._t0)
         if ahead > 0:
             time.sleep(ahead)
-
-
-def destination_path(dest: str | Path) -> Path:
-    return Path(dest).expanduser().resolve()

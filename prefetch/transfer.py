@@ -307,7 +307,8 @@ class Transfer:
                     else:
                         self._advance_hash(job, futures)
                 elif kind == "hash-ahead":
-                    self._hashed_ahead(*item, futures)
+                    job, stop = item
+                    self._hashed_ahead(job, stop, futures)
                 elif kind == "hash":
                     self._finish_verified(item, result, futures)
         if first_error is not None:
@@ -817,10 +818,6 @@ def _no_space(job: _FileJob, exc: OSError) -> InsufficientSpaceError:
         hint="free some space (prefetch gc) or point DEST at a larger volume; "
         "the partial download is kept and the next pull resumes it",
     )
-
-
-def total_seconds(t0: float) -> float:
-    return round(time.monotonic() - t0, 3)
 
 
 __all__ = [

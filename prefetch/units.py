@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 from prefetch.errors import ConfigError
 
@@ -58,3 +59,10 @@ def format_seconds(s: float) -> str:
     h, rem = divmod(s, 3600)
     m, sec = divmod(rem, 60)
     return f"{h}:{m:02d}:{sec:02d}" if h else f"{m:02d}:{sec:02d}"
+
+
+def iso_utc(ts: float | None) -> str | None:
+    """A unix time as ``2026-12-03T16:15:17Z`` (None stays None), for logs and /readyz."""
+    if ts is None:
+        return None
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))

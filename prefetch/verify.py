@@ -29,7 +29,6 @@ import hashlib
 import mmap
 import os
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -38,7 +37,10 @@ from awscrt import checksums as crt
 from prefetch.errors import ChecksumMismatchError, ConfigError
 from prefetch.snapshot import Checksum
 
-_CRC: dict[str, tuple[Callable[[bytes, int], int], Callable[[int, int, int], int], int]] = {
+#: awscrt's CRC functions take any buffer (bytes or a memoryview of the engine's buffer).
+_CRC: dict[
+    str, tuple[Callable[[bytes | memoryview, int], int], Callable[[int, int, int], int], int]
+] = {
     "crc64nvme": (crt.crc64nvme, crt.combine_crc64nvme, 8),
     "crc32c": (crt.crc32c, crt.combine_crc32c, 4),
     "crc32": (crt.crc32, crt.combine_crc32, 4),
@@ -66,7 +68,7 @@ class _CrcHasher:
         self.length = 0
 
     def update(self, data: bytes | memoryview, /) -> None:
-        self.value = self._fn(data, self.value)  # type: ignore[arg-type]
+        self.value = self._fn(data, self.value)
         self.length += len(data)
 
     def digest(self) -> bytes:
@@ -144,14 +146,6 @@ def inline_check(checks: Sequence[Checksum]) -> Checksum | None:
 # ---- inline hashing: per chunk, while the bytes arrive -------------------------------------
 
 
-@dataclass(frozen=True)
-class Segment:
-    """A hashed unit inside a chunk: the whole chunk (crc) or one part (parts)."""
-
-    start: int
-    end: int
-
-
 def part_bounds(part_sizes: Sequence[int]) -> list[tuple[int, int]]:
     bounds, pos = [], 0
     for size in part_sizes:
@@ -163,11 +157,11 @@ def part_bounds(part_sizes: Sequence[int]) -> list[tuple[int, int]]:
 class ChunkHasher:
     """Hashes one chunk's bytes as they arrive, in order within the chunk.
 
-    ``feed(offset, data)`` takes bytes at absolute file offset ``offset`` (contiguous with what it
-    already saw); ``result()`` is JSON-able: ``[crc, length]`` for crc mode, a list of hex part
-    digests for parts mode; for sequential mode the file's encoded checksum value when the chunk
-    is the whole file (``file_size`` given and equal to ``end - start``), else None (the file is
-    hashed in order elsewhere).
+    ``feed(data)`` takes the chunk's next bytes, contiguous with what it already saw (the chunk
+    starts at ``start``, so no offset is passed). ``result()`` is JSON-able: ``[crc, length]``
+    for crc mode, a list of hex part digests for parts mode; for sequential mode the file's
+    encoded checksum value when the chunk is the whole file (``file_size`` given and equal to
+    ``end - start``), else None (the file is hashed in order elsewhere).
     """
 
     def __init__(
@@ -237,13 +231,31 @@ def finish_inline(checksum: Checksum, chunk_results: Sequence[object]) -> str:
     if mode == "crc":
         _, combine, width = _CRC[checksum.algorithm]
         crc = 0
-        for i, (value, length) in enumerate(chunk_results):  # type: ignore[misc]
+        for i, result in enumerate(chunk_results):
+            value, length = _crc_result(result)
             crc = value if i == 0 else combine(crc, value, length)
         return encode(crc.to_bytes(width, "big"), checksum.encoding)
     if mode == "parts":
-        digests = [bytes.fromhex(d) for res in chunk_results for d in res]  # type: ignore[attr-defined]
+        digests = [bytes.fromhex(d) for res in chunk_results for d in _part_results(res)]
         return _composite(checksum, digests)
     raise ValueError("sequential checksums are not computed inline")
+
+
+def _crc_result(result: object) -> tuple[int, int]:
+    """A crc chunk's result, ``[crc, length]`` (see ChunkHasher.result; read back from the
+    journal as JSON, hence checked)."""
+    if isinstance(result, list | tuple) and len(result) == 2:
+        value, length = result
+        if isinstance(value, int) and isinstance(length, int):
+            return value, length
+    raise ValueError(f"not a crc chunk result: {result!r}")
+
+
+def _part_results(result: object) -> list[str]:
+    """A parts chunk's result: its parts' hex digests (see ChunkHasher.result)."""
+    if isinstance(result, list) and all(isinstance(d, str) for d in result):
+        return [str(d) for d in result]
+    raise ValueError(f"not a parts chunk result: {result!r}")
 
 
 def _composite(checksum: Checksum, part_digests: Sequence[bytes]) -> str:

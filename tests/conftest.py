@@ -11,6 +11,9 @@ import pytest
 
 from prefetch.executables import find_executable
 from prefetch.locals3 import SeaweedS3
+from prefetch.modelgen import make_model_dir
+
+from .support import HUB_SHARDS, mounted_tmpfs
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
@@ -59,3 +62,32 @@ def s3_env(s3_server: SeaweedS3, tmp_path: Path) -> dict[str, str]:
     )
     env.pop("PREFETCH_DEBUG", None)
     return env
+
+
+@pytest.fixture(scope="module")
+def model_extra_files() -> dict[str, bytes]:
+    """Files added to ``model_dir`` beyond the generated ones (a module may override this)."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def model_dir(
+    tmp_path_factory: pytest.TempPathFactory, model_extra_files: dict[str, bytes]
+) -> Path:
+    """The Hub test model (seed 1, shards of HUB_SHARDS) written once per module."""
+    root = tmp_path_factory.mktemp("model")
+    make_model_dir(root, seed=1, shard_sizes=HUB_SHARDS, extra_files=model_extra_files)
+    return root
+
+
+@pytest.fixture
+def small_fs_mib() -> int:
+    """The size of ``small_fs`` in MiB (a module may override this)."""
+    return 124
+
+
+@pytest.fixture
+def small_fs(small_fs_mib: int) -> Iterator[Path]:
+    """A small tmpfs, for running out of disk space on purpose."""
+    with mounted_tmpfs(small_fs_mib) as mnt:
+        yield mnt

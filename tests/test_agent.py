@@ -3,78 +3,51 @@ stub, kubelet-style ConfigMap updates, a small tmpfs, and as a subprocess receiv
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
 import re
 import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
-import yaml
 from click.testing import CliRunner
-from prometheus_client.parser import text_string_to_metric_families
 
 from prefetch.agent.node import NodeGate, label_key
 from prefetch.agent.reconcile import Agent
 from prefetch.cli import main
 from prefetch.constants import DEFAULT_LABEL_PREFIX, DEFAULT_STARTUP_TAINT_KEY
 from prefetch.locals3 import SeaweedS3
-from prefetch.modelgen import generate_model, upload_model
 from prefetch.store import Store
 from tests.fakes.k8s_stub import KubeStub, running_stub
+from tests.support import (
+    AgentProcess,
+    AgentThread,
+    config_text,
+    http_get,
+    is_ready,
+    model_status,
+    upload,
+    wait_for,
+)
 
 MiB = 1024 * 1024
 NODE = "gpu-node-1"
 STARTUP = {"key": DEFAULT_STARTUP_TAINT_KEY, "value": "true", "effect": "NoSchedule"}
 GPU = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
-REPO = Path(__file__).resolve().parent.parent
 
 
 # -- helpers ------------------------------------------------------------------------------------
 
 
-def upload(
-    client: Any,
-    bucket: str,
-    prefix: str,
-    work: Path,
-    size: int,
-    *,
-    seed: int = 0,
-    create_bucket: bool = False,
-) -> dict[str, bytes]:
-    """Generate and upload a model; returns its files (relative path -> bytes)."""
-    files = generate_model(work / f"src-{bucket}-{prefix}", size, shards=3, seed=seed)
-    upload_model(client, bucket, prefix, files, create_bucket=create_bucket)
-    return {f.path: f.local.read_bytes() for f in files}
-
-
 def other_bucket(bucket: str, suffix: str) -> str:
     return f"{bucket[:50].rstrip('-')}-{suffix}"
-
-
-def config_text(cache: Path, models: list[dict[str, Any]], **top: Any) -> str:
-    doc: dict[str, Any] = {
-        "cacheDir": str(cache),
-        "minFreeSpace": "1MiB",
-        "retryBackoff": {"initial": "1s", "max": "2s"},
-        **top,
-        "models": models,
-    }
-    return yaml.safe_dump(doc, sort_keys=False)
 
 
 def stub_gate(stub: KubeStub) -> Callable[[Any], NodeGate]:
@@ -93,63 +66,6 @@ def stub_gate(stub: KubeStub) -> Callable[[Any], NodeGate]:
 
 def ready_label(model: str) -> str:
     return label_key(DEFAULT_LABEL_PREFIX, model)
-
-
-def wait_for(
-    check: Callable[[], Any],
-    what: str,
-    timeout: float = 30.0,
-    dump: Callable[[], Any] | None = None,
-) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            extra = f"\n{json.dumps(dump(), indent=1, default=str)}" if dump else ""
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}{extra}")
-        time.sleep(0.1)
-
-
-class AgentThread:
-    """An in-process agent on its own event loop thread."""
-
-    def __init__(self, agent: Agent) -> None:
-        self.agent = agent
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="agent", daemon=True)
-
-    def _run(self) -> None:
-        try:
-            asyncio.run(self.agent.run())
-        except BaseException as exc:
-            self.error = exc
-
-    def __enter__(self) -> Agent:
-        self.thread.start()
-        wait_for(lambda: self.agent.passes > 0 or self.error, "the agent's first pass")
-        if self.error:
-            raise self.error
-        return self.agent
-
-    def __exit__(self, *exc: object) -> None:
-        self.agent.request_stop()
-        self.thread.join(40)
-        assert not self.thread.is_alive(), "the agent did not stop"
-        if self.error and not exc[0]:
-            raise self.error
-
-
-def model_status(agent: Agent, name: str) -> dict[str, Any]:
-    for m in agent.status()["models"]:
-        if m["name"] == name:
-            return m
-    return {}
-
-
-def is_ready(agent: Agent, name: str) -> bool:
-    return bool(model_status(agent, name).get("ready"))
 
 
 def sample(agent: Agent, name: str, **labels: str) -> float | None:
@@ -205,71 +121,6 @@ class ThrottleProxy:
         for s in self._socks:
             with contextlib.suppress(OSError):
                 s.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def http_get(url: str) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-
-
-class AgentProcess:
-    """``python -m prefetch.cli agent`` with its stderr captured to a file."""
-
-    def __init__(self, config: Path, env: dict[str, str], log: Path) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        with log.open("ab") as err:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "prefetch.cli",
-                    "agent",
-                    "--config",
-                    str(config),
-                    "--listen",
-                    f"127.0.0.1:{self.port}",
-                ],
-                env=env,
-                cwd=REPO,
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-            )
-
-    def get(self, path: str) -> tuple[int, bytes]:
-        return http_get(self.base + path)
-
-    def up(self) -> bool:
-        with contextlib.suppress(OSError):
-            return self.get("/healthz")[0] == 200
-        assert self.proc.poll() is None, f"the agent exited:\n{self.stderr()}"
-        return False
-
-    def metric(self, name: str, **labels: str) -> float | None:
-        _, body = self.get("/metrics")
-        for family in text_string_to_metric_families(body.decode()):
-            for s in family.samples:
-                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                    return float(s.value)
-        return None
-
-    def stderr(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
 
 
 @pytest.fixture
@@ -673,27 +524,6 @@ def test_bit_rot_is_found_the_label_dropped_first_and_the_file_fetched_again(
 
 
 # -- disk pressure on a small filesystem ----------------------------------------------------------
-
-
-@pytest.fixture
-def small_fs() -> Iterator[Path]:
-    """A 124 MiB tmpfs (outside pytest's tmp dirs, which other sessions may clean up)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = Path(tempfile.mkdtemp(prefix="prefetch-small-fs-"))
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=124m", "tmpfs", str(mnt)],
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        mnt.rmdir()
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
-        mnt.rmdir()
 
 
 @pytest.mark.slow

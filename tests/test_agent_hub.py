@@ -8,8 +8,7 @@ import time
 from pathlib import Path
 
 from .fakes.hubserver import HubServer, make_model_repo
-from .test_agent import AgentProcess, config_text, wait_for
-from .test_pull_hf import clean_env, hf_check, server_files
+from .support import AgentProcess, clean_env, config_text, hf_check, server_files, wait_for
 
 
 def test_agent_warms_a_hub_model_that_huggingface_hub_loads_offline(tmp_path: Path) -> None:

@@ -198,3 +198,16 @@ def test_digest_tracks_content_not_flags() -> None:
 def test_backoff_doubles_up_to_max() -> None:
     b = Backoff(initial=10, max=60)
     assert [b.delay(n) for n in (1, 2, 3, 4, 5)] == [10, 20, 40, 60, 60]
+
+
+def test_a_spec_rule_reads_the_same_from_the_cli_and_the_config_file() -> None:
+    from prefetch.cli import pull_spec
+
+    with pytest.raises(ConfigError) as from_cli:
+        pull_spec("hf://o/n@v1", name="", include=(), exclude=(), revision="v2", hf_repo=None,
+                  hf_revision=None, layout_name=None)  # fmt: skip
+    with pytest.raises(ConfigError) as from_file:
+        parse_config("models:\n  - {name: a, source: 'hf://o/n@v1', revision: v2}")
+    reason = "'v2' conflicts with @v1 in the source (two revisions given)"
+    assert str(from_cli.value) == f"--revision: {reason}"
+    assert str(from_file.value) == f"models[0].revision: {reason}"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from prefetch.errors import LayoutError
-from prefetch.hf_layout import HfCacheLayout, hub_layouts, repo_folder, repo_id_of
-from prefetch.layout import PlainLayout, layout_for_model
+from prefetch.layout import PlainLayout, layout_for
+from prefetch.layout.hf import HfCacheLayout, hub_layouts, repo_folder, repo_id_of
 from prefetch.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.sync import verify_local
@@ -90,9 +90,9 @@ def test_paths_our_state_lives_outside_hub(tmp_path: Path) -> None:
         layout.model_path(snap("../escape"))
     hf_spec = ModelSpec(source=parse_source_uri(f"hf://{REPO}"))
     mirror = ModelSpec(source=parse_source_uri("s3://bucket/m"), hf_repo="org/mirror")
-    assert isinstance(layout_for_model(hf_spec, tmp_path), HfCacheLayout)
-    assert layout_for_model(mirror, tmp_path).root == tmp_path / "hub/models--org--mirror"
-    plain = layout_for_model(ModelSpec(source=parse_source_uri("s3://bucket/m")), tmp_path)
+    assert isinstance(layout_for(hf_spec, tmp_path, shared=True), HfCacheLayout)
+    assert layout_for(mirror, tmp_path, shared=True).root == tmp_path / "hub/models--org--mirror"
+    plain = layout_for(ModelSpec(source=parse_source_uri("s3://bucket/m")), tmp_path, shared=True)
     assert isinstance(plain, PlainLayout)
 
 
@@ -189,7 +189,7 @@ def test_a_moved_ref_prunes_what_it_left_behind_after_the_grace(  # type: ignore
     changed = {"config.json": b'{"a": 2}', "model.safetensors": FILES["model.safetensors"]}
     assert pull_files(layout, C2, changed, delete=False) == []  # no --delete: C1 stays
     clock = [1_000_000.0]
-    monkeypatch.setattr("prefetch.hf_layout.time.time", lambda: clock[0])
+    monkeypatch.setattr("prefetch.layout.hf.time.time", lambda: clock[0])
     # the first commit that finds C1 superseded starts its grace; C1 stays meanwhile
     assert pull_files(layout, C2, changed, delete=True, superseded_grace=60) == []
     clock[0] += 59
@@ -247,7 +247,7 @@ def test_an_interrupted_prune_leaves_no_snapshot_half_removed(  # type: ignore[n
             raise KeyboardInterrupt
         rmtree(path, **kw)
 
-    monkeypatch.setattr("prefetch.hf_layout.shutil.rmtree", crash)
+    monkeypatch.setattr("prefetch.layout.hf.shutil.rmtree", crash)
     with pytest.raises(KeyboardInterrupt):
         pull_files(layout, C2, FILES, delete=True)
     monkeypatch.undo()

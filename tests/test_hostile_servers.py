@@ -1,8 +1,9 @@
 """Hostile and failing servers never yield a wrong file, a hang or a leak.
 
-S3 cases run against :mod:`tests.fakes.misbehaving` (a fake S3 that lies on request), Hub cases against
-:mod:`tests.fakes.hubserver` and its faults; where both sources must behave alike they are parametrized
-side by side.
+S3 cases run against :mod:`tests.fakes.misbehaving` (a fake S3 that lies on request), Hub cases
+against :mod:`tests.fakes.hubserver` and its faults; where both sources must behave alike they are
+parametrized side by side (tests/test_source_conformance.py runs every source through the same
+misbehaviours).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from prefetch.errors import (
     SourceError,
     TransientSourceError,
 )
-from prefetch.hf_layout import HfCacheLayout
 from prefetch.layout import PlainLayout
+from prefetch.layout.hf import HfCacheLayout
 from prefetch.retry import RetryPolicy
 from prefetch.sources.base import range_answer_problem
 from prefetch.sources.hf import HubOptions, open_hub_source
@@ -402,7 +403,7 @@ def test_a_trickling_model_never_keeps_a_healthy_one_waiting(
 ) -> None:
     from prefetch.agent.reconcile import Agent
 
-    from .test_agent import AgentThread, config_text, is_ready, model_status, wait_for
+    from .support import AgentThread, config_text, is_ready, model_status, wait_for
 
     s3.put(BUCKET, "slow/weights.bin", os.urandom(2 * MiB))
     s3.put(BUCKET, "fast/weights.bin", os.urandom(2 * MiB), md5_etag=True)

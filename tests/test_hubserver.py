@@ -27,20 +27,14 @@ from tests.fakes.hubserver import (
     make_model_dir,
     write_random_file,
 )
+from tests.support import HUB_SHARDS
 
 REPO = "acme/tiny"
 TOKEN = "hf_test_token_123"
-SHARDS = (3 << 20, 2 << 20)
+SHARDS = HUB_SHARDS  # the shards of conftest's model_dir
 
 
 # ------------------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("model")
-    make_model_dir(root, seed=1, shard_sizes=SHARDS)
-    return root
 
 
 @pytest.fixture

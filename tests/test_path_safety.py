@@ -24,8 +24,8 @@ from prefetch.errors import (
     TransientSourceError,
     UnsafePathError,
 )
-from prefetch.hf_layout import HfCacheLayout
 from prefetch.layout import PlainLayout, make_dirs_inside, safe_join
+from prefetch.layout.hf import HfCacheLayout
 from prefetch.paths import file_dir_conflicts, path_problem, ref_name_problem
 from prefetch.snapshot import RemoteFile, Snapshot
 from prefetch.sources.hf import HubOptions, open_hub_source
@@ -33,9 +33,7 @@ from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.sync import SyncResult, sync
 
 from .fakes.hubserver import HubServer
-from .test_pull_hf import FAST, clean_env, run_cli
-from .test_pull_s3 import pull as pull_s3
-from .test_pull_s3 import put
+from .support import FAST, clean_env, pull_s3, put, run_cli
 
 REPO = "acme/tiny"
 Tamper = Callable[[dict[str, object]], dict[str, object]]

@@ -14,12 +14,9 @@ from prefetch.agent.reconcile import Agent
 from prefetch.cli import main
 from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.store import Store
-from tests import test_agent
-from tests.test_agent import AgentThread, config_text, is_ready, upload, wait_for
-from tests.test_store import publish_plain
+from tests.support import AgentThread, config_text, is_ready, publish_plain, upload, wait_for
 
 MiB = 1024 * 1024
-small_fs = test_agent.small_fs  # the 124 MiB tmpfs fixture
 
 
 def spec(name: str, *, pin: bool) -> ModelSpec:

@@ -1,6 +1,6 @@
-"""The Hub sync path end to end against tests/fakes/hubserver.py (hub and CDN ports on 127.0.0.1), the
-result checked by huggingface_hub itself in a subprocess (it reads its environment at import),
-plus the Hub source's HTTP checks against canned responses."""
+"""The Hub sync path end to end against tests/fakes/hubserver.py (hub and CDN ports on
+127.0.0.1), the result checked by huggingface_hub itself in a subprocess (it reads its environment
+at import), plus the Hub source's HTTP checks against canned responses."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,37 +32,41 @@ from prefetch.errors import (
     SourceError,
     TransientSourceError,
 )
-from prefetch.hf_layout import HfCacheLayout
+from prefetch.layout.hf import HfCacheLayout
 from prefetch.modelgen import generate_model, tree_bytes, upload_model
 from prefetch.retry import RetryPolicy
 from prefetch.snapshot import Checksum, RemoteFile
-from prefetch.sources.hf import HubOptions, HubSource, open_hub_source, parse_retry_after
+from prefetch.sources._http import parse_retry_after
+from prefetch.sources.hf import HubOptions, HubSource, open_hub_source
 from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.sync import SyncResult, sync, verify_local
 from prefetch.transfer import TransferConfig, staged_name
 
 from .fakes.hubserver import HubServer, make_model_dir, write_random_file
-from .test_pull_s3 import journaled_bytes
+from .support import (
+    FAST,
+    HUB_REPO,
+    HUB_SHARDS,
+    HUB_TOKEN,
+    clean_env,
+    hf_check,
+    journaled_bytes,
+    run_cli,
+    server_files,
+)
 
 MiB = 1024 * 1024
-REPO = "acme/tiny"
-SHARDS = (3 * MiB, 2 * MiB)
-TOKEN = "hf_PrefetchTestToken_7f3a9c"
-FAST = TransferConfig(
-    concurrency=8, chunk_size=1 * MiB, buffer_size=256 * 1024,
-    retry=RetryPolicy(attempts=4, base_delay=0.01, max_delay=0.05),
-)  # fmt: skip
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
+REPO = HUB_REPO
+SHARDS = HUB_SHARDS
+TOKEN = HUB_TOKEN
 
 # -- fixtures and helpers ----------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("model")
-    make_model_dir(root, seed=1, shard_sizes=SHARDS, extra_files={"empty.txt": b""})
-    return root
+def model_extra_files() -> dict[str, bytes]:
+    """An empty file too: the Hub serves it and the layouts must keep it."""
+    return {"empty.txt": b""}
 
 
 @pytest.fixture
@@ -72,10 +75,6 @@ def hub(model_dir: Path) -> Iterator[HubServer]:
         server.add_commit(REPO, model_dir)
         yield server
         assert server.errors == []
-
-
-def server_files(hub: HubServer, repo: str = REPO, revision: str = "main") -> dict[str, bytes]:
-    return {p: f.read() for p, f in hub.files(repo, revision).items()}
 
 
 def pull(
@@ -108,46 +107,6 @@ def snapshot_tree(snapshot: Path) -> dict[str, bytes]:
         for p in sorted(snapshot.rglob("*"))
         if p.is_file()
     }
-
-
-def clean_env(home: Path, **extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("HF_", "HUGGING", "PREFETCH_")) and "proxy" not in k.lower()
-    }
-    env.update(
-        HF_HOME=str(home),
-        HF_HUB_DISABLE_TELEMETRY="1",
-        HF_HUB_DISABLE_PROGRESS_BARS="1",
-        NO_PROXY="127.0.0.1,localhost",
-        PYTHONUNBUFFERED="1",
-        PYTHONPATH=str(REPO_ROOT),
-        **extra,
-    )
-    return env
-
-
-def hf_check(home: Path, body: str, *, endpoint: str | None = None, **params: Any) -> Any:
-    """Run ``body`` with huggingface_hub in a fresh interpreter, HF_HOME=home, offline unless an
-    endpoint is given; the body fills ``out``, which is returned."""
-    script = "import json, sys\nimport huggingface_hub as hf\n"
-    script += "params = json.loads(sys.argv[1])\nout = {}\n"
-    script += textwrap.dedent(body) + "\nprint(json.dumps(out))\n"
-    extra = {"HF_ENDPOINT": endpoint} if endpoint else {"HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", script, json.dumps(params)],
-        env=clean_env(home, **extra), capture_output=True, text=True, timeout=60, cwd=home,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def run_cli(*args: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "prefetch.cli", *args],
-        env=env, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
 
 
 def on_disk(hub: HubServer, repo: str, home: Path) -> int:

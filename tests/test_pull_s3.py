@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,47 +27,16 @@ from prefetch.errors import (
 from prefetch.layout import PlainLayout
 from prefetch.modelgen import generate_model, tree_bytes, upload_model
 from prefetch.progress import NullProgress
-from prefetch.retry import RetryPolicy
 from prefetch.sources.s3 import S3Source, make_s3_client
 from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.sync import sync, verify_local
 from prefetch.transfer import TransferConfig
 
 from .fakes.s3proxy import S3FaultProxy
+from .support import FAST, journaled_bytes, put, run_cli
+from .support import pull_s3 as pull
 
 MiB = 1024 * 1024
-FAST = TransferConfig(
-    concurrency=8, chunk_size=1 * MiB, buffer_size=256 * 1024,
-    retry=RetryPolicy(attempts=4, base_delay=0.01, max_delay=0.05),
-)  # fmt: skip
-
-
-def pull(
-    client: Any,
-    uri: str,
-    dest: Path,
-    *,
-    config: TransferConfig = FAST,
-    **spec_kwargs: Any,
-):  # type: ignore[no-untyped-def]
-    spec = ModelSpec(source=parse_source_uri(uri), **spec_kwargs)
-    return sync(spec, S3Source(client, spec.source), PlainLayout(dest), config)
-
-
-def put(client: Any, bucket: str, key: str, data: bytes, **kwargs: Any) -> None:
-    if not data:
-        # SeaweedFS 4.48 answers an empty PUT with a stray second response that poisons the
-        # keep-alive connection for the next request: upload empty objects on a throwaway client.
-        import boto3
-
-        client = boto3.client(
-            "s3",
-            endpoint_url=client.meta.endpoint_url,
-            region_name="us-east-1",
-            aws_access_key_id=client._request_signer._credentials.access_key,
-            aws_secret_access_key=client._request_signer._credentials.secret_key,
-        )
-    client.put_object(Bucket=bucket, Key=key, Body=data, **kwargs)
 
 
 def put_multipart(
@@ -389,13 +357,6 @@ def test_unknown_bucket_and_bad_credentials(s3_server, s3_client, tmp_path):
         pull(bad, "s3://anything/m", tmp_path / "d")
 
 
-def run_cli(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "prefetch.cli", *args],
-        env=env, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
-
-
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -461,28 +422,6 @@ def test_cli_pull_json_and_verify_detects_bit_rot(s3_client, bucket, s3_env, tmp
 # -- crash, concurrency, disk ------------------------------------------------------------------
 
 
-def journaled_bytes(partial: Path) -> int:
-    """Bytes the resume journals under ``partial`` record as written."""
-    done = 0
-    for journal in partial.glob("*.journal") if partial.exists() else []:
-        if not journal.with_suffix(".incomplete").exists():
-            continue  # published a moment ago: its bytes are counted as a published file
-        try:
-            lines = journal.read_text().splitlines()
-        except FileNotFoundError:
-            continue
-        if not lines:
-            continue
-        try:
-            chunks = json.loads(lines[0])["chunks"]
-            for line in lines[1:]:
-                start, end = chunks[json.loads(line)["i"]]
-                done += end - start
-        except (ValueError, KeyError, IndexError):
-            continue
-    return done
-
-
 @pytest.mark.slow
 def test_resume_after_sigkill_fetches_less_than_30_percent(s3_server, s3_client, bucket, s3_env,
                                                            tmp_path):  # fmt: skip
@@ -536,19 +475,9 @@ def test_two_concurrent_pulls_of_the_same_model(s3_client, bucket, s3_env, tmp_p
 
 
 @pytest.fixture
-def small_fs(tmp_path: Path):  # type: ignore[no-untyped-def]
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160m", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)  # fmt: skip
-    if proc.returncode != 0:
-        if os.environ.get("CI"):
-            pytest.fail(f"cannot mount a tmpfs in CI: {proc.stderr.strip()}")
-        pytest.skip(f"mounting a tmpfs is not allowed here: {proc.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+def small_fs_mib() -> int:
+    """conftest's ``small_fs``, 160 MiB here."""
+    return 160
 
 
 def test_not_enough_space_is_refused_before_starting(s3_client, bucket, small_fs):

@@ -16,7 +16,10 @@ from prefetch.logjson import setup_logging
 from prefetch.redact import RedactingFilter, printable, redact
 
 from .fakes.hubserver import HubServer, make_model_dir
-from .test_pull_hf import REPO, SHARDS, TOKEN, clean_env, run_cli
+from .support import HUB_REPO as REPO
+from .support import HUB_SHARDS as SHARDS
+from .support import HUB_TOKEN as TOKEN
+from .support import clean_env, run_cli
 
 SIGNED = (
     "https://cdn.example.com/cdn/abc?Expires=1700000000&Signature=c2lnbmF0dXJlLXZhbHVl"

@@ -22,23 +22,20 @@ from prefetch import verify
 from prefetch.cli import main
 from prefetch.errors import ChecksumMismatchError
 from prefetch.layout import PlainLayout
-from prefetch.retry import RetryPolicy
 from prefetch.snapshot import Checksum, RemoteFile
 from prefetch.sources.s3 import S3Source
-from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.sync import sync, verify_local
+from prefetch.spec import parse_source_uri
+from prefetch.sync import verify_local
 from prefetch.transfer import TransferConfig
 
+from .support import fast_config, pull_s3
+
 MiB = 1024 * 1024
-FAST = TransferConfig(
-    concurrency=4, chunk_size=1 * MiB, buffer_size=256 * 1024,
-    retry=RetryPolicy(attempts=2, base_delay=0.01, max_delay=0.05),
-)  # fmt: skip
+FAST = fast_config(concurrency=4, attempts=2)
 
 
 def pull(client: Any, uri: str, dest: Path, config: TransferConfig = FAST):  # type: ignore[no-untyped-def]
-    spec = ModelSpec(source=parse_source_uri(uri))
-    return sync(spec, S3Source(client, spec.source), PlainLayout(dest), config)
+    return pull_s3(client, uri, dest, config=config)
 
 
 def sha256(data: bytes) -> str:

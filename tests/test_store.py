@@ -13,32 +13,18 @@ from click.testing import CliRunner
 
 from prefetch.agent.config import parse_config, spec_digest
 from prefetch.cli import main
-from prefetch.errors import LockTimeoutError
-from prefetch.layout import PlainLayout, model_lock
-from prefetch.snapshot import Checksum, RemoteFile, Snapshot
+from prefetch.errors import LayoutError, LockTimeoutError
+from prefetch.layout import model_lock
 from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.store import Store, tree_size
+
+from .support import publish_plain
 
 
 def spec(name: str, *, pin: bool = False, hf_repo: str | None = None) -> ModelSpec:
     return ModelSpec(
         source=parse_source_uri(f"s3://bucket/{name}"), name=name, pin=pin, hf_repo=hf_repo
     )
-
-
-def publish_plain(cache: Path, s: ModelSpec, files: dict[str, bytes]) -> PlainLayout:
-    """Put a model into the plain layout through the layout's own publish/commit."""
-    layout = PlainLayout(cache / "models" / s.name)
-    layout.staging_dir().mkdir(parents=True, exist_ok=True)
-    remote = []
-    for path, data in files.items():
-        f = RemoteFile(path=path, size=len(data), version="etag-1")
-        staged = layout.staging_dir() / "staged"
-        staged.write_bytes(data)
-        layout.publish(f, staged, (Checksum("sha256", hashlib.sha256(data).hexdigest()),))
-        remote.append(f)
-    layout.commit(Snapshot(str(s.source), "rev-" + s.name, tuple(remote)), s, delete=False)
-    return layout
 
 
 def make_hub_entry(cache: Path, repo_id: str, data: bytes) -> Path:
@@ -152,6 +138,28 @@ def test_evict_takes_the_model_lock(cache: Path) -> None:
     assert not layout.root.exists()
     assert store.list() == []
     assert not (cache / ".trash").exists() or not os.listdir(cache / ".trash")
+
+
+def test_evict_refuses_a_trash_folder_that_is_a_symlink_out_of_the_cache(
+    cache: Path, tmp_path: Path
+) -> None:
+    layout = publish_plain(cache, spec("alpha"), {"w.bin": b"x" * 64})
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (cache / ".trash").symlink_to(outside)
+    store = Store(cache)
+    (entry,) = store.list()
+    with pytest.raises(LayoutError, match="symbolic link"):
+        store.evict(entry)
+    assert (layout.root / "w.bin").read_bytes() == b"x" * 64
+    assert list(outside.iterdir()) == []
+
+
+def test_a_cache_entry_key_is_checked_as_its_layout_checks_names(cache: Path) -> None:
+    store = Store(cache)
+    for key in ("models/..", "models/a/b", "hub/datasets--x", "hub/models--a/..", "tmp/x"):
+        with pytest.raises(LayoutError, match="not a cache entry"):
+            store.set_last_used(key, 1.0)
 
 
 def test_tree_size_ignores_symlinks(tmp_path: Path) -> None:

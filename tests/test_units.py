@@ -1,29 +1,22 @@
-"""Unit tests: sizes, URIs and specs, checksum math, chunk plans, the resume journal."""
+"""Unit tests: sizes, URIs and specs, chunk plans, paths, deadlines (checksum math is in
+test_verify.py, the resume journal in test_journal.py)."""
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import itertools
-import json
-import os
 import threading
 
 import pytest
-from awscrt import checksums as crt
 
-from prefetch import verify
 from prefetch.errors import (
-    ChecksumMismatchError,
     ConfigError,
     LayoutError,
     NotFoundError,
     TransientSourceError,
 )
-from prefetch.journal import Journal
 from prefetch.layout import safe_join
 from prefetch.retry import call_with_deadline
-from prefetch.snapshot import Checksum, listing_digest
+from prefetch.snapshot import listing_digest
 from prefetch.spec import ModelSpec, default_model_name, parse_source_uri
 from prefetch.transfer import TransferConfig, plan_chunks
 from prefetch.units import format_bytes, parse_duration, parse_size
@@ -102,62 +95,6 @@ def test_listing_digest_is_order_independent_and_content_sensitive():
     assert listing_digest(a) != listing_digest([("a", 1, "e1"), ("b", 2, "e3")])
 
 
-def test_crc_chunks_combine_to_the_whole_object_crc():
-    data = os.urandom(5 * MiB + 123)
-    checksum = Checksum(
-        "crc64nvme", base64.b64encode(crt.crc64nvme(data).to_bytes(8, "big")).decode(), "base64"
-    )
-    results = []
-    for start, end in plan_chunks(len(data), MiB, checksum):
-        h = verify.ChunkHasher(checksum, start, end)
-        view = memoryview(data)[start:end]
-        h.feed(view[:1000])  # fed in pieces, as the socket delivers them
-        h.feed(view[1000:])
-        results.append(h.result())
-    verify.check("x", checksum, verify.finish_inline(checksum, results))
-
-
-def test_multipart_etag_parts_are_hashed_inline_and_chunks_align_to_parts():
-    part = 5 * MiB
-    data = os.urandom(12 * MiB + 7)
-    digests = [hashlib.md5(data[o : o + part]).digest() for o in range(0, len(data), part)]
-    etag = hashlib.md5(b"".join(digests)).hexdigest() + "-3"
-    checksum = Checksum("md5", etag, part_sizes=(part, part, len(data) - 2 * part))
-    chunks = plan_chunks(len(data), 3 * MiB, checksum)
-    assert chunks == [(0, part), (part, 2 * part), (2 * part, len(data))]
-    chunks = plan_chunks(len(data), 8 * MiB, checksum)
-    assert chunks == [(0, 2 * part), (2 * part, len(data))]  # two parts in one chunk
-    results = []
-    for start, end in chunks:
-        h = verify.ChunkHasher(checksum, start, end)
-        h.feed(memoryview(data)[start:end])
-        results.append(h.result())
-    assert verify.finish_inline(checksum, results) == etag
-    with pytest.raises(ValueError, match="aligned"):
-        verify.ChunkHasher(checksum, 1, part)
-
-
-def test_hash_file_modes_and_mismatch_message(tmp_path):
-    data = b"hello world\n" * 1000
-    path = tmp_path / "f"
-    path.write_bytes(data)
-    git = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-    assert verify.hash_file(path, Checksum("git-sha1", git)) == git
-    sha = hashlib.sha256(data).hexdigest()
-    assert verify.hash_file(path, Checksum("sha256", sha)) == sha
-    crc32c = base64.b64encode(crt.crc32c(data).to_bytes(4, "big")).decode()
-    assert verify.hash_file(path, Checksum("crc32c", crc32c, "base64")) == crc32c
-    with pytest.raises(ChecksumMismatchError) as err:
-        verify.check("f", Checksum("sha256", "0" * 64, origin="sidecar"), sha)
-    assert err.value.expected == "0" * 64 and err.value.actual == sha
-    assert "sha256 (sidecar)" in str(err.value) and "f" in str(err.value)
-
-
-def test_pick_prefers_the_first_known_algorithm():
-    assert verify.pick([Checksum("xxh3", "1"), Checksum("crc32", "2")]) == Checksum("crc32", "2")
-    assert verify.pick([]) is None
-
-
 def test_plan_chunks_covers_the_file_exactly():
     for size in (0, 1, MiB - 1, MiB, MiB + 1, 10 * MiB + 3):
         chunks = plan_chunks(size, MiB, None)
@@ -170,23 +107,6 @@ def test_transfer_config_is_validated():
         TransferConfig(concurrency=0)
     with pytest.raises(ConfigError, match="chunk size"):
         TransferConfig(chunk_size=10)
-
-
-def test_journal_resumes_matching_header_and_survives_a_torn_line(tmp_path):
-    path = tmp_path / "x.journal"
-    header = {"version": "e1", "size": 10, "chunks": [[0, 5], [5, 10]]}
-    j = Journal.open(path, header, partial_exists=True)
-    j.record(1, [123, 5])
-    j.close()
-    with open(path, "a") as fh:
-        fh.write('{"i": 0, "r"')  # torn by a crash
-    again = Journal.open(path, header, partial_exists=True)
-    assert again.done == {1: [123, 5]}
-    again.close()
-    other = Journal.open(path, {**header, "version": "e2"}, partial_exists=True)
-    assert other.done == {}
-    other.close()
-    assert json.loads(path.read_text().splitlines()[0])["version"] == "e2"
 
 
 @pytest.mark.parametrize("bad", ["../etc/passwd", "/abs", "a/../../b", "a//b", "", "./a"])

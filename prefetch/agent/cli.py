@@ -15,6 +15,7 @@ from typing import Any
 import click
 
 from prefetch.agent.config import DEFAULT_CACHE_DIR, DEFAULT_CONFIG_PATH, AgentConfig
+from prefetch.agent.gate_driver import GateFactory, NodeGateLike
 from prefetch.constants import DEFAULT_LISTEN
 from prefetch.errors import ConfigError, LockTimeoutError
 from prefetch.units import format_bytes
@@ -96,7 +97,8 @@ def agent_cmd(
     setup_logging(log_format, level=getattr(logging, log_level.upper()))
     from prometheus_client import disable_created_metrics
 
-    disable_created_metrics()  # no *_created series: only clutter for counters this process owns
+    # prometheus_client leaves this one function unannotated
+    disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series: only clutter for counters this process owns
     agent = Agent(
         Path(config_path),
         cache_dir=Path(cache_dir) if cache_dir else None,
@@ -108,8 +110,8 @@ def agent_cmd(
     asyncio.run(agent.run())
 
 
-def _cluster_gate_factory(node_name: str | None) -> Any:
-    def make(config: AgentConfig) -> Any:
+def _cluster_gate_factory(node_name: str | None) -> GateFactory:
+    def make(config: AgentConfig) -> NodeGateLike | None:
         from prefetch.agent.node import in_cluster_gate
 
         return in_cluster_gate(

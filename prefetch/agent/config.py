@@ -51,7 +51,7 @@ import yaml
 from prefetch.constants import DEFAULT_LABEL_PREFIX, DEFAULT_LISTEN, DEFAULT_STARTUP_TAINT_KEY
 from prefetch.errors import ConfigError
 from prefetch.retry import RetryPolicy
-from prefetch.spec import ModelSpec, parse_source_uri, validate_name
+from prefetch.spec import ModelSpec, SpecError, parse_source_uri, validate_name
 from prefetch.transfer import TransferConfig
 from prefetch.units import parse_duration, parse_size
 
@@ -83,9 +83,12 @@ _MODEL_KEYS = ("name", "source", "revision", "include", "exclude", "required", "
 _BACKOFF_KEYS = ("initial", "max")
 _S3_KEYS = ("endpointUrl",)
 _SHA = re.compile(r"^[0-9a-f]{40}$")
+#: The keys of a model in the file, by the ModelSpec field each sets (the others match).
+_SPEC_KEYS = {"hf_repo": "hfRepo", "hf_revision": "revision"}
 _LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 T = TypeVar("T")
+D = TypeVar("D")
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,7 @@ class Backoff:
     max: float = 600.0
 
     def delay(self, failures: int) -> float:
-        return min(self.max, self.initial * 2 ** max(failures - 1, 0))
+        return min(self.max, self.initial * 2.0 ** max(failures - 1, 0))
 
 
 @dataclass(frozen=True)
@@ -244,8 +247,8 @@ def _kind(value: Any) -> str:
 
 
 def _get(
-    value: Mapping[str, Any], key: str, where: str, convert: Callable[[Any, str], T], default: T
-) -> T:
+    value: Mapping[str, Any], key: str, where: str, convert: Callable[[Any, str], T], default: D
+) -> T | D:
     path = f"{where}.{key}" if where else key
     if key not in value:
         return default
@@ -411,19 +414,8 @@ def _model(value: Any, where: str) -> ModelSpec:
     revision = _get(m, "revision", where, _opt_str, None)
     hf_repo = _get(m, "hfRepo", where, _opt_str, None)
     hf_revision: str | None = None
-    if source.scheme == "hf":
-        if hf_repo is not None:
-            raise ConfigError(f"{where}.hfRepo: only for s3:// sources (an hf:// source is one)")
-        if revision and source.revision and revision != source.revision:
-            raise ConfigError(
-                f"{where}.revision: {revision!r} conflicts with @{source.revision} in the source"
-            )
-    elif revision is not None:
-        if hf_repo is None or not _SHA.match(revision):
-            raise ConfigError(
-                f"{where}.revision: S3 sources have no revisions; with hfRepo it may name the "
-                "40-hex commit to publish under"
-            )
+    if source.scheme == "s3" and hf_repo is not None and _SHA.match(revision or ""):
+        # on an S3 mirror, the file's `revision` is the commit to publish under
         hf_revision, revision = revision, None
     try:
         return ModelSpec(
@@ -437,12 +429,8 @@ def _model(value: Any, where: str) -> ModelSpec:
             hf_repo=hf_repo,
             hf_revision=hf_revision,
         )
-    except ConfigError as exc:
-        text = str(exc)
-        for internal, key in (("hf_repo", "hfRepo"), ("hf_revision", "revision")):
-            if text.startswith(internal + ":"):
-                text = key + text[len(internal) :]
-        raise ConfigError(f"{where}.{text}") from exc
+    except SpecError as exc:
+        raise ConfigError(exc.render(_SPEC_KEYS, prefix=f"{where}."), hint=exc.hint) from exc
 
 
 def _s3(value: Any, path: str) -> str | None:

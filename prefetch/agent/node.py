@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import random
 import re
 import time
@@ -39,6 +38,7 @@ from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
+from prefetch import settings
 from prefetch.constants import (
     DEFAULT_LABEL_PREFIX,
     DEFAULT_STARTUP_TAINT_EFFECT,
@@ -354,7 +354,7 @@ class NodeGate:
         )
 
     def _delay(self, retry: int, retry_after: float) -> float:
-        delay = max(self._backoff * 2 ** (retry - 1), retry_after)
+        delay = max(self._backoff * 2.0 ** (retry - 1), retry_after)
         return min(delay, self._max_backoff) * (0.5 + random.random() / 2)
 
     def _fatal(self, exc: ApiException, verb: str, detail: str) -> NodeGateError:
@@ -413,7 +413,7 @@ def in_cluster_gate(node_name: str | None, **gate_options: Any) -> NodeGate | No
     None. The client configuration is built privately; the process-wide default is not touched.
     ``gate_options`` are passed to :class:`NodeGate`.
     """
-    if not os.environ.get("KUBERNETES_SERVICE_HOST"):
+    if not settings.in_kubernetes():
         logger.info("node gate off: not in a Kubernetes cluster (KUBERNETES_SERVICE_HOST unset)")
         return None
     if not node_name:

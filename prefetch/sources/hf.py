@@ -23,15 +23,11 @@ and neither do the signed query strings of CDN URLs.
 from __future__ import annotations
 
 import contextlib
-import email.utils
 import functools
-import http.client
 import logging
-import os
 import re
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -39,7 +35,7 @@ from urllib.parse import parse_qs, quote, urljoin, urlsplit
 
 import urllib3
 
-from prefetch import __version__
+from prefetch import __version__, settings
 from prefetch.errors import (
     AccessDeniedError,
     InvalidListingError,
@@ -54,7 +50,18 @@ from prefetch.errors import (
 )
 from prefetch.retry import RetryPolicy, call_with_deadline, call_with_retries
 from prefetch.snapshot import Checksum, RemoteFile, Snapshot
-from prefetch.sources.base import shutdown_socket_of
+from prefetch.sources._http import (
+    BodyReader,
+    HttpClient,
+    discard,
+    error_class,
+    http_client_response,
+    redact_url,
+    release_small_body,
+    shared_http_pool,
+    status_error,
+    transport_error,
+)
 from prefetch.spec import ModelSpec, SourceURI
 
 log = logging.getLogger(__name__)
@@ -66,7 +73,6 @@ _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _REDIRECTS = (301, 302, 303, 307, 308)
 _MAX_REDIRECTS = 5
-_DRAIN_LIMIT = 64 * 1024
 _TOKEN_HINT = "pass --token, set HF_TOKEN, or log in with `hf auth login` (token file in HF_HOME)"
 
 
@@ -84,7 +90,7 @@ class HubOptions:
 
     endpoint: str | None = None
     token: str | bool | None = None
-    http: Any = None
+    http: HttpClient | None = None
     pool_size: int = 32
     connect_timeout: float = 10.0
     read_timeout: float = 60.0
@@ -96,7 +102,7 @@ class HubOptions:
 def open_hub_source(spec: ModelSpec, hub: HubOptions | None = None) -> HubSource:
     """The HubSource for ``spec`` (an ``hf://`` URI), filling defaults from the environment."""
     options = hub or HubOptions()
-    endpoint = (options.endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+    endpoint = (options.endpoint or settings.hf_endpoint() or DEFAULT_ENDPOINT).rstrip("/")
     token: str | None
     if options.token is None or options.token is True:
         from huggingface_hub import get_token
@@ -117,46 +123,6 @@ def open_hub_source(spec: ModelSpec, hub: HubOptions | None = None) -> HubSource
     )
 
 
-# ---- HTTP client -------------------------------------------------------------------------------
-
-_SHARED_POOLS: dict[int, Any] = {}
-_SHARED_LOCK = threading.Lock()
-
-
-def shared_http_pool(size: int = 32) -> Any:
-    """One pooled client per process and pool size (the agent reuses connections across syncs)."""
-    with _SHARED_LOCK:
-        pool = _SHARED_POOLS.get(size)
-        if pool is None:
-            pool = _SHARED_POOLS[size] = make_http_pool(size)
-        return pool
-
-
-def make_http_pool(size: int = 32) -> Any:
-    """A urllib3 pool for ranged GETs: no urllib3 retries or redirects (done by the caller), and
-    the environment's HTTP(S)_PROXY / NO_PROXY honoured per host."""
-    kwargs: dict[str, Any] = {"num_pools": 8, "maxsize": size, "block": False, "retries": False}
-    proxies = {k: v for k, v in urllib.request.getproxies().items() if k in ("http", "https")}
-    if not proxies:
-        return urllib3.PoolManager(**kwargs)
-    return _ProxyRouter(urllib3.PoolManager(**kwargs), proxies, kwargs)
-
-
-class _ProxyRouter:
-    """Sends each request directly or through the scheme's proxy, as the environment says."""
-
-    def __init__(self, direct: Any, proxies: Mapping[str, str], kwargs: dict[str, Any]) -> None:
-        self._direct = direct
-        self._proxied = {s: urllib3.ProxyManager(url, **kwargs) for s, url in proxies.items()}
-
-    def request(self, method: str, url: str, **kwargs: Any) -> Any:
-        parts = urlsplit(url)
-        manager = self._proxied.get(parts.scheme)
-        if manager is None or urllib.request.proxy_bypass(parts.hostname or ""):
-            manager = self._direct
-        return manager.request(method, url, **kwargs)
-
-
 def _origin(url: str) -> tuple[str, str, int]:
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
@@ -164,33 +130,10 @@ def _origin(url: str) -> tuple[str, str, int]:
     return scheme, (parts.hostname or "").lower(), port
 
 
-def _redact(url: str) -> str:
-    """A URL fit for messages: no query string (CDN URLs carry signatures), no credentials."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    netloc = f"{host}:{parts.port}" if parts.port else host
-    return f"{parts.scheme}://{netloc}{parts.path}"
-
-
 def _normalize_etag(value: str | None) -> str | None:
     if not value:
         return None
     return value.strip().removeprefix("W/").strip('"').lower() or None
-
-
-def parse_retry_after(value: str | None) -> float | None:
-    """Seconds from a ``Retry-After`` header (delay-seconds or an HTTP date)."""
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value.strip()))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - time.time())
 
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -217,6 +160,112 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     return tuple(found)
 
 
+#: huggingface_hub's exceptions for the Hub's ``X-Error-Code`` values (gated first: it is a
+#: subclass of RepositoryNotFoundError).
+_API_ERROR_CODES = (
+    ("GatedRepoError", "GatedRepo"),
+    ("RepositoryNotFoundError", "RepoNotFound"),
+    ("RevisionNotFoundError", "RevisionNotFound"),
+)
+
+
+@dataclass(frozen=True)
+class HubRefusal:
+    """One error answer from the Hub (or the CDN it redirected to), as :func:`hub_error` needs
+    it. ``reading``: the answer to a ranged read of a file of ``size`` bytes, not to a metadata
+    call; ``where``: "the Hub" or the redacted URL that answered."""
+
+    what: str
+    status: int
+    repo: str
+    revision: str
+    has_token: bool
+    where: str = "the Hub"
+    error_code: str = ""
+    server_message: str = ""
+    retry_after: str | None = None
+    reading: bool = False
+    size: int | None = None
+
+
+def hub_error(r: HubRefusal) -> SourceError:
+    """The package's error for an answer of the Hub: the class from the one status table
+    (:func:`prefetch.sources._http.error_class`), the words and hint from here."""
+    message, hint = _hub_wording(r)
+    return status_error(
+        r.status,
+        f"{r.what}: {message}",
+        error_code=r.error_code,
+        credentials=r.has_token,
+        retry_after=r.retry_after,
+        hint=hint,
+    )
+
+
+def _hub_wording(r: HubRefusal) -> tuple[str, str | None]:
+    """What to tell the user about ``r`` (message without the ``what:`` prefix, and a hint)."""
+    cls = error_class(r.status, r.error_code, credentials=r.has_token)
+    detail = f" ({r.server_message})" if r.server_message else ""
+    if cls is TransientSourceError:
+        if r.status == 429:
+            return f"rate limited by {r.where} (429)", None
+        return f"{r.where} answered {r.status}{detail}", None
+    if cls is AccessDeniedError:
+        return _access_denied_wording(r, detail)
+    if cls is RepoNotFoundError:
+        if r.has_token:
+            return (
+                f"repository {r.repo} not found, or the token has no access to it{detail}",
+                "check the repo id (org/name) and that the token's account can read it",
+            )
+        return (
+            f"repository {r.repo} not found{detail}",
+            "check the repo id (org/name); for a private repo, " + _TOKEN_HINT,
+        )
+    if cls is RevisionNotFoundError:
+        return (
+            f"revision {r.revision!r} not found in {r.repo}{detail}",
+            "give a branch, a tag or a full 40-hex commit sha",
+        )
+    if cls is NotFoundError and r.reading:
+        return f"{r.where} has no such file ({r.status}){detail}", None
+    if cls is SourceChangedError and r.status == 416:
+        return (
+            f"{r.where} says the range is not satisfiable: the file is shorter than the "
+            f"{r.size} bytes the listing stated",
+            None,
+        )
+    if r.status == 200 and r.reading:
+        return f"{r.where} ignored the Range header (200, not 206)", None
+    return f"{r.where} answered {r.status}{detail}", None
+
+
+def _access_denied_wording(r: HubRefusal, detail: str) -> tuple[str, str | None]:
+    if r.error_code == "GatedRepo":
+        why = "the token has no access to it" if r.has_token else "no token was given"
+        return (
+            f"{r.repo} is a gated repository and {why}",
+            "accept the repo's conditions on its page with the token's account, then "
+            + _TOKEN_HINT,
+        )
+    if r.status == 401 and not r.has_token:
+        return (
+            f"{r.where} refused {r.repo} without a token (401): it is private, gated, "
+            "or does not exist",
+            _TOKEN_HINT,
+        )
+    if r.status == 401:
+        return (
+            f"{r.where} rejected the token (401: invalid or expired){detail}",
+            "check the token; create one at https://huggingface.co/settings/tokens",
+        )
+    refused = "the download" if r.reading else f"access to {r.repo}"
+    return (
+        f"{r.where} refused {refused} ({r.status}){detail}",
+        "use a token with read access to the repository",
+    )
+
+
 def translate_api_error(
     exc: BaseException, what: str, *, repo: str, revision: str, has_token: bool
 ) -> Exception:
@@ -229,59 +278,23 @@ def translate_api_error(
             hint="unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE) for prefetch; "
             "vLLM keeps it to read the warmed cache",
         )
-    if isinstance(exc, hf.GatedRepoError):
-        why = "the token has no access to it" if has_token else "no token was given"
-        return AccessDeniedError(
-            f"{what}: {repo} is a gated repository and {why}",
-            hint="accept the repo's conditions on its page with the token's account, then "
-            + _TOKEN_HINT,
-        )
+    code = next((c for name, c in _API_ERROR_CODES if isinstance(exc, getattr(hf, name))), "")
     status = _status_of(exc)
-    if isinstance(exc, hf.RepositoryNotFoundError):
-        if not has_token and status == 401:
-            return AccessDeniedError(
-                f"{what}: the Hub refused {repo} without a token: it is private, gated, "
-                "or does not exist",
-                hint=_TOKEN_HINT,
+    if code or (isinstance(exc, hf.HfHubHTTPError) and status is not None):
+        response = getattr(exc, "response", None)
+        headers: Mapping[str, str] = getattr(response, "headers", None) or {}
+        return hub_error(
+            HubRefusal(
+                what,
+                status or 0,
+                repo=repo,
+                revision=revision,
+                has_token=has_token,
+                error_code=code,
+                server_message=(headers.get("X-Error-Message") or "").strip()[:200],
+                retry_after=headers.get("Retry-After"),
             )
-        if has_token:
-            return RepoNotFoundError(
-                f"{what}: repository {repo} not found, or the token has no access to it",
-                hint="check the repo id (org/name) and that the token's account can read it",
-            )
-        return RepoNotFoundError(
-            f"{what}: repository {repo} not found",
-            hint="check the repo id (org/name); for a private repo, " + _TOKEN_HINT,
         )
-    if isinstance(exc, hf.RevisionNotFoundError):
-        return RevisionNotFoundError(
-            f"{what}: revision {revision!r} not found in {repo}",
-            hint="give a branch, a tag or a full 40-hex commit sha",
-        )
-    if isinstance(exc, hf.HfHubHTTPError) and status is not None:
-        headers = exc.response.headers
-        server = (headers.get("X-Error-Message") or "").strip()[:200]
-        detail = f" ({server})" if server else ""
-        if status == 401:
-            if has_token:
-                return AccessDeniedError(
-                    f"{what}: the Hub rejected the token (401: invalid or expired){detail}",
-                    hint="check the token; create one at https://huggingface.co/settings/tokens",
-                )
-            return AccessDeniedError(f"{what}: the Hub asks for a token (401)", hint=_TOKEN_HINT)
-        if status == 403:
-            return AccessDeniedError(
-                f"{what}: the token lacks permission for {repo} (403){detail}",
-                hint="use a token with read access to the repository",
-            )
-        if status == 429:
-            return TransientSourceError(
-                f"{what}: rate limited by the Hub (429)",
-                retry_after=parse_retry_after(headers.get("Retry-After")),
-            )
-        if status == 408 or status >= 500:
-            return TransientSourceError(f"{what}: the Hub answered {status}{detail}")
-        return SourceError(f"{what}: the Hub answered {status}{detail}")
     if isinstance(exc, _transport_errors()):
         return TransientSourceError(f"{what}: {type(exc).__name__}: {exc}")
     if isinstance(exc, ConnectionError | TimeoutError):
@@ -293,17 +306,6 @@ def _status_of(exc: BaseException) -> int | None:
     response = getattr(exc, "response", None)
     status = getattr(response, "status_code", None)
     return int(status) if status is not None else None
-
-
-def _read_error(exc: BaseException, what: str) -> Exception:
-    """An exception from sending a request or reading a body, as the package's error."""
-    if isinstance(exc, urllib3.exceptions.SSLError):
-        return SourceError(f"{what}: TLS error: {exc}")
-    if isinstance(exc, urllib3.exceptions.ProxyError):
-        return TransientSourceError(f"{what}: proxy error: {exc}")
-    if isinstance(exc, urllib3.exceptions.HTTPError | http.client.HTTPException | OSError):
-        return TransientSourceError(f"{what}: {type(exc).__name__}: {exc}")
-    return SourceError(f"{what}: {type(exc).__name__}: {exc}")
 
 
 # ---- the source --------------------------------------------------------------------------------
@@ -318,9 +320,9 @@ class HubSource:
         *,
         endpoint: str,
         token: str | None,
-        http: Any,
+        http: HttpClient,
         retry: RetryPolicy | None = None,
-        timeout: Any = None,
+        timeout: urllib3.Timeout | None = None,
         redirect_ttl: float = 600.0,
         metadata_timeout: float = 120.0,
         api: Any = None,
@@ -407,7 +409,6 @@ class HubSource:
             files=tuple(files),
             requested_revision=None if revision == commit else revision,
             repo_id=repo,
-            extra={"endpoint": self._endpoint},
         )
 
     def _list_tree(self, commit: str, what: str) -> list[Any]:
@@ -462,7 +463,7 @@ class HubSource:
 
     # -- read --------------------------------------------------------------------------------
 
-    def open_range(self, file: RemoteFile, start: int, end: int) -> _HubRangeReader:
+    def open_range(self, file: RemoteFile, start: int, end: int) -> BodyReader:
         what = f"{self._repo}/{file.path} bytes {start}-{end - 1}"
         headers = {
             "Range": f"bytes={start}-{end - 1}",
@@ -481,14 +482,14 @@ class HubSource:
         if resp.status not in (403, 404, 410, *_REDIRECTS):
             return self._reader(file, resp, cached, start, end, what)
         # an expired signature or a moved object: forget the location and resolve again
-        _discard(resp)
+        discard(resp)
         self._forget_location(file)
         with self._resolving(file):
             return self._open_via_hub(file, headers, start, end, what)
 
     def _open_via_hub(
         self, file: RemoteFile, headers: dict[str, str], start: int, end: int, what: str
-    ) -> _HubRangeReader:
+    ) -> BodyReader:
         """GET the resolve URL and follow its redirects; cache where the bytes came from."""
         url = file.locator
         for _ in range(_MAX_REDIRECTS + 1):
@@ -497,13 +498,13 @@ class HubSource:
                 break
             self._check_pins(file, resp, url, what)
             location = resp.headers.get("Location")
-            _release_redirect(resp)
+            release_small_body(resp)
             if not location:
-                raise SourceError(f"{what}: redirect without a Location from {_redact(url)}")
+                raise SourceError(f"{what}: redirect without a Location from {redact_url(url)}")
             url = urljoin(url, location)
             if urlsplit(url).scheme.lower() not in ("http", "https"):
                 raise SourceError(
-                    f"{what}: refusing a redirect to {_redact(url)!r}: not an HTTP(S) location"
+                    f"{what}: refusing a redirect to {redact_url(url)!r}: not an HTTP(S) location"
                 )
         else:
             raise SourceError(f"{what}: more than {_MAX_REDIRECTS} redirects")
@@ -527,16 +528,16 @@ class HubSource:
                 timeout=self._timeout,
             )
         except Exception as exc:
-            raise _read_error(exc, what) from exc
+            raise transport_error(exc, what) from exc
 
     def _check_pins(self, file: RemoteFile, resp: Any, url: str, what: str) -> None:
         """The response (a redirect or the bytes) is for the commit and blob we listed."""
         h = resp.headers
         hub = _origin(url) == self._origin
         commit = h.get("X-Repo-Commit")
-        expected_commit = file.locator[len(self._resolve_prefix) :].split("/", 1)[0]
+        expected_commit = self._commit_of(file)
         if commit and commit.strip().lower() != expected_commit:
-            _discard(resp)
+            discard(resp)
             raise SourceChangedError(
                 f"{what}: the Hub served commit {commit.strip()[:12]}, expected "
                 f"{expected_commit[:12]}"
@@ -544,93 +545,69 @@ class HubSource:
         # Off the Hub's origin only the Hub's own header counts: a CDN's ETag is its own business.
         etag = _normalize_etag(h.get("X-Linked-Etag") or (h.get("ETag") if hub else None))
         if etag and file.version and etag != file.version:
-            _discard(resp)
+            discard(resp)
             raise SourceChangedError(
                 f"{what}: the server's blob id {etag[:16]} is not the listed {file.version[:16]}"
             )
         linked = h.get("X-Linked-Size")
         if linked and linked.strip().isdigit() and int(linked) != file.size:
-            _discard(resp)
+            discard(resp)
             raise SourceChangedError(
                 f"{what}: the server says {int(linked)} bytes, the listing said {file.size}"
             )
 
     def _reader(
         self, file: RemoteFile, resp: Any, url: str, start: int, end: int, what: str
-    ) -> _HubRangeReader:
+    ) -> BodyReader:
         status = resp.status
         if status != 206:
             error = self._status_error(file, resp, url, what)
-            _discard(resp)
+            discard(resp)
             raise error
         self._check_pins(file, resp, url, what)
         h = resp.headers
         expected = f"bytes {start}-{end - 1}/{file.size}"
         content_range = (h.get("Content-Range") or "").strip()
         if content_range != expected:
-            _discard(resp)
+            discard(resp)
             raise SourceChangedError(
                 f"{what}: the server answered Content-Range {content_range!r}, expected "
                 f"{expected!r} (the file is not the size the listing stated)"
             )
         length = h.get("Content-Length")
         if length is not None and length.strip() != str(end - start):
-            _discard(resp)
+            discard(resp)
             raise SourceChangedError(
                 f"{what}: the body is {length.strip()} bytes, the range is {end - start}"
             )
         encoding = (h.get("Content-Encoding") or "identity").strip().lower()
         if encoding != "identity":
-            _discard(resp)
+            discard(resp)
             raise SourceError(f"{what}: the server sent a {encoding}-encoded body")
-        return _HubRangeReader(resp, what, end - start, length_known=length is not None)
+        return _body_reader(resp, what, end - start, length_known=length is not None)
 
-    def _status_error(self, file: RemoteFile, resp: Any, url: str, what: str) -> Exception:
-        status = resp.status
+    def _status_error(self, file: RemoteFile, resp: Any, url: str, what: str) -> SourceError:
         h = resp.headers
-        code = (h.get("X-Error-Code") or "").strip()
-        server = (h.get("X-Error-Message") or "").strip()[:200]
-        detail = f" ({server})" if server else ""
-        where = "the Hub" if _origin(url) == self._origin else _redact(url)
-        if status == 200:
-            return SourceError(f"{what}: {where} ignored the Range header (200, not 206)")
-        if status == 416:
-            return SourceChangedError(
-                f"{what}: {where} says the range is not satisfiable: the file is shorter than "
-                f"the {file.size} bytes the listing stated"
+        hub = _origin(url) == self._origin
+        return hub_error(
+            HubRefusal(
+                what,
+                resp.status,
+                repo=self._repo,
+                revision=self._commit_of(file),
+                has_token=bool(self._token),
+                where="the Hub" if hub else redact_url(url),
+                error_code=(h.get("X-Error-Code") or "").strip(),
+                server_message=(h.get("X-Error-Message") or "").strip()[:200],
+                retry_after=h.get("Retry-After"),
+                reading=True,
+                size=file.size,
             )
-        if status == 429:
-            return TransientSourceError(
-                f"{what}: rate limited by {where} (429)",
-                retry_after=parse_retry_after(h.get("Retry-After")),
-            )
-        if status == 408 or status >= 500:
-            return TransientSourceError(f"{what}: {where} answered {status}{detail}")
-        has_token = bool(self._token)
-        if code == "GatedRepo":
-            why = "the token has no access to it" if has_token else "no token was given"
-            return AccessDeniedError(
-                f"{what}: {self._repo} is a gated repository and {why}",
-                hint="accept the repo's conditions on its page, then " + _TOKEN_HINT,
-            )
-        if code == "RepoNotFound" or (status == 401 and not has_token):
-            if status == 401 and not has_token:
-                return AccessDeniedError(
-                    f"{what}: the Hub refused {self._repo} without a token", hint=_TOKEN_HINT
-                )
-            return RepoNotFoundError(f"{what}: repository {self._repo} not found{detail}")
-        if code == "RevisionNotFound":
-            return RevisionNotFoundError(f"{what}: the commit is gone from {self._repo}{detail}")
-        if status == 401:
-            return AccessDeniedError(
-                f"{what}: {where} rejected the token (401: invalid or expired)",
-                hint="check the token; create one at https://huggingface.co/settings/tokens",
-            )
-        if status == 403:
-            return AccessDeniedError(f"{what}: {where} refused the download (403){detail}")
-        if status in (404, 410):
-            return NotFoundError(f"{what}: {where} has no such file ({status}){detail}")
-        return SourceError(f"{what}: {where} answered {status}{detail}")
+        )
+
+    def _commit_of(self, file: RemoteFile) -> str:
+        """The commit a file's resolve URL names (the listing's)."""
+        return file.locator[len(self._resolve_prefix) :].split("/", 1)[0]
 
     # -- redirect cache ------------------------------------------------------------------------
 
@@ -662,91 +639,33 @@ class HubSource:
             return self._resolve_locks.setdefault(file.locator, threading.Lock())
 
 
-def _discard(resp: Any) -> None:
-    """Drop a response whose body we do not want, closing its connection (never a blocking
-    read: the connection may be the one that just failed)."""
-    try:
-        resp.close()
-    finally:
-        resp.release_conn()
+def _body_reader(resp: Any, what: str, length: int, *, length_known: bool) -> BodyReader:
+    """The reader of a checked 206: its connection goes back to the pool only when the body
+    was read to its end and nothing aborted it."""
 
-
-def _release_redirect(resp: Any) -> None:
-    """Finish a redirect: read its small body so the connection goes back to the pool."""
-    try:
-        length = int(resp.headers.get("Content-Length") or -1)
-    except ValueError:
-        length = -1
-    if not 0 <= length <= _DRAIN_LIMIT:
-        _discard(resp)
-        return
-    try:
-        resp.drain_conn()
-    finally:
-        resp.release_conn()
-
-
-class _HubRangeReader:
-    """The body of one 206: ``readinto`` straight from the socket into the caller's buffer."""
-
-    def __init__(self, resp: Any, what: str, length: int, *, length_known: bool) -> None:
-        self._resp = resp
-        fp = getattr(resp, "_fp", None)
-        # urllib3's own readinto reads into a new bytes object and copies it; http.client's
-        # readinto fills our buffer directly (half the client CPU per byte, measured).
-        self._fp = fp if isinstance(fp, http.client.HTTPResponse) else None
-        self._what = what
-        self._left = length
-        self._length_known = length_known
-        self._clean = False
-        self._aborted = False
-
-    def readinto(self, buf: memoryview, /) -> int:
-        if self._left <= 0:
-            return 0
-        view = buf[: self._left] if len(buf) > self._left else buf
-        try:
-            n = self._fp.readinto(view) if self._fp is not None else self._resp.readinto(view)
-        except Exception as exc:
-            raise _read_error(exc, self._what) from exc
-        self._left -= n
-        if self._left == 0:
-            self._finish()
-        return n
-
-    def _finish(self) -> None:
-        """The range is complete: a body without Content-Length must end here too."""
-        if self._length_known:
-            self._clean = True
-            return
-        try:
-            extra = self._fp.read(1) if self._fp is not None else self._resp.read(1)
-        except Exception as exc:
-            raise _read_error(exc, self._what) from exc
-        if extra:
-            raise SourceChangedError(f"{self._what}: the body is longer than the range")
-        self._clean = True
-
-    def abort(self) -> None:
-        """Make a read blocked in another thread return now (see RangeReader); the connection
-        is then discarded, never handed back to the pool."""
-        self._aborted = True
-        shutdown_socket_of(self._fp if self._fp is not None else self._resp)
-
-    def close(self) -> None:
-        if self._clean and not self._aborted:
-            self._resp.release_conn()
+    def finish(reusable: bool) -> None:
+        if reusable:
+            resp.release_conn()
         else:
-            _discard(self._resp)
+            discard(resp)
+
+    return BodyReader(
+        resp,
+        what,
+        length,
+        raw=http_client_response(resp),
+        socket_owner=resp,
+        on_close=finish,
+        length_known=length_known,
+    )
 
 
 __all__ = [
     "DEFAULT_ENDPOINT",
     "HubOptions",
+    "HubRefusal",
     "HubSource",
-    "make_http_pool",
+    "hub_error",
     "open_hub_source",
-    "parse_retry_after",
-    "shared_http_pool",
     "translate_api_error",
 ]

@@ -28,6 +28,7 @@ from prefetch.errors import (
 )
 from prefetch.retry import RetryPolicy, call_with_retries
 from prefetch.snapshot import Checksum, RemoteFile, Snapshot, listing_digest
+from prefetch.sources._http import BodyReader, error_class, http_client_response, transport_error
 from prefetch.sources.base import range_answer_problem, shutdown_socket_of
 from prefetch.spec import SIDECAR_MANIFEST, ModelSpec, SourceURI
 
@@ -105,19 +106,7 @@ def translate(exc: Exception, what: str) -> Exception:
         msg = err.get("Message") or code
         if code == "NoSuchBucket":
             return BucketNotFoundError(f"{what}: bucket does not exist")
-        if code in ("PreconditionFailed", "412") or status == 412:
-            return SourceChangedError(f"{what}: the object changed during the download")
-        if code in ("NoSuchKey", "404") or status == 404:
-            return SourceChangedError(f"{what}: the object disappeared during the download")
-        if code in _DENIED_CODES or status in (401, 403):
-            return AccessDeniedError(
-                f"{what}: access denied ({code}: {msg})",
-                hint="check the AWS credentials (AWS_PROFILE, AWS_ACCESS_KEY_ID, IRSA role) "
-                "and that they may s3:ListBucket and s3:GetObject here",
-            )
-        if code in _TRANSIENT_CODES or status >= 500 or status == 429:
-            return TransientSourceError(f"{what}: {code or status}: {msg}")
-        return SourceError(f"{what}: {code or status}: {msg}")
+        return _client_error(what, code, int(status or 0), msg)
     if isinstance(exc, bce.NoCredentialsError | bce.PartialCredentialsError):
         return AccessDeniedError(
             f"{what}: no AWS credentials found",
@@ -143,58 +132,58 @@ def translate(exc: Exception, what: str) -> Exception:
     return SourceError(f"{what}: {type(exc).__name__}: {exc}")
 
 
-class _S3RangeReader:
-    """The body of one ranged GET, never more or less than the ``length`` bytes asked for.
+def _body_reader(body: Any, what: str, length: int, *, length_known: bool) -> BodyReader:
+    """The reader of a checked ranged GET's StreamingBody. botocore's StreamingBody wraps a
+    urllib3 response; the ``http.client`` response beneath it is read directly when nothing
+    has been read or buffered above it yet (the layers are private: otherwise the StreamingBody
+    itself is read). A body running past the range is a SourceError."""
+    raw = getattr(body, "_raw_stream", None)
+    fresh = getattr(body, "_amount_read", 0) == 0 and not getattr(raw, "_decoded_buffer", None)
+    return BodyReader(
+        body,
+        what,
+        length,
+        raw=http_client_response(raw) if fresh else None,
+        socket_owner=raw,
+        on_close=lambda _reusable: body.close(),
+        length_known=length_known,
+        translate=_read_failure,
+        overrun=SourceError,
+    )
 
-    botocore's StreamingBody wraps a urllib3 response whose ``readinto`` reads into a temporary
-    bytes object and copies it; reading the ``http.client`` response beneath it (which honours
-    Content-Length and chunked encoding) fills our buffer straight from the socket instead. The
-    layers are private, so anything unexpected falls back to the StreamingBody. A body that ends
-    early is a TransientSourceError (the engine retries from the last byte written); one that
-    runs past the range (possible only without a Content-Length) is a SourceError.
-    """
 
-    def __init__(self, body: Any, what: str, length: int) -> None:
-        self._body = body
-        self._what = what
-        self._left = length
-        raw = getattr(body, "_raw_stream", None)
-        self._raw = raw
-        fp = getattr(raw, "_fp", None)
-        fresh = getattr(body, "_amount_read", 0) == 0 and not getattr(raw, "_decoded_buffer", None)
-        self._fp = fp if isinstance(fp, http.client.HTTPResponse) and fresh else None
+def _read_failure(exc: Exception, what: str) -> Exception:
+    """A failed body read: a socket or protocol failure is transient (as for every source),
+    anything else is translated as botocore's."""
+    if isinstance(exc, OSError | http.client.HTTPException):
+        return transport_error(exc, what)
+    return translate(exc, what)
 
-    def readinto(self, buf: memoryview, /) -> int:
-        if self._left <= 0:
-            return 0
-        view = buf[: self._left] if len(buf) > self._left else buf
-        n = self._read(view)
-        if n <= 0:
-            raise TransientSourceError(
-                f"{self._what}: the body ended {self._left} bytes before the end of the range"
-            )
-        self._left -= n
-        if self._left == 0 and self._read(memoryview(bytearray(1))) > 0:
-            raise SourceError(f"{self._what}: the body is longer than the range")
-        return n
 
-    def _read(self, view: memoryview) -> int:
-        if self._fp is not None:
-            try:
-                return self._fp.readinto(view)
-            except (OSError, http.client.HTTPException) as exc:
-                raise TransientSourceError(f"{self._what}: {type(exc).__name__}: {exc}") from exc
-        try:
-            return int(self._body.readinto(view))
-        except Exception as exc:
-            raise translate(exc, self._what) from exc
-
-    def abort(self) -> None:
-        """Make a read blocked in another thread return now (see RangeReader)."""
-        shutdown_socket_of(self._fp if self._fp is not None else self._raw)
-
-    def close(self) -> None:
-        self._body.close()
+def _client_error(what: str, code: str, status: int, msg: str) -> SourceError:
+    """An S3 error answer: its code when S3 names one we know, else the status through the one
+    status table; a 404 while reading a pinned object means it went away (it was listed)."""
+    if code in ("PreconditionFailed", "412"):
+        cls: type[SourceError] = SourceChangedError
+    elif code in ("NoSuchKey", "404") or status == 404:
+        return SourceChangedError(f"{what}: the object disappeared during the download")
+    elif code in _DENIED_CODES:
+        cls = AccessDeniedError
+    elif code in _TRANSIENT_CODES:
+        cls = TransientSourceError
+    else:
+        cls = error_class(status) if status else SourceError
+    if cls is SourceChangedError:
+        return SourceChangedError(f"{what}: the object changed during the download")
+    if cls is AccessDeniedError:
+        return AccessDeniedError(
+            f"{what}: access denied ({code}: {msg})",
+            hint="check the AWS credentials (AWS_PROFILE, AWS_ACCESS_KEY_ID, IRSA role) "
+            "and that they may s3:ListBucket and s3:GetObject here",
+        )
+    if cls is TransientSourceError:
+        return TransientSourceError(f"{what}: {code or status}: {msg}")
+    return cls(f"{what}: {code or status}: {msg}")
 
 
 class _BytesReader:
@@ -290,7 +279,6 @@ class S3Source:
             files=tuple(files),
             requested_revision=None,
             repo_id=spec.repo_id,
-            extra={"listing_digest": digest},
         )
 
     def _apply_sidecar(self, sidecar: RemoteFile, files: list[RemoteFile]) -> list[RemoteFile]:
@@ -482,7 +470,7 @@ class S3Source:
 
     # -- read --------------------------------------------------------------------------------
 
-    def open_range(self, file: RemoteFile, start: int, end: int) -> _S3RangeReader | _BytesReader:
+    def open_range(self, file: RemoteFile, start: int, end: int) -> BodyReader | _BytesReader:
         small = self._take_small(file)
         if small is not None and len(small) == file.size:
             return _BytesReader(memoryview(small)[start:end])
@@ -510,4 +498,5 @@ class S3Source:
         if problem is not None:
             resp["Body"].close()
             raise SourceError(f"{what}: {problem}")
-        return _S3RangeReader(resp["Body"], what, end - start)
+        length = resp.get("ContentLength")
+        return _body_reader(resp["Body"], what, end - start, length_known=length is not None)

@@ -33,14 +33,15 @@ Usage::
         ...  # point HF_ENDPOINT (or our client) at hub.endpoint
         assert not [r for r in hub.requests if r.port == "cdn" and r.authorization]
 
-Run standalone for benchmarks: ``python tests/hubserver.py --repo acme/m --dir DIR`` prints one JSON
-line (endpoint, cdn_endpoint, sha) and serves until interrupted.
+Run standalone for benchmarks: ``python tests/fakes/hubserver.py --repo acme/m --dir DIR`` prints
+one JSON line (endpoint, cdn_endpoint, sha) and serves until interrupted. Model files come from
+:mod:`prefetch.modelgen`; :func:`make_model_dir` and :func:`write_random_file` here add only the
+digest memo that spares the server a re-hash.
 """
 
 from __future__ import annotations
 
 import argparse
-import array
 import base64
 import contextlib
 import hashlib
@@ -50,13 +51,11 @@ import json
 import logging
 import mimetypes
 import os
-import random
 import re
 import secrets
 import signal
 import socket
 import socketserver
-import struct
 import sys
 import threading
 import time
@@ -69,6 +68,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Literal
 from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
+
+from prefetch import modelgen
 
 __all__ = [
     "DEFAULT_LFS_SUFFIXES",
@@ -345,7 +346,7 @@ class RecordedRequest:
 class FaultRule:
     """One armed fault. ``remaining`` is None for "until cleared"; ``hits`` counts applications."""
 
-    kind: Literal["fail", "cut", "corrupt", "throttle", "delay"]
+    kind: Literal["fail", "cut", "corrupt", "throttle", "delay", "ignore_range"]
     remaining: int | None
     port: Port | None = None
     method: str | None = None
@@ -499,7 +500,27 @@ class Faults:
         """Wait ``seconds`` before sending the response headers."""
         return self._arm(FaultRule("delay", count, port, method, path, file, seconds=seconds))
 
+    def ignore_range(
+        self,
+        *,
+        count: int | None = 1,
+        port: Port | None = None,
+        path: str | None = None,
+        file: HubFile | None = None,
+    ) -> FaultRule:
+        """Answer a ranged GET with ``200`` and the whole file, as a server that ignores
+        ``Range``. Only responses that would have been ``206`` count."""
+        return self._arm(FaultRule("ignore_range", count, port, "GET", path, file))
+
     # -- applied by the request handler
+
+    def _range_ignored(self, port: Port, method: str, url_path: str, file: HubFile | None) -> bool:
+        with self._lock:
+            for rule in self._rules:
+                if rule.kind == "ignore_range" and rule._matches(port, method, url_path, file):
+                    self._take(rule)
+                    return True
+        return False
 
     def _take(self, rule: FaultRule) -> None:
         rule.hits += 1
@@ -570,6 +591,13 @@ class _Response:
     @property
     def body_length(self) -> int:
         return self.file_range[1] if self.file_range is not None else len(self.body)
+
+
+def _whole_file(ranged: _Response) -> _Response:
+    """The ``200`` answer with the whole file that a server ignoring ``Range`` sends."""
+    assert ranged.file is not None
+    headers = [(k, v) for k, v in ranged.headers if k != "Content-Range"]
+    return _Response(200, headers, file=ranged.file, file_range=(0, ranged.file.size))
 
 
 def _json(status: int, payload: object, headers: Sequence[tuple[str, str]] = ()) -> _Response:
@@ -703,6 +731,11 @@ class _Handler(BaseHTTPRequestHandler):
                 extra.append(("Retry-After", str(int(ra)) if float(ra).is_integer() else str(ra)))
             message = f"injected fault: {_reason(fault.status)}"
             response = _error(fault.status, message, headers=extra)
+        elif response.status == 206 and hub.faults._range_ignored(
+            port, method, url_path, response.file
+        ):
+            record.faults.append("ignore_range")
+            response = _whole_file(response)
         plan = hub.faults._body_plan(
             port,
             method,
@@ -1476,70 +1509,17 @@ def _content_disposition(path: str) -> str:
 def write_random_file(
     path: str | os.PathLike[str], size: int, seed: int | str, *, safetensors: bool = False
 ) -> str:
-    """Write ``size`` deterministic pseudo-random bytes and return their sha256.
-
-    Fast (GB/s): a 4 MiB random block from ``seed`` is re-used with a unique 8-byte stamp every
-    4 KiB, so no two 4 KiB pages of the file (or of files with other seeds) are equal, and a
-    client that reads the wrong offset is caught. With ``safetensors`` the file starts with a
-    valid safetensors header describing one ``U8`` tensor that fills the rest. The sha256 (and,
-    for files under 10 MiB, the git blob sha1) is remembered so that serving it costs no re-hash.
-    """
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(f"hubserver:{seed}")
-    salt = rng.getrandbits(40) << 24
-    block_size = 4 << 20
-    block = rng.randbytes(block_size)
-    sha256 = hashlib.sha256()
-    git = hashlib.sha1(b"blob %d\0" % size) if size < DEFAULT_LFS_THRESHOLD else None
-    header = _safetensors_header(size) if safetensors else b""
-    with open(out, "wb") as fh:
-
-        def emit(data: bytes | bytearray) -> None:
-            sha256.update(data)
-            if git is not None:
-                git.update(data)
-            fh.write(data)
-
-        emit(header)
-        remaining = size - len(header)
-        index = 0
-        while remaining > 0:
-            buf = bytearray(block)
-            words = memoryview(buf).cast("Q")
-            pages = len(words) // 512
-            start = salt + index * pages
-            words[::512] = array.array("Q", range(start, start + pages))
-            words.release()
-            take = min(remaining, block_size)
-            emit(buf if take == block_size else buf[:take])
-            remaining -= take
-            index += 1
-    digest = sha256.hexdigest()
-    _remember_digest(out, "sha256", digest)
-    if git is not None:
-        _remember_digest(out, "git", git.hexdigest())
-    return digest
+    """:func:`prefetch.modelgen.write_random_file`, its digests remembered so that serving the
+    file costs no re-hash; returns the sha256."""
+    digests = modelgen.write_random_file(path, size, seed, safetensors=safetensors)
+    _remember_written(Path(path), digests)
+    return digests.sha256
 
 
-def _safetensors_header(size: int) -> bytes:
-    """An 8-byte length + JSON header (space-padded to 8 bytes) for one U8 tensor filling
-    ``size``, or ``b""`` when ``size`` is too small to hold one."""
-
-    def text(n: int) -> bytes:
-        meta = {
-            "__metadata__": {"format": "pt"},
-            "weight": {"dtype": "U8", "shape": [n], "data_offsets": [0, n]},
-        }
-        return json.dumps(meta, separators=(",", ":")).encode()
-
-    # The payload length n has at most as many digits as size, so text(size) bounds the header.
-    padded_len = len(text(size)) + (-(8 + len(text(size))) % 8)
-    n = size - 8 - padded_len
-    if n < 0:
-        return b""
-    header = text(n).ljust(padded_len)
-    return struct.pack("<Q", padded_len) + header
+def _remember_written(path: Path, digests: modelgen.WrittenDigests) -> None:
+    _remember_digest(path, "sha256", digests.sha256)
+    if digests.git_sha1 is not None:
+        _remember_digest(path, "git", digests.git_sha1)
 
 
 def make_model_dir(
@@ -1549,66 +1529,14 @@ def make_model_dir(
     shard_sizes: Sequence[int] = (3 << 20, 2 << 20),
     extra_files: Mapping[str, bytes] | None = None,
 ) -> dict[str, Path]:
-    """Write a small but realistic model repo to ``directory``; return ``{repo path: file}``.
-
-    Files: ``.gitattributes``, ``config.json``, ``generation_config.json``, ``tokenizer.json``,
-    ``tokenizer_config.json``, ``subdir/extra.txt``, ``subdir/nested/deep.json``, one
-    ``model-0000i-of-0000N.safetensors`` per entry of ``shard_sizes`` (``model.safetensors`` if
-    there is one) and, for several shards, ``model.safetensors.index.json``. Contents depend only
-    on ``seed``; shards are valid safetensors files of exactly the given sizes, written to disk.
-    """
-    root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(f"hubserver-model:{seed}")
-    n = len(shard_sizes)
-    shards = (
-        ["model.safetensors"]
-        if n == 1
-        else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    """:func:`prefetch.modelgen.make_model_dir`, the shards' digests remembered for serving."""
+    return modelgen.make_model_dir(
+        directory,
+        seed=seed,
+        shard_sizes=shard_sizes,
+        extra_files=extra_files,
+        on_written=_remember_written,
     )
-    vocab = {f"tok{i}_{rng.randrange(1 << 30):x}": i for i in range(256 + seed % 7)}
-    texts: dict[str, bytes] = {
-        ".gitattributes": b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n"
-        b"*.bin filter=lfs diff=lfs merge=lfs -text\n",
-        "config.json": json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "hidden_size": 64 + seed % 32,
-                "num_hidden_layers": 2,
-                "vocab_size": len(vocab),
-                "torch_dtype": "bfloat16",
-                "seed": seed,
-            },
-            indent=2,
-        ).encode(),
-        "generation_config.json": json.dumps(
-            {"bos_token_id": 1, "eos_token_id": 2, "temperature": round(rng.random(), 3)}
-        ).encode(),
-        "tokenizer.json": json.dumps({"version": "1.0", "model": {"vocab": vocab}}).encode(),
-        "tokenizer_config.json": json.dumps({"model_max_length": 4096}).encode(),
-        "subdir/extra.txt": f"extra file for seed {seed}\n".encode()
-        + rng.randbytes(64).hex().encode(),
-        "subdir/nested/deep.json": json.dumps({"deep": True, "seed": seed}).encode(),
-    }
-    if n > 1:
-        texts["model.safetensors.index.json"] = json.dumps(
-            {
-                "metadata": {"total_size": sum(shard_sizes)},
-                "weight_map": {f"layer{i}.weight": name for i, name in enumerate(shards)},
-            },
-            indent=2,
-        ).encode()
-    texts.update(extra_files or {})
-    out: dict[str, Path] = {}
-    for rel, data in texts.items():
-        target = root / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
-        out[rel] = target
-    for name, size in zip(shards, shard_sizes, strict=True):
-        write_random_file(root / name, size, f"{seed}/{name}", safetensors=True)
-        out[name] = root / name
-    return dict(sorted(out.items()))
 
 
 def make_model_repo(

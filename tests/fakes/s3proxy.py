@@ -3,7 +3,10 @@
 It forwards every request unchanged (so SigV4 signatures stay valid: the client signs the Host
 it talks to, and boto3 is pointed at the proxy with path-style addressing, which the server
 accepts for any host) and can, for GET responses of a chosen key, flip one byte at an absolute
-object offset or cut the connection after some bytes.
+object offset, cut the connection after some bytes, refuse the request with a status (503
+SlowDown with Retry-After, as S3 throttles), answer a ranged GET with 200 (as a server that ignores
+Range; the body is what the server sent, the status and the missing Content-Range are the lie), or
+trickle the body a few bytes at a time.
 """
 
 from __future__ import annotations
@@ -29,6 +32,15 @@ class Faults:
     cut_after: int = 1024  # bytes sent before the connection is dropped
     cut_times: int = 0  # how many responses to cut
     throttle_bps: float = 0  # >0: send GET bodies at most this fast (per connection)
+    refuse_key: str | None = None  # object key whose GETs are refused ...
+    refuse_status: int = 503  # ... with this status (an S3 error body, code SlowDown or other)
+    refuse_retry_after: str | None = None  # Retry-After header value, if any
+    refuse_times: int = 0  # how many GETs to refuse
+    ignore_range_key: str | None = None  # object key whose ranged GETs are answered 200
+    ignore_range_times: int = 0  # how many (1 << 30: for ever)
+    trickle_key: str | None = None  # object key whose GET bodies trickle ...
+    trickle: tuple[int, float] = (512, 0.1)  # ... n bytes every t seconds
+    trickle_times: int = 0  # how many responses trickle
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -37,6 +49,8 @@ class S3FaultProxy:
         self.upstream = urlsplit(upstream)
         self.faults = Faults()
         self.gets: list[str] = []
+        #: (key, Range header or None) of every GET, in order
+        self.get_ranges: list[tuple[str, str | None]] = []
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -48,18 +62,29 @@ class S3FaultProxy:
             def _forward(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
+                key = self.path.split("?", 1)[0].split("/", 2)[-1]
+                if self.command == "GET":
+                    proxy.get_ranges.append((key, self.headers.get("Range")))
+                    refusal = proxy._refusal(key)
+                    if refusal is not None:
+                        self._refuse(*refusal)
+                        return
                 up = http.client.HTTPConnection(
                     proxy.upstream.hostname, proxy.upstream.port, timeout=60
                 )
                 headers = {k: v for k, v in self.headers.items()}
                 up.request(self.command, self.path, body=body, headers=headers)
                 resp = up.getresponse()
-                key = self.path.split("?", 1)[0].split("/", 2)[-1]
                 if self.command == "GET":
                     proxy.gets.append(self.path)
-                self.send_response_only(resp.status, resp.reason)
+                status = resp.status
+                drop = {"connection", "transfer-encoding"}
+                if status == 206 and proxy._take(key, "ignore_range_key", "ignore_range_times"):
+                    status = 200
+                    drop.add("content-range")
+                self.send_response_only(status, resp.reason if status == resp.status else "OK")
                 for k, v in resp.getheaders():
-                    if k.lower() not in ("connection", "transfer-encoding"):
+                    if k.lower() not in drop:
                         self.send_header(k, v)
                 data = resp.read()
                 self.send_header("Connection", "keep-alive")
@@ -77,6 +102,8 @@ class S3FaultProxy:
                     self.wfile.flush()
                     self.connection.shutdown(socket.SHUT_RDWR)
                     self.close_connection = True
+                elif proxy._take(key, "trickle_key", "trickle_times"):
+                    self._trickle(data, *proxy.faults.trickle)
                 elif proxy.faults.throttle_bps > 0:
                     piece = 64 * 1024
                     for off in range(0, len(data), piece):
@@ -85,6 +112,26 @@ class S3FaultProxy:
                 else:
                     self.wfile.write(data)
                 up.close()
+
+            def _refuse(self, status: int, retry_after: str | None) -> None:
+                code = "SlowDown" if status == 503 else "InternalError"
+                body = f"<Error><Code>{code}</Code><Message>injected</Message></Error>".encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(body)))
+                if retry_after is not None:
+                    self.send_header("Retry-After", retry_after)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _trickle(self, data: bytes, n: int, interval: float) -> None:
+                try:
+                    for off in range(0, len(data), n):
+                        self.wfile.write(data[off : off + n])
+                        self.wfile.flush()
+                        time.sleep(interval)
+                except OSError:
+                    self.close_connection = True  # the client gave up on the trickle
 
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
 
@@ -105,6 +152,20 @@ class S3FaultProxy:
         out = bytearray(data)
         out[rel] ^= 0xFF
         return bytes(out)
+
+    def _take(self, key: str, key_field: str, times_field: str) -> bool:
+        """Use up one of a keyed fault's applications, if it applies to ``key``."""
+        f = self.faults
+        with f.lock:
+            if getattr(f, key_field) != key or getattr(f, times_field) <= 0:
+                return False
+            setattr(f, times_field, getattr(f, times_field) - 1)
+            return True
+
+    def _refusal(self, key: str) -> tuple[int, str | None] | None:
+        if not self._take(key, "refuse_key", "refuse_times"):
+            return None
+        return self.faults.refuse_status, self.faults.refuse_retry_after
 
     def _should_cut(self, key: str, status: int) -> bool:
         f = self.faults

@@ -1,10 +1,10 @@
-"""Publish: where verified files land, and the records that say what landed.
+"""What every layout shares: the Layout protocol, records, and the path checks.
 
 A Layout owns every path under the destination. The engine writes partial files into
 ``staging_dir()`` (same filesystem, so publishing is one ``os.replace``), calls ``publish`` once per
 verified file, then ``commit`` once per snapshot (records and, for the Hugging Face layout, refs are
-written last, atomically). Two layouts: :class:`PlainLayout` (files at ``DEST/<path>``) here, and
-the Hugging Face cache layout in :mod:`prefetch.hf_layout`.
+written last, atomically). The layouts themselves live beside this module (``plain``, ``hf``); this
+one imports neither, so each imports only it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from filelock import FileLock, Timeout
 
 from prefetch.errors import LayoutError, LockTimeoutError
-from prefetch.paths import STATE_DIR, path_problem
+from prefetch.paths import path_problem
 from prefetch.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.spec import ModelSpec
 
@@ -65,6 +65,11 @@ class Layout(Protocol):
 
     def recorded(self) -> list[RecordedFile]: ...
     def model_path(self, snapshot: Snapshot) -> Path: ...
+    def forget(self, path: str) -> None:
+        """Delete the published copy of the recorded file ``path`` (a ``RecordedFile.path``, e.g.
+        one that failed re-verification) so the next sync sees it missing and fetches it again.
+        Never follows a symbolic link; a path not recorded is left alone."""
+        ...
 
 
 def safe_join(root: Path, relative: str) -> Path:
@@ -237,118 +242,3 @@ def entry_checksums(entry: dict[str, Any]) -> tuple[Checksum, ...]:
         return tuple(Checksum.from_json(c) for c in raw)
     single = entry.get("checksum")
     return (Checksum.from_json(single),) if single else ()
-
-
-class PlainLayout:
-    """Files at ``DEST/<path>``, state in ``DEST/.prefetch/`` (records, partials, lock)."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.state = root / STATE_DIR
-        self.book = RecordBook(self.state)
-        self._entries: dict[str, Any] | None = None
-
-    def lock_path(self) -> Path:
-        return self.state / "lock"
-
-    def staging_dir(self) -> Path:
-        return self.state / "partial"
-
-    def prepare(self) -> None:
-        make_dirs_inside(self.root, self.staging_dir())
-
-    def model_path(self, snapshot: Snapshot) -> Path:
-        return self.root
-
-    def _loaded(self) -> dict[str, Any]:
-        if self._entries is None:
-            self._entries = self.book.load()["entries"]
-        return self._entries
-
-    def is_current(self, file: RemoteFile) -> bool:
-        entry = self._loaded().get(file.path)
-        if entry is None or entry.get("version") != file.version or entry["size"] != file.size:
-            return False
-        try:
-            return safe_join(self.root, file.path).stat().st_size == file.size
-        except FileNotFoundError:
-            return False
-
-    def publish(self, file: RemoteFile, staged: Path, checksums: tuple[Checksum, ...]) -> None:
-        target = safe_join(self.root, file.path)
-        make_dirs_inside(self.root, target.parent)
-        if target.is_dir():
-            raise LayoutError(f"cannot publish {file.path}: a directory is in the way")
-        os.replace(staged, target)
-        entry = file_entry(file, checksums)
-        self.book.append(file.path, entry)
-        self._loaded()[file.path] = entry
-
-    def commit(
-        self, snapshot: Snapshot, spec: ModelSpec, *, delete: bool, superseded_grace: float = 0.0
-    ) -> list[str]:
-        # one copy updated in place: no snapshots to supersede
-        data = self.book.load()
-        entries: dict[str, Any] = data["entries"]
-        wanted = {f.path for f in snapshot.files}
-        deleted: list[str] = []
-        if delete:
-            for path in sorted(self._local_files()):
-                if path not in wanted and (spec.wants(path) or path in entries):
-                    safe_join(self.root, path).unlink()
-                    entries.pop(path, None)
-                    deleted.append(path)
-            _prune_empty_dirs(self.root, skip=self.state)
-        data.update(
-            source=snapshot.source,
-            revision_id=snapshot.revision_id,
-            files=sorted(wanted),
-        )
-        self.book.compact(data)
-        self._entries = entries
-        return deleted
-
-    def _local_files(self) -> Iterator[str]:
-        for dirpath, dirnames, filenames in os.walk(self.root):
-            if Path(dirpath) == self.root and STATE_DIR in dirnames:
-                dirnames.remove(STATE_DIR)
-            for name in filenames:
-                yield Path(dirpath, name).relative_to(self.root).as_posix()
-
-    def recorded(self) -> list[RecordedFile]:
-        data = self.book.load()
-        entries: dict[str, Any] = data["entries"]
-        paths = data.get("files", sorted(entries))
-        return [
-            RecordedFile(
-                path=p,
-                local=safe_join(self.root, p),
-                size=entries[p]["size"],
-                version=entries[p].get("version", ""),
-                checksums=entry_checksums(entries[p]),
-            )
-            for p in paths
-            if p in entries
-        ]
-
-
-def _prune_empty_dirs(root: Path, *, skip: Path) -> None:
-    for dirpath, _, _ in sorted(os.walk(root), key=lambda t: -len(t[0])):
-        p = Path(dirpath)
-        if p in (root, skip) or skip in p.parents:
-            continue
-        with contextlib.suppress(OSError):
-            p.rmdir()
-
-
-def layout_for_model(spec: ModelSpec, cache_dir: Path) -> Layout:
-    """Where a model lives in a shared cache directory (the agent's ``cacheDir``, = HF_HOME).
-
-    Models with a Hub repo id (``hf://`` sources, S3 mirrors with ``hf_repo``) go into the
-    Hugging Face cache layout under ``cache_dir/hub``; others into ``cache_dir/models/<name>``.
-    """
-    if spec.repo_id is not None:
-        from prefetch.hf_layout import HfCacheLayout  # the Hugging Face layout (Hub issue)
-
-        return HfCacheLayout(cache_dir, spec.repo_id)  # type: ignore[no-any-return]
-    return PlainLayout(cache_dir / "models" / spec.name)

@@ -51,8 +51,7 @@ from typing import Any
 
 from prefetch import verify
 from prefetch.errors import LayoutError
-from prefetch.layout import (
-    STATE_DIR,
+from prefetch.layout.base import (
     RecordBook,
     RecordedFile,
     atomic_write,
@@ -63,6 +62,7 @@ from prefetch.layout import (
     refuse_symlinks,
     safe_join,
 )
+from prefetch.paths import STATE_DIR, path_problem
 from prefetch.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.spec import ModelSpec
 
@@ -84,6 +84,35 @@ def repo_folder(repo_id: str) -> str:
 def repo_id_of(folder: str) -> str:
     """``models--org--name`` -> ``org/name``."""
     return folder.removeprefix(REPO_PREFIX).replace("--", "/")
+
+
+def is_repo_folder(name: str) -> bool:
+    """Is ``name`` (an entry of ``hub/``) a model repo folder, ours or not?"""
+    return name.startswith(REPO_PREFIX)
+
+
+def repo_dir(cache_dir: Path, repo_id: str) -> Path:
+    """Where the Hub repo ``repo_id`` lives in a cache: ``cache_dir/hub/models--<org>--<name>``
+    (LayoutError for an id that would not be one safe folder, see ``repo_folder``)."""
+    return Path(cache_dir) / HUB_DIR / repo_folder(repo_id)
+
+
+def repo_state_dir(cache_dir: Path, folder: str) -> Path:
+    """Our state (lock, partials, records, the Store's usage) for the repo folder ``folder`` of
+    ``cache_dir/hub``: ``cache_dir/.prefetch/hub/<folder>``, outside ``hub/`` (see the module
+    docstring). LayoutError unless ``folder`` is one safe ``models--*`` folder name."""
+    return Path(cache_dir) / STATE_DIR / HUB_DIR / check_repo_folder(folder)
+
+
+def check_repo_folder(folder: str) -> str:
+    """``folder`` if it is one safe ``models--*`` folder name for ``hub/`` (ours or another
+    tool's: its id need not round-trip through ``repo_folder``); else LayoutError."""
+    problem = path_problem(folder)
+    if problem is None and (not is_repo_folder(folder) or "/" in folder):
+        problem = f"not a {REPO_PREFIX}* folder"
+    if problem is not None:
+        raise LayoutError(f"not a Hub repo folder in the cache: {folder!r}: {problem}")
+    return folder
 
 
 def _safe_name(name: str, what: str) -> str:
@@ -112,12 +141,12 @@ class HfCacheLayout:
     def __init__(self, cache_dir: Path, repo_id: str) -> None:
         self.cache_dir = Path(cache_dir)
         self.repo_id = repo_id
-        self.folder = repo_folder(repo_id)
-        self.root = self.cache_dir / HUB_DIR / self.folder
+        self.root = repo_dir(self.cache_dir, repo_id)
+        self.folder = self.root.name
         self.blobs = self.root / "blobs"
         self.snapshots = self.root / "snapshots"
         self.refs = self.root / "refs"
-        self.state = self.cache_dir / STATE_DIR / HUB_DIR / self.folder
+        self.state = repo_state_dir(self.cache_dir, self.folder)
         self.book = RecordBook(self.state)
         self._entries: dict[str, Any] | None = None
         self._index: dict[tuple[str, int], str] | None = None
@@ -505,10 +534,21 @@ def hub_layouts(cache_dir: Path) -> list[HfCacheLayout]:
     out: list[HfCacheLayout] = []
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         for d in sorted(hub.iterdir()):
-            if d.name.startswith(REPO_PREFIX) and d.is_dir() and not d.is_symlink():
+            if is_repo_folder(d.name) and d.is_dir() and not d.is_symlink():
                 with contextlib.suppress(LayoutError):
                     out.append(HfCacheLayout(Path(cache_dir), repo_id_of(d.name)))
     return out
 
 
-__all__ = ["HUB_DIR", "HfCacheLayout", "hub_layouts", "repo_folder", "repo_id_of"]
+__all__ = [
+    "HUB_DIR",
+    "REPO_PREFIX",
+    "HfCacheLayout",
+    "check_repo_folder",
+    "hub_layouts",
+    "is_repo_folder",
+    "repo_dir",
+    "repo_folder",
+    "repo_id_of",
+    "repo_state_dir",
+]

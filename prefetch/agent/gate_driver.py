@@ -1,0 +1,108 @@
+"""Keeps the node gate (labels and start-up taint) in line with the agent's ready set.
+
+Owns when the gate is applied and what happens when that fails: it applies on a change of the
+ready set, re-applies every ``GATE_REFRESH_INTERVAL`` to repair foreign edits, waits
+``GATE_RETRY_INTERVAL`` after an error before trying again (unless forced: a model leaving the
+ready set is applied at once), and keeps the last error for ``/readyz``. What a gate does to
+the node is :class:`prefetch.agent.node.NodeGate`'s business; anything with its ``apply`` works
+(:class:`NodeGateLike`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Protocol
+
+from prefetch.agent.config import AgentConfig
+from prefetch.logjson import scrub
+from prefetch.metrics import AgentMetrics
+
+if TYPE_CHECKING:
+    from prefetch.agent.node import GateResult
+
+log = logging.getLogger(__name__)
+
+#: Re-apply the node gate this often even when nothing changed (repairs foreign edits).
+GATE_REFRESH_INTERVAL = 60.0
+#: After a failed apply, wait this long before the next (unforced) try.
+GATE_RETRY_INTERVAL = 10.0
+
+
+class NodeGateLike(Protocol):
+    """What the agent needs of a node gate (:class:`prefetch.agent.node.NodeGate` is one)."""
+
+    def apply(self, ready_models: Iterable[str], all_required_ready: bool) -> GateResult: ...
+
+
+#: Builds the gate for a config (its label prefix and taint); None when there is no gate.
+GateFactory = Callable[[AgentConfig], NodeGateLike | None]
+#: Reads the ready set now: (sorted ready model names, whether every required model is ready).
+ReadyState = Callable[[], tuple[tuple[str, ...], bool]]
+
+
+class GateDriver:
+    """Applies the ready set to the node gate, rate-limited, retried after errors."""
+
+    def __init__(self, factory: GateFactory, metrics: AgentMetrics, read_state: ReadyState) -> None:
+        self._factory = factory
+        self._metrics = metrics
+        self._read_state = read_state
+        self._gate: NodeGateLike | None = None
+        self._lock = asyncio.Lock()
+        self._applied: tuple[tuple[str, ...], bool] | None = None
+        self._applied_at = float("-inf")
+        self._retry_at = 0.0
+        self.last_error: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self._gate is not None
+
+    def open(self, config: AgentConfig) -> None:
+        """Build the gate for ``config`` (at start-up)."""
+        self._gate = self._factory(config)
+
+    async def apply(self, *, force: bool = False) -> None:
+        """Apply the current ready set, unless it was applied recently (``force`` applies now)."""
+        if self._gate is None:
+            return
+        async with self._lock:
+            now = time.monotonic()
+            key = self._read_state()
+            if not force:
+                if self.last_error is not None and now < self._retry_at:
+                    return
+                if key == self._applied and now - self._applied_at < GATE_REFRESH_INTERVAL:
+                    return
+            gate = self._gate
+            ready, all_required = key
+            try:
+                await asyncio.to_thread(gate.apply, list(ready), all_required)
+            except Exception as exc:
+                self._metrics.gate_errors.inc()
+                self.last_error = scrub(str(exc))
+                self._retry_at = now + GATE_RETRY_INTERVAL
+                log.error(
+                    "node gate: %s",
+                    self.last_error,
+                    extra={"phase": "gate", "error": self.last_error},
+                )
+                return
+            self.last_error = None
+            self._applied = key
+            self._applied_at = now
+
+    async def replace(self, config: AgentConfig) -> None:
+        """The label prefix or taint changed: take our labels off under the old prefix (the
+        taint is never put back), then build the gate for ``config``."""
+        old_gate = self._gate
+        if old_gate is not None:
+            try:
+                await asyncio.to_thread(old_gate.apply, [], False)
+            except Exception as exc:
+                log.warning("could not remove the labels under the old prefix: %s", exc)
+        self._gate = self._factory(config)
+        self._applied = None

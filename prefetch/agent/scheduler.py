@@ -1,0 +1,265 @@
+"""The agent's model table: what it knows about each configured model and what is due next.
+
+Owns :class:`ModelState` (one per configured model), its :class:`ModelPhase` and the transitions
+between phases, the backoff after failures, :meth:`ModelState.due` (which job, if any, a model
+needs now) and :meth:`Scheduler.due_jobs` (which of those start under ``parallelModels``). It
+runs nothing itself: the Agent starts the jobs and reports their outcome back through the
+transitions. State is mutated on the event loop only; the table's structure is guarded by a
+lock so the HTTP thread can read it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+from prefetch.agent.config import Backoff
+from prefetch.errors import (
+    AccessDeniedError,
+    ConfigError,
+    InsufficientSpaceError,
+    LayoutError,
+    LockTimeoutError,
+    NotFoundError,
+    PrefetchError,
+    SourceChangedError,
+    SourceError,
+    TransferError,
+    TransientSourceError,
+    VerifyError,
+)
+from prefetch.logjson import scrub
+from prefetch.metrics import MetricsSink
+from prefetch.spec import ModelSpec
+from prefetch.sync import SyncResult
+
+_REASONS: tuple[tuple[type[BaseException], str], ...] = (
+    (InsufficientSpaceError, "insufficient_space"),
+    (NotFoundError, "not_found"),
+    (AccessDeniedError, "access_denied"),
+    (TransientSourceError, "transient"),
+    (SourceChangedError, "source_changed"),
+    (SourceError, "source"),
+    (VerifyError, "verify"),
+    (LockTimeoutError, "locked"),
+    (LayoutError, "layout"),
+    (TransferError, "transfer"),
+    (ConfigError, "config"),
+    (PrefetchError, "error"),
+)
+
+
+def failure_reason(exc: BaseException) -> str:
+    """A small fixed vocabulary for the ``reason`` label of failures."""
+    for cls, reason in _REASONS:
+        if isinstance(exc, cls):
+            return reason
+    return "internal"
+
+
+class ModelPhase(StrEnum):
+    """Where a model is; the values are what ``/readyz`` and the ``model_state`` metric show."""
+
+    PENDING = "pending"  # no copy and no job yet (or a job was stopped)
+    SYNCING = "syncing"  # fetching a model that has no copy
+    UPDATING = "updating"  # refreshing a model whose copy stays in use meanwhile
+    READY = "ready"
+    FAILED = "failed"  # no copy, and the last sync failed: backing off
+    VERIFYING = "verifying"  # re-hashing the cached copy
+
+
+class JobKind(StrEnum):
+    SYNC = "sync"
+    VERIFY = "verify"
+
+
+@dataclass
+class Job:
+    """A running job of one model: its task and the stop event handed to its worker thread."""
+
+    kind: JobKind
+    task: asyncio.Task[None]
+    stop: threading.Event
+    started: float
+
+
+@dataclass
+class Intervals:
+    """How often a ready model is refreshed (``resolveInterval``) and re-hashed
+    (``verifyInterval``); None turns either off."""
+
+    resolve: float | None
+    verify: float | None
+
+
+@dataclass
+class ModelState:
+    """What the agent knows about one configured model. Change it through the transition
+    methods, so the phase, readiness and error fields always agree."""
+
+    spec: ModelSpec
+    digest: str
+    index: int = 0
+    phase: ModelPhase = ModelPhase.PENDING
+    ready: bool = False
+    revision: str | None = None
+    bytes_total: int | None = None
+    last_error: str | None = None
+    error_reason: str | None = None
+    failures: int = 0
+    next_attempt: float = 0.0
+    last_resolved: float | None = None
+    last_verified: float | None = None
+    last_success: float | None = None  # unix time
+    refetch: bool = False
+    touched: float = float("-inf")
+    job: Job | None = None
+    sink: MetricsSink | None = None
+
+    @property
+    def syncing(self) -> bool:
+        return self.job is not None and self.job.kind is JobKind.SYNC
+
+    # -- transitions --------------------------------------------------------------------------
+
+    def found_copy(
+        self, revision: str | None, bytes_total: int | None, synced_at: float | None
+    ) -> None:
+        """At start-up or on a re-spec: an intact copy recorded by an earlier run is ready."""
+        self.ready = True
+        self.phase = ModelPhase.READY
+        self.revision = revision
+        self.bytes_total = bytes_total
+        self.last_success = synced_at
+
+    def start_sync(self, job: Job, sink: MetricsSink | None = None) -> None:
+        self.job = job
+        self.sink = sink
+        self.phase = ModelPhase.UPDATING if self.ready else ModelPhase.SYNCING
+
+    def start_verify(self, job: Job) -> None:
+        self.job = job
+        self.phase = ModelPhase.VERIFYING
+
+    def sync_succeeded(self, result: SyncResult, now: float) -> None:
+        self.ready = True
+        self.phase = ModelPhase.READY
+        self.revision = result.revision
+        self.bytes_total = result.bytes_total
+        self.failures = 0
+        self.last_error = self.error_reason = None
+        self.refetch = False
+        self.last_resolved = now
+        if self.last_verified is None:
+            self.last_verified = now
+        self.last_success = time.time()
+        self.touched = now
+
+    def sync_failed(
+        self,
+        exc: BaseException,
+        now: float,
+        backoff: Backoff,
+        jitter: Callable[[float, float], float] = random.uniform,
+    ) -> float:
+        """Count the failure, back off, keep a ready copy ready; returns the delay (seconds)."""
+        self.failures += 1
+        delay = backoff.delay(self.failures) * jitter(0.9, 1.1)
+        self.next_attempt = now + delay
+        self.last_error = scrub(str(exc))
+        self.error_reason = failure_reason(exc)
+        self.phase = ModelPhase.READY if self.ready else ModelPhase.FAILED
+        return delay
+
+    def sync_cancelled(self) -> None:
+        self.phase = ModelPhase.READY if self.ready else ModelPhase.PENDING
+
+    def verify_passed(self, now: float) -> None:
+        self.last_verified = now
+
+    def drop_ready(self, reason: str) -> None:
+        """The copy is damaged or gone: not ready, and verified again only after a sync."""
+        self.ready = False
+        self.last_error = reason
+        self.error_reason = "verify"
+        self.last_verified = None
+
+    def verify_finished(self, now: float, *, current: bool) -> None:
+        """The verify job ended (any outcome); a model still in the config leaves VERIFYING."""
+        self.job = None
+        self.last_verified = now
+        if current and self.phase is ModelPhase.VERIFYING:
+            self.phase = ModelPhase.READY if self.ready else ModelPhase.PENDING
+
+    # -- scheduling ---------------------------------------------------------------------------
+
+    def due(self, now: float, intervals: Intervals) -> JobKind | None:
+        """The job this model needs now, if any.
+
+        A sync when re-verification found damage, when there is no copy or the last attempt
+        failed (after its backoff), to confirm a copy found at start-up, and every resolve
+        interval; otherwise a verify every verify interval."""
+        if self.job is not None:
+            return None
+        if self.refetch:
+            return JobKind.SYNC
+        if not self.ready or self.last_error is not None:
+            return JobKind.SYNC if now >= self.next_attempt else None
+        if self.last_resolved is None:
+            return JobKind.SYNC  # a copy found at start-up: confirm it with the source
+        if intervals.resolve and now - self.last_resolved >= intervals.resolve:
+            return JobKind.SYNC
+        since = self.last_verified if self.last_verified is not None else self.last_resolved
+        if intervals.verify and now - since >= intervals.verify:
+            return JobKind.VERIFY
+        return None
+
+
+class Scheduler:
+    """The table of configured models, in config order, and the choice of what starts next."""
+
+    def __init__(self) -> None:
+        self._models: dict[str, ModelState] = {}
+        self._lock = threading.Lock()  # guards the table's structure for the HTTP thread
+
+    def get(self, name: str) -> ModelState | None:
+        return self._models.get(name)
+
+    def table(self) -> dict[str, ModelState]:
+        """A copy of the table by model name (on the loop)."""
+        return dict(self._models)
+
+    def replace(self, models: dict[str, ModelState]) -> None:
+        with self._lock:
+            self._models = models
+
+    def states(self) -> list[ModelState]:
+        """The models in config order (safe from any thread)."""
+        with self._lock:
+            return sorted(self._models.values(), key=lambda m: m.index)
+
+    def current(self, ms: ModelState) -> bool:
+        """Is ``ms`` still the table's state for its model (not dropped or re-specced)?"""
+        return self._models.get(ms.spec.name) is ms
+
+    def ready_names(self) -> tuple[str, ...]:
+        return tuple(sorted(name for name, ms in self._models.items() if ms.ready))
+
+    def all_required_ready(self) -> bool:
+        return all(ms.ready for ms in self._models.values() if ms.spec.required)
+
+    def due_jobs(
+        self, now: float, intervals: Intervals, slots: int
+    ) -> list[tuple[ModelState, JobKind]]:
+        """Up to ``slots`` due jobs: required models first, then models without a copy, then
+        in config order."""
+        if slots <= 0:
+            return []
+        due = [(ms, kind) for ms in self._models.values() if (kind := ms.due(now, intervals))]
+        due.sort(key=lambda d: (not d[0].spec.required, d[0].ready, d[0].index))
+        return due[:slots]

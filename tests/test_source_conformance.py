@@ -1,0 +1,428 @@
+"""Every source behaves the same when its server misbehaves: one suite, run by every source.
+
+A source joins by adding one :class:`SourceCase` subclass (how to serve a model, how to pull it,
+how to make its server misbehave) to ``CASES``; every behaviour below then runs against it:
+
+* resume: a body cut mid-way, and a pull stopped mid-way, resume without re-fetching finished bytes;
+* throttling: 429 / 503 SlowDown with Retry-After is retried and the pull succeeds;
+* changed object: a file replaced mid-download ends in SourceChangedError or a clean re-fetch,
+  never a mixed file;
+* ignored Range: a 200 answer to a ranged GET is refused and nothing is published;
+* stall: a trickling body is abandoned by the stall rule and retried;
+* bad checksum: a corrupted byte is re-fetched once; a byte corrupted every time ends in
+  ChecksumMismatchError naming the file, nothing published.
+
+The model comes from :mod:`prefetch.modelgen` (one shard big enough for several chunks plus the
+small JSON files). The S3 case serves it from the session's SeaweedFS through
+:class:`tests.fakes.s3proxy.S3FaultProxy` (real S3 checksums and conditional reads, faults injected
+on the wire); the Hub case from :class:`tests.fakes.hubserver.HubServer` and its faults.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import urllib3
+
+from prefetch.errors import ChecksumMismatchError, SourceChangedError, SourceError
+from prefetch.layout import PlainLayout
+from prefetch.layout.hf import HfCacheLayout
+from prefetch.modelgen import GeneratedFile, make_model_dir, random_bytes, upload_model
+from prefetch.progress import NullProgress
+from prefetch.retry import RetryPolicy
+from prefetch.sources.hf import HubOptions, open_hub_source
+from prefetch.sources.s3 import S3Source, make_s3_client
+from prefetch.spec import ModelSpec, parse_source_uri
+from prefetch.sync import SyncResult, sync
+from prefetch.transfer import Cancelled, TransferConfig
+
+from .fakes.hubserver import HubServer
+from .fakes.s3proxy import S3FaultProxy
+from .support import journaled_bytes
+
+MiB = 1024 * 1024
+SHARD = "model.safetensors"
+SHARD_SIZE = 3 * MiB + 5  # four 1 MiB chunks, the last one 5 bytes
+CONFIG = TransferConfig(
+    concurrency=4,
+    chunk_size=1 * MiB,
+    buffer_size=64 * 1024,
+    stall_window=1.0,  # one-second stall windows keep the stall tests short
+    retry=RetryPolicy(attempts=4, base_delay=0.01, max_delay=1.0),
+)
+ONE_AT_A_TIME = TransferConfig(
+    concurrency=1,
+    chunk_size=1 * MiB,
+    buffer_size=64 * 1024,
+    retry=RetryPolicy(attempts=4, base_delay=0.01, max_delay=1.0),
+)
+
+
+class SourceCase(ABC):
+    """One source under test: its server, a model on it, a pull from it, and its faults.
+
+    Faults apply to GETs of one file's bytes (``path`` is the model-relative path) and are used
+    up after ``times`` answers (``None``: for the rest of the test).
+    """
+
+    id: ClassVar[str]
+
+    def __init__(self, model: dict[str, Path]) -> None:
+        self.model = model
+
+    # -- the model
+    @abstractmethod
+    def replace(self, path: str, data: bytes) -> None:
+        """Publish new content for ``path`` (what a re-upload or a new commit does)."""
+
+    @abstractmethod
+    def pull(
+        self,
+        dest: Path,
+        config: TransferConfig = CONFIG,
+        *,
+        progress: NullProgress | None = None,
+        stop: threading.Event | None = None,
+    ) -> SyncResult:
+        """Sync the model into ``dest`` in this source's usual layout."""
+
+    @abstractmethod
+    def published(self, dest: Path, path: str) -> bytes | None:
+        """The published content of ``path`` under ``dest`` (None if none is)."""
+
+    @abstractmethod
+    def partial_dir(self, dest: Path) -> Path:
+        """Where partial files and their resume journals live."""
+
+    # -- misbehaviours
+    @abstractmethod
+    def cut(self, path: str, after_bytes: int, times: int) -> None:
+        """Close the connection after ``after_bytes`` of a body that states a longer length."""
+
+    @abstractmethod
+    def refuse(self, path: str, status: int, retry_after: int, times: int) -> None:
+        """Answer ``status`` with ``Retry-After: retry_after`` instead of the bytes."""
+
+    @abstractmethod
+    def ignore_range(self, path: str) -> None:
+        """Answer every ranged GET with 200 and no Content-Range."""
+
+    @abstractmethod
+    def trickle(self, path: str, times: int) -> None:
+        """Send the body far below the stall rule's minimum rate."""
+
+    @abstractmethod
+    def corrupt(self, path: str, offset: int, times: int | None) -> None:
+        """Flip the byte at ``offset`` of ``path`` in every answer that carries it."""
+
+    @abstractmethod
+    def fetches_from_start(self, path: str) -> int:
+        """How many GETs of ``path`` asked for its first byte (whole-file fetches included)."""
+
+
+class S3Case(SourceCase):
+    """SeaweedFS, reached through a fault-injecting proxy; files uploaded as real tools do."""
+
+    id = "s3"
+
+    def __init__(self, model: dict[str, Path], s3_server: Any, client: Any, bucket: str) -> None:
+        super().__init__(model)
+        self.client, self.bucket = client, bucket
+        files = [GeneratedFile(rel, p, p.stat().st_size) for rel, p in model.items()]
+        upload_model(client, bucket, "m", files, create_bucket=False)
+        self.proxy = S3FaultProxy(s3_server.endpoint).__enter__()
+        self.proxy_client = make_s3_client(
+            endpoint_url=self.proxy.endpoint,
+            access_key=s3_server.access_key,
+            secret_key=s3_server.secret_key,
+        )
+
+    def close(self) -> None:
+        self.proxy.__exit__(None, None, None)
+
+    def key(self, path: str) -> str:
+        return f"m/{path}"
+
+    def replace(self, path: str, data: bytes) -> None:
+        self.client.put_object(
+            Bucket=self.bucket, Key=self.key(path), Body=data, ChecksumAlgorithm="SHA256"
+        )
+
+    def pull(self, dest, config=CONFIG, *, progress=None, stop=None):  # type: ignore[no-untyped-def]
+        spec = ModelSpec(source=parse_source_uri(f"s3://{self.bucket}/m/"))
+        source = S3Source(self.proxy_client, spec.source)
+        return sync(spec, source, PlainLayout(dest), config, progress=progress, stop=stop)
+
+    def published(self, dest: Path, path: str) -> bytes | None:
+        target = dest / path
+        return target.read_bytes() if target.exists() else None
+
+    def partial_dir(self, dest: Path) -> Path:
+        return PlainLayout(dest).staging_dir()
+
+    def cut(self, path: str, after_bytes: int, times: int) -> None:
+        f = self.proxy.faults
+        f.cut_key, f.cut_after, f.cut_times = self.key(path), after_bytes, times
+
+    def refuse(self, path: str, status: int, retry_after: int, times: int) -> None:
+        f = self.proxy.faults
+        f.refuse_key, f.refuse_status, f.refuse_times = self.key(path), status, times
+        f.refuse_retry_after = str(retry_after)
+
+    def ignore_range(self, path: str) -> None:
+        f = self.proxy.faults
+        f.ignore_range_key, f.ignore_range_times = self.key(path), 1 << 30
+
+    def trickle(self, path: str, times: int) -> None:
+        f = self.proxy.faults
+        f.trickle_key, f.trickle, f.trickle_times = self.key(path), (4096, 0.1), times
+
+    def corrupt(self, path: str, offset: int, times: int | None) -> None:
+        f = self.proxy.faults
+        f.flip_key, f.flip_offset = self.key(path), offset
+        f.flip_times = 1 << 30 if times is None else times
+
+    def fetches_from_start(self, path: str) -> int:
+        return sum(
+            1
+            for key, rng in self.proxy.get_ranges
+            if key == self.key(path) and (rng is None or rng.startswith("bytes=0-"))
+        )
+
+
+class HubCase(SourceCase):
+    """The fake Hub (hub port and CDN port), the model committed on ``main``."""
+
+    id = "hub"
+    repo = "acme/conform"
+
+    def __init__(self, model: dict[str, Path]) -> None:
+        super().__init__(model)
+        self.hub = HubServer().__enter__()
+        self.hub.add_commit(self.repo, model)
+
+    def close(self) -> None:
+        self.hub.__exit__(None, None, None)
+
+    def replace(self, path: str, data: bytes) -> None:
+        self.hub.add_commit(self.repo, {path: data}, inherit=True)
+
+    def pull(self, dest, config=CONFIG, *, progress=None, stop=None):  # type: ignore[no-untyped-def]
+        spec = ModelSpec(source=parse_source_uri(f"hf://{self.repo}"))
+        pool = urllib3.PoolManager(maxsize=16, retries=False)
+        options = HubOptions(endpoint=self.hub.endpoint, token=False, http=pool, retry=config.retry)
+        try:
+            layout = HfCacheLayout(dest, self.repo)
+            source = open_hub_source(spec, options)
+            return sync(spec, source, layout, config, progress=progress, stop=stop)
+        finally:
+            pool.clear()
+
+    def published(self, dest: Path, path: str) -> bytes | None:
+        """What huggingface_hub would load: the file in the snapshot ``refs/main`` names."""
+        root = HfCacheLayout(dest, self.repo).root
+        ref = root / "refs" / "main"
+        if not ref.exists():
+            return None
+        target = root / "snapshots" / ref.read_text().strip() / path
+        return target.read_bytes() if target.exists() else None
+
+    def partial_dir(self, dest: Path) -> Path:
+        return HfCacheLayout(dest, self.repo).staging_dir()
+
+    def _file(self, path: str) -> Any:
+        return self.hub.file(self.repo, path)
+
+    def cut(self, path: str, after_bytes: int, times: int) -> None:
+        self.hub.faults.cut(after_bytes, count=times, file=self._file(path))
+
+    def refuse(self, path: str, status: int, retry_after: int, times: int) -> None:
+        self.hub.faults.fail(status, count=times, retry_after=retry_after, port="cdn")
+
+    def ignore_range(self, path: str) -> None:
+        self.hub.faults.ignore_range(count=None, file=self._file(path))
+
+    def trickle(self, path: str, times: int) -> None:
+        self.hub.faults.throttle(40_000, count=times, port="cdn", file=self._file(path))
+
+    def corrupt(self, path: str, offset: int, times: int | None) -> None:
+        self.hub.faults.corrupt(self._file(path), offset=offset, count=times)
+
+    def fetches_from_start(self, path: str) -> int:
+        sha256 = self._file(path).sha256
+        return sum(
+            1
+            for r in self.hub.requests
+            if r.port == "cdn"
+            and r.method == "GET"
+            and sha256 in r.url_path
+            and r.headers.get("range", "bytes=0-").startswith("bytes=0-")
+        )
+
+
+CASES = ["s3", "hub"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return make_model_dir(tmp_path_factory.mktemp("conform"), seed=11, shard_sizes=(SHARD_SIZE,))
+
+
+@pytest.fixture(params=CASES)
+def case(request: pytest.FixtureRequest, model: dict[str, Path]) -> Iterator[SourceCase]:
+    made: S3Case | HubCase
+    if request.param == "s3":
+        server = request.getfixturevalue("s3_server")
+        client = request.getfixturevalue("s3_client")
+        made = S3Case(model, server, client, request.getfixturevalue("bucket"))
+    else:
+        made = HubCase(model)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def shard_bytes(model: dict[str, Path]) -> bytes:
+    return model[SHARD].read_bytes()
+
+
+class StopAfter(NullProgress):
+    """Sets ``stop`` once ``limit`` bytes have arrived: a pull interrupted mid-way."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.seen, self.stop = limit, 0, threading.Event()
+
+    def advance(self, nbytes: int) -> None:
+        self.seen += nbytes
+        if self.seen >= self.limit:
+            self.stop.set()
+
+
+class ReplaceOnce(NullProgress):
+    """Replaces ``path`` on the server as soon as the first bytes arrive."""
+
+    def __init__(self, case: SourceCase, path: str, data: bytes) -> None:
+        self.case, self.path, self.data = case, path, data
+        self.done = threading.Event()
+
+    def advance(self, nbytes: int) -> None:
+        if not self.done.is_set():
+            self.done.set()
+            self.case.replace(self.path, self.data)
+
+
+# -- resume -------------------------------------------------------------------------------------
+
+
+def test_a_cut_body_resumes_from_the_last_byte_and_fetches_nothing_twice(
+    case: SourceCase, model: dict[str, Path], tmp_path: Path
+) -> None:
+    case.cut(SHARD, after_bytes=100_000, times=2)
+    result = case.pull(tmp_path / "dest", ONE_AT_A_TIME)
+    assert case.published(tmp_path / "dest", SHARD) == shard_bytes(model)
+    assert result.retries >= 2
+    assert result.bytes_downloaded == result.bytes_total
+
+
+def test_a_stopped_pull_resumes_without_refetching_finished_pieces(
+    case: SourceCase, model: dict[str, Path], tmp_path: Path
+) -> None:
+    dest = tmp_path / "dest"
+    progress = StopAfter(int(1.5 * MiB))
+    with pytest.raises(Cancelled):
+        case.pull(dest, ONE_AT_A_TIME, progress=progress, stop=progress.stop)
+    assert case.published(dest, SHARD) is None
+    kept = journaled_bytes(case.partial_dir(dest))
+    assert kept >= 1 * MiB  # at least the first chunk was journaled
+    result = case.pull(dest, ONE_AT_A_TIME)
+    assert case.published(dest, SHARD) == shard_bytes(model)
+    assert result.resumed_bytes >= kept
+    assert result.bytes_downloaded <= result.bytes_total - kept
+
+
+# -- throttling ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [429, 503])
+def test_throttling_with_retry_after_is_retried_and_succeeds(
+    case: SourceCase, model: dict[str, Path], tmp_path: Path, status: int
+) -> None:
+    case.refuse(SHARD, status, retry_after=1, times=1)
+    result = case.pull(tmp_path / "dest", ONE_AT_A_TIME)
+    assert case.published(tmp_path / "dest", SHARD) == shard_bytes(model)
+    assert result.retries == 1 and not result.files_unverified
+
+
+# -- a changed object ---------------------------------------------------------------------------
+
+
+def test_an_object_replaced_mid_download_is_never_published_mixed(
+    case: SourceCase, model: dict[str, Path], tmp_path: Path
+) -> None:
+    dest = tmp_path / "dest"
+    old = shard_bytes(model)
+    new = random_bytes(SHARD_SIZE, "conformance: the new version")
+    try:
+        case.pull(dest, ONE_AT_A_TIME, progress=ReplaceOnce(case, SHARD, new))
+    except SourceChangedError:
+        assert case.published(dest, SHARD) is None
+    else:
+        assert case.published(dest, SHARD) in (old, new)  # one version whole, never a mix
+    case.pull(dest, ONE_AT_A_TIME)
+    assert case.published(dest, SHARD) == new
+
+
+# -- a wrong answer to a ranged GET -------------------------------------------------------------
+
+
+def test_an_ignored_range_is_refused_and_nothing_is_published(
+    case: SourceCase, tmp_path: Path
+) -> None:
+    case.ignore_range(SHARD)
+    with pytest.raises(SourceError, match=r"200.*206|206.*200") as err:
+        case.pull(tmp_path / "dest")
+    assert SHARD in str(err.value) or case.id == "hub"  # the Hub names the CDN URL instead
+    assert case.published(tmp_path / "dest", SHARD) is None
+
+
+# -- a stall ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_trickle_is_abandoned_by_the_stall_rule_and_retried(
+    case: SourceCase, model: dict[str, Path], tmp_path: Path
+) -> None:
+    case.trickle(SHARD, times=1)
+    result = case.pull(tmp_path / "dest")
+    assert case.published(tmp_path / "dest", SHARD) == shard_bytes(model)
+    assert result.retries >= 1 and not result.files_unverified
+
+
+# -- a bad checksum -----------------------------------------------------------------------------
+
+
+def test_a_corrupted_byte_is_fetched_again_once_and_the_file_verifies(
+    case: SourceCase, model: dict[str, Path], tmp_path: Path
+) -> None:
+    case.corrupt(SHARD, offset=2 * MiB + 3, times=1)
+    result = case.pull(tmp_path / "dest")
+    assert case.published(tmp_path / "dest", SHARD) == shard_bytes(model)
+    assert result.checksum_failures == 1
+    assert case.fetches_from_start(SHARD) == 2
+
+
+def test_a_byte_corrupted_every_time_fails_naming_the_file_and_publishes_nothing(
+    case: SourceCase, tmp_path: Path
+) -> None:
+    case.corrupt(SHARD, offset=2 * MiB + 3, times=None)
+    with pytest.raises(ChecksumMismatchError) as err:
+        case.pull(tmp_path / "dest")
+    assert err.value.path == SHARD
+    assert case.published(tmp_path / "dest", SHARD) is None
+    assert case.fetches_from_start(SHARD) == 2  # fetched again once, then given up

@@ -1,0 +1,236 @@
+"""The two phases of a sync (prepare, execute), local re-verification and forgetting bad files,
+against an in-memory source and a real PlainLayout on disk."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from pathlib import Path
+
+import pytest
+
+from prefetch import verify
+from prefetch.errors import LockTimeoutError
+from prefetch.layout import PlainLayout, RecordedFile
+from prefetch.snapshot import Checksum, RemoteFile, Snapshot
+from prefetch.spec import ModelSpec, parse_source_uri
+from prefetch.sync import execute, forget_failures, prepare, sync, verify_local
+from prefetch.transfer import TransferConfig, staged_name
+
+SPEC = ModelSpec(source=parse_source_uri("s3://bucket/model"), name="model")
+FILES = {
+    "config.json": b'{"layers": 2}',
+    "weights-1.bin": bytes(range(256)) * 64,
+    "weights-2.bin": b"\x07" * 20_000,
+}
+
+
+class _Reader:
+    def __init__(self, data: bytes) -> None:
+        self._data, self._pos = data, 0
+
+    def readinto(self, buf: memoryview, /) -> int:
+        n = min(len(buf), len(self._data) - self._pos)
+        buf[:n] = self._data[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def close(self) -> None:
+        pass
+
+
+class MemorySource:
+    """A Source over bytes in memory, counting what it serves."""
+
+    def __init__(self, objects: dict[str, bytes]) -> None:
+        self.objects = objects
+        self.opened: list[str] = []
+
+    def resolve(self, spec: ModelSpec) -> Snapshot:
+        files = tuple(_remote(path, data) for path, data in sorted(self.objects.items()))
+        return Snapshot(str(spec.source), "rev-1", files)
+
+    def describe(self, file: RemoteFile) -> RemoteFile:
+        return file
+
+    def open_range(self, file: RemoteFile, start: int, end: int) -> _Reader:
+        self.opened.append(file.path)
+        return _Reader(self.objects[file.path][start:end])
+
+
+class ForgetSpy:
+    """A PlainLayout that records which paths it was asked to forget."""
+
+    def __init__(self, inner: PlainLayout) -> None:
+        self.inner = inner
+        self.root = inner.root
+        self.forgotten: list[str] = []
+
+    def recorded(self) -> list[RecordedFile]:
+        return self.inner.recorded()
+
+    def forget(self, path: str) -> None:
+        self.forgotten.append(path)
+        self.inner.forget(path)
+
+
+def _remote(path: str, data: bytes) -> RemoteFile:
+    digest = hashlib.sha256(data).hexdigest()
+    return RemoteFile(
+        path,
+        len(data),
+        version=digest[:16],
+        checksums=(Checksum("sha256", digest, origin="test"),),
+        described=True,
+    )
+
+
+def _pulled(tmp_path: Path) -> tuple[MemorySource, PlainLayout]:
+    source = MemorySource(dict(FILES))
+    layout = PlainLayout(tmp_path / "dest")
+    sync(SPEC, source, layout, TransferConfig())
+    return source, layout
+
+
+def _local(layout: PlainLayout, path: str) -> Path:
+    return {r.path: r.local for r in layout.recorded()}[path]
+
+
+# -- prepare / execute ---------------------------------------------------------------------------
+
+
+def test_prepare_plans_every_missing_file_and_execute_publishes_them(tmp_path: Path) -> None:
+    source = MemorySource(dict(FILES))
+    layout = PlainLayout(tmp_path / "dest")
+    with prepare(SPEC, source, layout) as plan:
+        assert sorted(f.path for f in plan.files) == sorted(FILES)
+        assert plan.bytes_needed == sum(len(d) for d in FILES.values())
+        result = execute(plan, TransferConfig())
+    assert result.files_downloaded == len(FILES)
+    assert {r.path: r.local.read_bytes() for r in layout.recorded()} == FILES
+
+
+def test_prepare_plans_nothing_for_a_copy_already_published(tmp_path: Path) -> None:
+    source, layout = _pulled(tmp_path)
+    with prepare(SPEC, source, layout) as plan:
+        assert plan.files == []
+        assert plan.bytes_needed == 0
+
+
+def test_prepare_holds_the_models_lock_until_the_plan_closes(tmp_path: Path) -> None:
+    source = MemorySource(dict(FILES))
+    layout = PlainLayout(tmp_path / "dest")
+    outcome: list[BaseException | None] = []
+
+    def concurrent_prepare() -> None:
+        try:
+            with prepare(SPEC, source, PlainLayout(layout.root), lock_timeout=0.2):
+                outcome.append(None)
+        except LockTimeoutError as exc:
+            outcome.append(exc)
+
+    with prepare(SPEC, source, layout):
+        thread = threading.Thread(target=concurrent_prepare)
+        thread.start()
+        thread.join()
+    assert isinstance(outcome[0], LockTimeoutError)
+    concurrent_prepare()  # closed: the lock is free again
+    assert outcome[1] is None
+
+
+def test_bytes_needed_counts_a_fully_preallocated_partial_as_held(tmp_path: Path) -> None:
+    source = MemorySource(dict(FILES))
+    layout = PlainLayout(tmp_path / "dest")
+    layout.prepare()
+    staging = layout.staging_dir()
+    staging.mkdir(parents=True, exist_ok=True)
+    snapshot = source.resolve(SPEC)
+    full, short = snapshot.file("weights-1.bin"), snapshot.file("weights-2.bin")
+    with open(staging / staged_name(full), "wb") as fh:
+        fh.truncate(full.size)  # preallocated to its full size: its space is held
+    with open(staging / staged_name(short), "wb") as fh:
+        fh.truncate(short.size // 2)  # not fully allocated: still needs its whole size
+    with prepare(SPEC, source, layout, snapshot=snapshot) as plan:
+        assert len(plan.files) == len(FILES)
+        assert plan.bytes_needed == sum(len(d) for d in FILES.values()) - full.size
+
+
+def test_execute_without_a_space_check_still_publishes(tmp_path: Path) -> None:
+    source = MemorySource(dict(FILES))
+    layout = PlainLayout(tmp_path / "dest")
+    with prepare(SPEC, source, layout) as plan:
+        result = execute(plan, TransferConfig(), check_space=False, delete=True)
+    assert result.files == len(FILES) and not result.up_to_date
+
+
+# -- verify_local / forget_failures ----------------------------------------------------------
+
+
+def test_verify_local_with_stop_set_returns_none_without_reading(tmp_path: Path) -> None:
+    _, layout = _pulled(tmp_path)
+    _local(layout, "weights-1.bin").write_bytes(b"\x00" * len(FILES["weights-1.bin"]))
+    stop = threading.Event()
+    stop.set()
+    assert verify_local(layout, stop=stop) is None
+    report = verify_local(layout, stop=threading.Event())
+    assert report is not None and not report.ok
+
+
+def test_verify_local_stops_between_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, layout = _pulled(tmp_path)
+    stop = threading.Event()
+    hashed: list[Path] = []
+    hash_file_all = verify.hash_file_all
+
+    def hash_then_stop(path: Path, *args: object, **kwargs: object) -> list[str]:
+        hashed.append(path)
+        stop.set()  # as SIGTERM would, while the first file is being read
+        return hash_file_all(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(verify, "hash_file_all", hash_then_stop)
+    assert verify_local(layout, stop=stop) is None
+    assert len(hashed) == 1
+
+
+def test_forget_failures_removes_exactly_the_files_whose_checksum_failed(tmp_path: Path) -> None:
+    source, layout = _pulled(tmp_path)
+    bad = _local(layout, "weights-1.bin")
+    bad.write_bytes(b"\x00" * len(FILES["weights-1.bin"]))  # same size, other bytes
+    truncated = _local(layout, "weights-2.bin")
+    truncated.write_bytes(b"\x07" * 10)
+    report = verify_local(layout)
+    assert len(report.failures) == 2
+    spy = ForgetSpy(layout)
+    forgotten = forget_failures(spy, report)  # type: ignore[arg-type]  # a spy, see ForgetSpy
+    assert forgotten == spy.forgotten == ["weights-1.bin"]
+    assert not bad.exists()
+    assert truncated.exists() and _local(layout, "config.json").exists()
+    source.opened.clear()
+    sync(SPEC, source, layout, TransferConfig())
+    assert sorted(set(source.opened)) == ["weights-1.bin", "weights-2.bin"]
+    assert verify_local(layout).ok
+
+
+def test_forget_failures_leaves_a_clean_copy_alone(tmp_path: Path) -> None:
+    _, layout = _pulled(tmp_path)
+    report = verify_local(layout)
+    assert report.ok
+    assert forget_failures(layout, report) == []
+    assert {r.path: r.local.read_bytes() for r in layout.recorded()} == FILES
+
+
+@pytest.mark.parametrize("stop_set", [False, True])
+def test_sync_still_runs_both_phases_and_honours_stop(tmp_path: Path, stop_set: bool) -> None:
+    from prefetch.transfer import Cancelled
+
+    source = MemorySource(dict(FILES))
+    layout = PlainLayout(tmp_path / "dest")
+    stop = threading.Event()
+    if stop_set:
+        stop.set()
+        with pytest.raises(Cancelled):
+            sync(SPEC, source, layout, TransferConfig(), stop=stop)
+        assert layout.recorded() == []
+    else:
+        result = sync(SPEC, source, layout, TransferConfig(), stop=stop)
+        assert result.revision == "rev-1" and result.files_downloaded == len(FILES)
