@@ -29,11 +29,13 @@ so the slot passes to the next due model while the stalled one backs off. SIGTER
 job's stop event (the engine starts no new chunk, interrupts reads in flight and leaves
 resumable partials), closes the server and returns within the grace period.
 
-The parts, one job each: :mod:`~prefetch.agent.scheduler` (the model table, phases, backoff,
-what is due), :mod:`~prefetch.agent.space` (reservations and eviction),
-:mod:`~prefetch.agent.gate_driver` (the node's labels and taint) and
-:mod:`~prefetch.agent.status` (the /readyz body). :class:`Agent` here wires them: the loop,
-config reloads, and the jobs' worker threads.
+The parts, one job each: :mod:`~prefetch.agent.jobs` (the sync and verify jobs' bodies),
+:mod:`~prefetch.agent.scheduler` (the model table, phases, backoff, what is due),
+:mod:`~prefetch.agent.space` (reservations and eviction), :mod:`~prefetch.agent.gate_driver`
+(the node's labels and taint), :mod:`~prefetch.agent.status` (the /readyz body),
+:mod:`~prefetch.agent.config_file` (reloads, each content once) and
+:mod:`~prefetch.agent.source_opener` (shared S3 clients). :class:`Agent` here wires them: the
+loop, config reloads, starting jobs in worker threads, and shutdown.
 """
 
 from __future__ import annotations
@@ -41,10 +43,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import os
-import shutil
 import signal
 import threading
 import time
@@ -54,9 +54,10 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
-from prefetch import settings
-from prefetch.agent.config import AgentConfig, load_config, parse_config, spec_digest
+from prefetch.agent.config import AgentConfig, spec_digest
+from prefetch.agent.config_file import ConfigFile
 from prefetch.agent.gate_driver import GateDriver, GateFactory
+from prefetch.agent.jobs import LOCK_TIMEOUT, JobParts, SyncJob, VerifyJob
 from prefetch.agent.scheduler import (
     Intervals,
     Job,
@@ -66,26 +67,13 @@ from prefetch.agent.scheduler import (
     failure_reason,
 )
 from prefetch.agent.server import HealthServer
+from prefetch.agent.source_opener import SourceOpener
 from prefetch.agent.space import SpaceManager
 from prefetch.agent.status import AgentFacts, JsonObject, readiness_body
 from prefetch.agent.watch import ConfigWatcher
-from prefetch.errors import ConfigError, PrefetchError
-from prefetch.layout import Layout
 from prefetch.metrics import AgentMetrics
-from prefetch.sources import open_source
-from prefetch.sources.base import Source
 from prefetch.spec import ModelSpec
 from prefetch.store import Store
-from prefetch.sync import (
-    SyncResult,
-    VerifyReport,
-    execute,
-    forget_failures,
-    prepare,
-    verify_local,
-)
-from prefetch.transfer import Cancelled
-from prefetch.units import format_bytes
 
 if TYPE_CHECKING:
     from prefetch.sources.hf import HubOptions
@@ -104,8 +92,6 @@ CONFIG_DEBOUNCE = 0.3
 TOUCH_INTERVAL = 300.0
 #: Refresh the cache usage metrics this often.
 USAGE_INTERVAL = 30.0
-#: How long a sync waits for another process (prefetch pull/gc) holding the model's lock.
-LOCK_TIMEOUT = 60.0
 
 __all__ = ["HEALTH_STALE_AFTER", "LOCK_TIMEOUT", "SHUTDOWN_GRACE", "Agent", "failure_reason"]
 
@@ -114,8 +100,10 @@ class Agent:
     """The node agent. ``await run()`` until :meth:`request_stop` (or SIGTERM when handled).
 
     It wires the parts: the :class:`Scheduler` (the model table), the :class:`SpaceManager`
-    (room for syncs), the :class:`GateDriver` (the node's labels) and the /readyz body
-    (:mod:`prefetch.agent.status`); it owns the loop, config reloads and the jobs' threads."""
+    (room for syncs), the :class:`GateDriver` (the node's labels), the /readyz body
+    (:mod:`prefetch.agent.status`) and the jobs (:class:`SyncJob`, :class:`VerifyJob`, handed
+    their collaborators in :class:`JobParts`); it owns the loop, config reloads, starting the
+    jobs' threads and shutdown."""
 
     def __init__(
         self,
@@ -446,7 +434,9 @@ class Agent:
         stop = threading.Event()
         if self.stop.is_set():
             stop.set()
-        coro = self._sync_job(ms, stop) if kind is JobKind.SYNC else self._verify_job(ms, stop)
+        parts = self._job_parts()
+        job_type = SyncJob if kind is JobKind.SYNC else VerifyJob
+        coro = job_type(parts).run(ms, stop)
         task = asyncio.create_task(coro, name=f"{kind}:{ms.spec.name}")
         job = Job(kind, task, stop, time.monotonic())
         if kind is JobKind.SYNC:
@@ -461,209 +451,26 @@ class Agent:
         task.add_done_callback(self._tasks.discard)
         self._publish(ms)
 
-    # -- sync -----------------------------------------------------------------------------------
-
-    async def _sync_job(self, ms: ModelState, stop: threading.Event) -> None:
-        spec, config = ms.spec, self.config
-        try:
-            result = await asyncio.to_thread(self._sync_blocking, ms, config, stop)
-        except Cancelled:
-            log.info(
-                "%s: sync stopped; the partial download resumes next time",
-                spec.name,
-                extra={"model": spec.name, "phase": "sync"},
-            )
-            if self.scheduler.current(ms):
-                ms.sync_cancelled()
-        except Exception as exc:
-            if self.scheduler.current(ms):
-                self._sync_failed(ms, exc)
-        else:
-            if self.scheduler.current(ms):
-                self._sync_ok(ms, result)
-        finally:
-            ms.job = None
-            if self.scheduler.current(ms):
-                self._publish(ms)
-            self._next_usage = 0.0
-            self._poke()
-
-    def _sync_blocking(
-        self, ms: ModelState, config: AgentConfig, stop: threading.Event
-    ) -> SyncResult:
-        """In a worker thread: resolve and plan under the model's lock, make room, sync."""
-        spec, sink = ms.spec, ms.sink
-        assert sink is not None  # start_sync gave the job its sink
-        with self.space.busy(spec):
-            layout = self.store.layout(spec)
-            source = self._sources(spec, config)
-            fresh = not self.store.entry_dir(spec).exists()
-            with (
-                prepare(spec, source, layout, lock_timeout=LOCK_TIMEOUT) as plan,
-                contextlib.ExitStack() as room,
-            ):
-                try:
-                    if stop.is_set():
-                        raise Cancelled("stopped")
-                    if ms.ready and not self.store.copy_intact(spec, ms.digest):
-                        self._in_loop(self._drop_ready(ms, "cached files are missing or truncated"))
-                    room.enter_context(
-                        self.space.reserved(
-                            spec,
-                            plan.bytes_needed,
-                            wanted=config.models,
-                            min_free=config.min_free_space,
-                            sink=sink,
-                        )
-                    )
-                except BaseException:
-                    if fresh:  # prepare made the entry only to hold its lock: leave no trace
-                        shutil.rmtree(self.store.entry_dir(spec), ignore_errors=True)
-                    raise
-                result = execute(
-                    plan,
-                    config.transfer_config(),
-                    progress=sink,
-                    delete=True,
-                    stop=stop,
-                    superseded_grace=config.superseded_grace,
-                    check_space=False,  # room was made, keeping minFreeSpace
-                )
-            self.store.record_sync(
-                spec,
-                digest=ms.digest,
-                revision=result.revision,
-                files=result.files,
-                bytes_total=result.bytes_total,
-            )
-            return result
-
-    def _sync_ok(self, ms: ModelState, result: SyncResult) -> None:
-        spec = ms.spec
-        ms.sync_succeeded(result, time.monotonic())
-        self.metrics.last_success.labels(spec.name).set(ms.last_success or 0.0)
-        self.metrics.model_size.labels(spec.name).set(result.bytes_total)
-        self.metrics.remaining_bytes.labels(spec.name).set(0)
-        if result.up_to_date:
-            log.debug("%s: up to date at %s", spec.name, result.revision)
-            return
-        self.metrics.sync_duration.labels(spec.name).observe(result.seconds)
-        rate = result.bytes_downloaded / result.seconds if result.seconds else 0.0
-        removed = f"; removed {len(result.deleted)} file(s)" if result.deleted else ""
-        log.info(
-            "%s: synced revision %s: %d file(s), %s downloaded in %.1fs%s",
-            spec.name,
-            result.revision[:12],
-            result.files_downloaded,
-            format_bytes(result.bytes_downloaded),
-            result.seconds,
-            removed,
-            extra={
-                "model": spec.name,
-                "phase": "sync",
-                "bytes": result.bytes_downloaded,
-                "rate": round(rate),
-            },
-        )
-
-    def _sync_failed(self, ms: ModelState, exc: BaseException) -> None:
-        spec = ms.spec
-        delay = ms.sync_failed(exc, time.monotonic(), self.config.retry_backoff)
-        self.metrics.sync_failures.labels(spec.name, ms.error_reason).inc()
-        log.warning(
-            "%s: sync failed (%s), next try in %.0fs%s: %s",
-            spec.name,
-            ms.error_reason,
-            delay,
-            "; the cached copy stays in use" if ms.ready else "",
-            ms.last_error,
-            exc_info=not isinstance(exc, PrefetchError),
-            extra={"model": spec.name, "phase": "sync", "error": ms.last_error},
-        )
-
-    # -- re-verification ------------------------------------------------------------------------
-
-    async def _verify_job(self, ms: ModelState, stop: threading.Event) -> None:
-        spec = ms.spec
-        try:
-            layout = self.store.layout(spec)
-            report = await asyncio.to_thread(
-                verify_local, layout, read_rate=self.config.verify_read_rate, stop=stop
-            )
-            if report is None:  # stopped
-                return
-            if report.ok:
-                await self._verified(ms, report)
-            else:
-                await self._verify_found_damage(ms, layout, report)
-        except Exception as exc:
-            self.metrics.verifications.labels(spec.name, "failed").inc()
-            log.error(
-                "%s: re-verification could not run: %s",
-                spec.name,
-                exc,
-                extra={"model": spec.name, "phase": "verify", "error": str(exc)},
-            )
-            if self.scheduler.current(ms):
-                await self._drop_ready(ms, f"re-verification could not run: {exc}")
-            ms.refetch = True
-        finally:
-            current = self.scheduler.current(ms)
-            ms.verify_finished(time.monotonic(), current=current)
-            if current:
-                self._publish(ms)
-            self._poke()
-
-    async def _verified(self, ms: ModelState, report: VerifyReport) -> None:
-        spec = ms.spec
-        self.metrics.verifications.labels(spec.name, "ok").inc()
-        await asyncio.to_thread(self.store.record_verify, spec, ok=True)
-        ms.verify_passed(time.monotonic())
-        log.info(
-            "%s: re-verified %d file(s) at rest",
-            spec.name,
-            len(report.checked),
-            extra={"model": spec.name, "phase": "verify"},
-        )
-
-    async def _verify_found_damage(
-        self, ms: ModelState, layout: Layout, report: VerifyReport
-    ) -> None:
-        """Out of the ready set (and the node gate) first, then delete the bad files and sync."""
-        spec = ms.spec
-        self.metrics.verifications.labels(spec.name, "failed").inc()
-        mismatches = report.mismatched_paths()
-        if mismatches:
-            self.metrics.checksum_failures.labels(spec.name, "reverify").inc(len(mismatches))
-        reason = "; ".join(str(f) for f in report.failures[:3])
-        log.error(
-            "%s: re-verification failed, re-fetching: %s",
-            spec.name,
-            reason,
-            extra={"model": spec.name, "phase": "verify", "error": reason},
-        )
-        if self.scheduler.current(ms):
-            await self._drop_ready(ms, f"re-verification failed: {reason}")
-        await asyncio.to_thread(forget_failures, layout, report)
-        await asyncio.to_thread(self.store.record_verify, spec, ok=False)
-        ms.refetch = True
-
-    async def _drop_ready(self, ms: ModelState, reason: str) -> None:
-        """Take a model out of the ready set and out of the node's labels before touching it."""
-        ms.drop_ready(reason)
-        self._publish(ms)
-        log.warning(
-            "%s: no longer ready: %s",
-            ms.spec.name,
-            reason,
-            extra={"model": ms.spec.name, "phase": "verify", "error": reason},
-        )
-        await self.gate.apply(force=True)
-
-    def _in_loop(self, coro: Coroutine[object, object, None]) -> None:
-        """From a worker thread: run ``coro`` on the loop and wait for it."""
+    def _job_parts(self) -> JobParts:
+        """What a job works with: the Agent's parts, and callbacks into its loop."""
         assert self._loop is not None
-        asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=300)
+        return JobParts(
+            scheduler=self.scheduler,
+            store=self.store,
+            space=self.space,
+            metrics=self.metrics,
+            gate=self.gate,
+            open_source=self._sources,
+            config=lambda: self.config,
+            publish=self._publish,
+            wake=self._poke,
+            usage_changed=self._usage_changed,
+            loop=self._loop,
+        )
+
+    def _usage_changed(self) -> None:
+        """A sync ended: the cache usage metrics are refreshed on the next pass."""
+        self._next_usage = 0.0
 
     # -- the node gate, metrics and usage -------------------------------------------------------
 
@@ -699,98 +506,3 @@ def _cancel(ms: ModelState) -> None:
     """Set the stop event of the model's running job, if any."""
     if ms.job is not None:
         ms.job.stop.set()
-
-
-class ConfigFile:
-    """The config file as the agent reads it: parsed, with the command line's overrides, and
-    each content acted on once (unchanged bytes, or a rejection already reported, are quiet)."""
-
-    def __init__(
-        self,
-        path: Path | None,
-        metrics: AgentMetrics,
-        *,
-        cache_dir: Path | None = None,
-        listen: str | None = None,
-    ) -> None:
-        self.path = path
-        self._metrics = metrics
-        self._cache_dir = cache_dir
-        self._listen = listen
-        self._seen_digest = ""
-        #: Why the last reload was rejected (shown on /readyz); None after a good one.
-        self.last_error: str | None = None
-
-    def overridden(self, config: AgentConfig) -> AgentConfig:
-        return config.with_overrides(cache_dir=self._cache_dir, listen=self._listen)
-
-    def load_first(self) -> AgentConfig:
-        """At start-up: the file must load (errors are the process's)."""
-        assert self.path is not None
-        config = load_config(self.path)
-        self._seen_digest = config.digest
-        return config
-
-    async def read_changed(self) -> AgentConfig | None:
-        """The file's config (overridden) if it parses and differs from the last one seen; None
-        when unchanged or rejected (why is in :attr:`last_error`, logged once)."""
-        if self.path is None:
-            return None
-        try:
-            data = await asyncio.to_thread(self.path.read_bytes)
-        except OSError as exc:
-            message = f"{self.path}: cannot read: {exc.strerror or exc}"
-            self._reject(message, "unreadable:" + message)
-            return None
-        try:
-            new = parse_config(data, path=self.path)
-        except ConfigError as exc:
-            self._reject(str(exc), hashlib.sha256(data).hexdigest())
-            return None
-        if new.digest == self._seen_digest:
-            return None
-        self._seen_digest = new.digest
-        return self.overridden(new)
-
-    def accepted(self) -> None:
-        """The config :meth:`read_changed` returned is in use."""
-        self.last_error = None
-        self._metrics.config_last_reload_successful.set(1)
-
-    def _reject(self, message: str, digest: str) -> None:
-        if digest == self._seen_digest:
-            return  # already rejected these very bytes (or this very error)
-        self._seen_digest = digest
-        self.last_error = message
-        self._metrics.config_reload_failures.inc()
-        self._metrics.config_last_reload_successful.set(0)
-        log.error(
-            "config reload rejected, the last good config keeps running: %s",
-            message,
-            extra={"phase": "config", "error": message},
-        )
-
-
-class SourceOpener:
-    """Opens each model's Source; S3 models share one client per (endpoint, pool size), sized
-    for ``concurrency`` streams of each of ``parallelModels`` syncs."""
-
-    def __init__(self, s3_client: object | None, hub: HubOptions | None) -> None:
-        self._s3_client = s3_client
-        self._s3_clients: dict[tuple[str | None, int], object] = {}
-        self._hub = hub
-
-    def __call__(self, spec: ModelSpec, config: AgentConfig) -> Source:
-        if spec.source.scheme != "s3":
-            return open_source(spec, hub=self._hub, concurrency=config.concurrency)
-        client = self._s3_client
-        if client is None:
-            endpoint = config.s3_endpoint_url or settings.aws_endpoint_url()
-            pool = config.concurrency * config.parallel_models + 8
-            client = self._s3_clients.get((endpoint, pool))
-            if client is None:
-                from prefetch.sources.s3 import make_s3_client
-
-                client = make_s3_client(endpoint_url=endpoint, max_pool_connections=pool)
-                self._s3_clients[(endpoint, pool)] = client
-        return open_source(spec, s3_client=client, concurrency=config.concurrency)

@@ -1,0 +1,294 @@
+"""The bodies of the agent's two jobs, each run for one model in a worker thread.
+
+* :class:`SyncJob`: plan under the model's lock, make room, execute the plan, record the result
+  (or the failure and its backoff) on the model's state.
+* :class:`VerifyJob`: re-hash the cached files; on damage, take the model out of the ready set
+  *and the node gate* first, then delete the bad files so that a sync fetches them again.
+
+They live apart from :class:`~prefetch.agent.reconcile.Agent` so that the Agent keeps only the
+loop, config reloads, starting jobs and shutdown. Everything a job touches is handed to it in
+:class:`JobParts`; it never reaches back into the Agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Callable, Coroutine
+
+from prefetch.agent.config import AgentConfig
+from prefetch.agent.gate_driver import GateDriver
+from prefetch.agent.scheduler import ModelState, Scheduler
+from prefetch.agent.space import SpaceManager
+from prefetch.errors import PrefetchError
+from prefetch.layout import Layout
+from prefetch.metrics import AgentMetrics
+from prefetch.sources.base import Source
+from prefetch.spec import ModelSpec
+from prefetch.store import Store
+from prefetch.sync import (
+    SyncResult,
+    VerifyReport,
+    execute,
+    forget_failures,
+    prepare,
+    verify_local,
+)
+from prefetch.transfer import Cancelled
+from prefetch.units import format_bytes
+
+# The jobs' lines keep the logger name they have always had, so log queries keep matching.
+log = logging.getLogger("prefetch.agent.reconcile")
+
+#: How long a sync waits for another process (prefetch pull/gc) holding the model's lock.
+LOCK_TIMEOUT = 60.0
+
+#: Opens a model's Source under the agent's config: the Agent's
+#: :class:`~prefetch.agent.source_opener.SourceOpener`.
+OpenSource = Callable[[ModelSpec, AgentConfig], Source]
+
+__all__ = ["LOCK_TIMEOUT", "JobParts", "OpenSource", "SyncJob", "VerifyJob"]
+
+
+@dataclasses.dataclass(frozen=True)
+class JobParts:
+    """What a job works with. The Agent owns all of it and hands it over when it starts a job."""
+
+    scheduler: Scheduler
+    store: Store
+    space: SpaceManager
+    metrics: AgentMetrics
+    gate: GateDriver
+    open_source: OpenSource
+    #: The config in force now (a reload may replace it while a job runs).
+    config: Callable[[], AgentConfig]
+    #: Show a model's phase and readiness in the metrics.
+    publish: Callable[[ModelState], None]
+    #: Wake the loop: a job ended, so a slot is free and the gate may need applying.
+    wake: Callable[[], None]
+    #: A sync changed what the cache holds: refresh the usage metrics on the next pass.
+    usage_changed: Callable[[], None]
+    #: The agent's loop, for the steps a worker thread must run there.
+    loop: asyncio.AbstractEventLoop
+
+    def in_loop(self, coro: Coroutine[object, object, None]) -> None:
+        """From a worker thread: run ``coro`` on the loop and wait for it."""
+        asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=300)
+
+    async def drop_ready(self, ms: ModelState, reason: str) -> None:
+        """Take a model out of the ready set and out of the node's labels before touching it."""
+        ms.drop_ready(reason)
+        self.publish(ms)
+        log.warning(
+            "%s: no longer ready: %s",
+            ms.spec.name,
+            reason,
+            extra={"model": ms.spec.name, "phase": "verify", "error": reason},
+        )
+        await self.gate.apply(force=True)
+
+
+class SyncJob:
+    """Brings one model's cached copy in line with its source, and records how that went."""
+
+    def __init__(self, parts: JobParts) -> None:
+        self._parts = parts
+
+    async def run(self, ms: ModelState, stop: threading.Event) -> None:
+        parts = self._parts
+        spec, config = ms.spec, parts.config()
+        try:
+            result = await asyncio.to_thread(self._blocking, ms, config, stop)
+        except Cancelled:
+            log.info(
+                "%s: sync stopped; the partial download resumes next time",
+                spec.name,
+                extra={"model": spec.name, "phase": "sync"},
+            )
+            if parts.scheduler.current(ms):
+                ms.sync_cancelled()
+        except Exception as exc:
+            if parts.scheduler.current(ms):
+                self._failed(ms, exc)
+        else:
+            if parts.scheduler.current(ms):
+                self._ok(ms, result)
+        finally:
+            ms.job = None
+            if parts.scheduler.current(ms):
+                parts.publish(ms)
+            parts.usage_changed()
+            parts.wake()
+
+    def _blocking(self, ms: ModelState, config: AgentConfig, stop: threading.Event) -> SyncResult:
+        """In a worker thread: resolve and plan under the model's lock, make room, sync."""
+        parts = self._parts
+        store, space = parts.store, parts.space
+        spec, sink = ms.spec, ms.sink
+        assert sink is not None  # start_sync gave the job its sink
+        with space.busy(spec):
+            layout = store.layout(spec)
+            source = parts.open_source(spec, config)
+            fresh = not store.entry_dir(spec).exists()
+            with (
+                prepare(spec, source, layout, lock_timeout=LOCK_TIMEOUT) as plan,
+                contextlib.ExitStack() as room,
+            ):
+                try:
+                    if stop.is_set():
+                        raise Cancelled("stopped")
+                    if ms.ready and not store.copy_intact(spec, ms.digest):
+                        parts.in_loop(parts.drop_ready(ms, "cached files are missing or truncated"))
+                    room.enter_context(
+                        space.reserved(
+                            spec,
+                            plan.bytes_needed,
+                            wanted=config.models,
+                            min_free=config.min_free_space,
+                            sink=sink,
+                        )
+                    )
+                except BaseException:
+                    if fresh:  # prepare made the entry only to hold its lock: leave no trace
+                        shutil.rmtree(store.entry_dir(spec), ignore_errors=True)
+                    raise
+                result = execute(
+                    plan,
+                    config.transfer_config(),
+                    progress=sink,
+                    delete=True,
+                    stop=stop,
+                    superseded_grace=config.superseded_grace,
+                    check_space=False,  # room was made, keeping minFreeSpace
+                )
+            store.record_sync(
+                spec,
+                digest=ms.digest,
+                revision=result.revision,
+                files=result.files,
+                bytes_total=result.bytes_total,
+            )
+            return result
+
+    def _ok(self, ms: ModelState, result: SyncResult) -> None:
+        metrics = self._parts.metrics
+        spec = ms.spec
+        ms.sync_succeeded(result, time.monotonic())
+        metrics.last_success.labels(spec.name).set(ms.last_success or 0.0)
+        metrics.model_size.labels(spec.name).set(result.bytes_total)
+        metrics.remaining_bytes.labels(spec.name).set(0)
+        if result.up_to_date:
+            log.debug("%s: up to date at %s", spec.name, result.revision)
+            return
+        metrics.sync_duration.labels(spec.name).observe(result.seconds)
+        rate = result.bytes_downloaded / result.seconds if result.seconds else 0.0
+        removed = f"; removed {len(result.deleted)} file(s)" if result.deleted else ""
+        log.info(
+            "%s: synced revision %s: %d file(s), %s downloaded in %.1fs%s",
+            spec.name,
+            result.revision[:12],
+            result.files_downloaded,
+            format_bytes(result.bytes_downloaded),
+            result.seconds,
+            removed,
+            extra={
+                "model": spec.name,
+                "phase": "sync",
+                "bytes": result.bytes_downloaded,
+                "rate": round(rate),
+            },
+        )
+
+    def _failed(self, ms: ModelState, exc: BaseException) -> None:
+        parts = self._parts
+        spec = ms.spec
+        delay = ms.sync_failed(exc, time.monotonic(), parts.config().retry_backoff)
+        parts.metrics.sync_failures.labels(spec.name, ms.error_reason).inc()
+        log.warning(
+            "%s: sync failed (%s), next try in %.0fs%s: %s",
+            spec.name,
+            ms.error_reason,
+            delay,
+            "; the cached copy stays in use" if ms.ready else "",
+            ms.last_error,
+            exc_info=not isinstance(exc, PrefetchError),
+            extra={"model": spec.name, "phase": "sync", "error": ms.last_error},
+        )
+
+
+class VerifyJob:
+    """Re-hashes one model's cached files at rest; damage sends the model back to a sync."""
+
+    def __init__(self, parts: JobParts) -> None:
+        self._parts = parts
+
+    async def run(self, ms: ModelState, stop: threading.Event) -> None:
+        parts = self._parts
+        spec = ms.spec
+        try:
+            layout = parts.store.layout(spec)
+            report = await asyncio.to_thread(
+                verify_local, layout, read_rate=parts.config().verify_read_rate, stop=stop
+            )
+            if report is None:  # stopped
+                return
+            if report.ok:
+                await self._verified(ms, report)
+            else:
+                await self._found_damage(ms, layout, report)
+        except Exception as exc:
+            parts.metrics.verifications.labels(spec.name, "failed").inc()
+            log.error(
+                "%s: re-verification could not run: %s",
+                spec.name,
+                exc,
+                extra={"model": spec.name, "phase": "verify", "error": str(exc)},
+            )
+            if parts.scheduler.current(ms):
+                await parts.drop_ready(ms, f"re-verification could not run: {exc}")
+            ms.refetch = True
+        finally:
+            current = parts.scheduler.current(ms)
+            ms.verify_finished(time.monotonic(), current=current)
+            if current:
+                parts.publish(ms)
+            parts.wake()
+
+    async def _verified(self, ms: ModelState, report: VerifyReport) -> None:
+        parts = self._parts
+        spec = ms.spec
+        parts.metrics.verifications.labels(spec.name, "ok").inc()
+        await asyncio.to_thread(parts.store.record_verify, spec, ok=True)
+        ms.verify_passed(time.monotonic())
+        log.info(
+            "%s: re-verified %d file(s) at rest",
+            spec.name,
+            len(report.checked),
+            extra={"model": spec.name, "phase": "verify"},
+        )
+
+    async def _found_damage(self, ms: ModelState, layout: Layout, report: VerifyReport) -> None:
+        """Out of the ready set (and the node gate) first, then delete the bad files and sync."""
+        parts = self._parts
+        spec = ms.spec
+        parts.metrics.verifications.labels(spec.name, "failed").inc()
+        mismatches = report.mismatched_paths()
+        if mismatches:
+            parts.metrics.checksum_failures.labels(spec.name, "reverify").inc(len(mismatches))
+        reason = "; ".join(str(f) for f in report.failures[:3])
+        log.error(
+            "%s: re-verification failed, re-fetching: %s",
+            spec.name,
+            reason,
+            extra={"model": spec.name, "phase": "verify", "error": reason},
+        )
+        if parts.scheduler.current(ms):
+            await parts.drop_ready(ms, f"re-verification failed: {reason}")
+        await asyncio.to_thread(forget_failures, layout, report)
+        await asyncio.to_thread(parts.store.record_verify, spec, ok=False)
+        ms.refetch = True
