@@ -13,7 +13,7 @@ from prefetch.executables import find_executable
 from prefetch.locals3 import SeaweedS3
 from prefetch.modelgen import make_model_dir
 
-from .support import HUB_SHARDS, mounted_tmpfs
+from .support import HUB_SHARDS, mounted_tmpfs, s3_subprocess_env
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
@@ -49,19 +49,7 @@ def bucket(s3_client, request: pytest.FixtureRequest) -> str:  # type: ignore[no
 @pytest.fixture
 def s3_env(s3_server: SeaweedS3, tmp_path: Path) -> dict[str, str]:
     """Environment for a `prefetch` subprocess talking to the local server."""
-    env = dict(os.environ)
-    env.update(
-        AWS_ENDPOINT_URL=s3_server.endpoint,
-        AWS_ACCESS_KEY_ID=s3_server.access_key,
-        AWS_SECRET_ACCESS_KEY=s3_server.secret_key,
-        AWS_DEFAULT_REGION="us-east-1",
-        AWS_CONFIG_FILE=str(tmp_path / "aws-config"),
-        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "aws-credentials"),
-        HF_HOME=str(tmp_path / "hf-home"),
-        PYTHONUNBUFFERED="1",
-    )
-    env.pop("PREFETCH_DEBUG", None)
-    return env
+    return s3_subprocess_env(s3_server, tmp_path)
 
 
 @pytest.fixture(scope="module")

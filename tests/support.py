@@ -29,6 +29,7 @@ import pytest
 import yaml
 
 from prefetch.layout import PlainLayout
+from prefetch.locals3 import SeaweedS3
 from prefetch.modelgen import generate_model, upload_model
 from prefetch.retry import RetryPolicy
 from prefetch.snapshot import Checksum, RemoteFile, Snapshot
@@ -179,6 +180,24 @@ def mounted_tmpfs(size_mib: int) -> Iterator[Path]:
 
 
 # -- subprocesses ---------------------------------------------------------------------------------
+
+
+def s3_subprocess_env(server: SeaweedS3, work: Path) -> dict[str, str]:
+    """Environment for a `prefetch` subprocess talking to the local S3 server: its endpoint and
+    credentials, AWS and HF config files under ``work`` (never the user's), unbuffered output."""
+    env = dict(os.environ)
+    env.update(
+        AWS_ENDPOINT_URL=server.endpoint,
+        AWS_ACCESS_KEY_ID=server.access_key,
+        AWS_SECRET_ACCESS_KEY=server.secret_key,
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_CONFIG_FILE=str(work / "aws-config"),
+        AWS_SHARED_CREDENTIALS_FILE=str(work / "aws-credentials"),
+        HF_HOME=str(work / "hf-home"),
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("PREFETCH_DEBUG", None)
+    return env
 
 
 def run_cli(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:

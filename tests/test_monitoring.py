@@ -33,6 +33,7 @@ from tests.support import (
     config_text,
     free_port,
     http_get,
+    s3_subprocess_env,
     upload,
     wait_for,
 )
@@ -538,18 +539,7 @@ def live(s3_server: SeaweedS3, tmp_path_factory: pytest.TempPathFactory) -> Iter
     ]
     config = work / "models.yaml"
     config.write_text(config_text(cache, models, verifyInterval="1s"), encoding="utf-8")
-    env = dict(os.environ)
-    env.update(
-        AWS_ENDPOINT_URL=s3_server.endpoint,
-        AWS_ACCESS_KEY_ID=s3_server.access_key,
-        AWS_SECRET_ACCESS_KEY=s3_server.secret_key,
-        AWS_DEFAULT_REGION="us-east-1",
-        AWS_CONFIG_FILE=str(work / "aws-config"),
-        AWS_SHARED_CREDENTIALS_FILE=str(work / "aws-credentials"),
-        HF_HOME=str(work / "hf-home"),
-        PYTHONUNBUFFERED="1",
-    )
-    env.pop("PREFETCH_DEBUG", None)
+    env = s3_subprocess_env(s3_server, work)
     agent = AgentProcess(config, env, work / "agent.log")
     prometheus: subprocess.Popen[bytes] | None = None
     try:
