@@ -3,7 +3,6 @@ against an in-memory source and a real PlainLayout on disk."""
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from pathlib import Path
 
@@ -12,10 +11,10 @@ import pytest
 from prefetch import verify
 from prefetch.errors import LockTimeoutError
 from prefetch.layout import PlainLayout, RecordedFile
-from prefetch.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.sync import execute, forget_failures, prepare, sync, verify_local
 from prefetch.transfer import TransferConfig, staged_name
+from tests.fakes.memory import MemorySource
 
 SPEC = ModelSpec(source=parse_source_uri("s3://bucket/model"), name="model")
 FILES = {
@@ -23,39 +22,6 @@ FILES = {
     "weights-1.bin": bytes(range(256)) * 64,
     "weights-2.bin": b"\x07" * 20_000,
 }
-
-
-class _Reader:
-    def __init__(self, data: bytes) -> None:
-        self._data, self._pos = data, 0
-
-    def readinto(self, buf: memoryview, /) -> int:
-        n = min(len(buf), len(self._data) - self._pos)
-        buf[:n] = self._data[self._pos : self._pos + n]
-        self._pos += n
-        return n
-
-    def close(self) -> None:
-        pass
-
-
-class MemorySource:
-    """A Source over bytes in memory, counting what it serves."""
-
-    def __init__(self, objects: dict[str, bytes]) -> None:
-        self.objects = objects
-        self.opened: list[str] = []
-
-    def resolve(self, spec: ModelSpec) -> Snapshot:
-        files = tuple(_remote(path, data) for path, data in sorted(self.objects.items()))
-        return Snapshot(str(spec.source), "rev-1", files)
-
-    def describe(self, file: RemoteFile) -> RemoteFile:
-        return file
-
-    def open_range(self, file: RemoteFile, start: int, end: int) -> _Reader:
-        self.opened.append(file.path)
-        return _Reader(self.objects[file.path][start:end])
 
 
 class ForgetSpy:
@@ -72,17 +38,6 @@ class ForgetSpy:
     def forget(self, path: str) -> None:
         self.forgotten.append(path)
         self.inner.forget(path)
-
-
-def _remote(path: str, data: bytes) -> RemoteFile:
-    digest = hashlib.sha256(data).hexdigest()
-    return RemoteFile(
-        path,
-        len(data),
-        version=digest[:16],
-        checksums=(Checksum("sha256", digest, origin="test"),),
-        described=True,
-    )
 
 
 def _pulled(tmp_path: Path) -> tuple[MemorySource, PlainLayout]:
@@ -205,7 +160,7 @@ def test_forget_failures_removes_exactly_the_files_whose_checksum_failed(tmp_pat
     assert forgotten == spy.forgotten == ["weights-1.bin"]
     assert not bad.exists()
     assert truncated.exists() and _local(layout, "config.json").exists()
-    source.opened.clear()
+    source.requests.clear()
     sync(SPEC, source, layout, TransferConfig())
     assert sorted(set(source.opened)) == ["weights-1.bin", "weights-2.bin"]
     assert verify_local(layout).ok

@@ -12,8 +12,6 @@ import fcntl
 import hashlib
 import itertools
 import os
-import threading
-import zlib
 from pathlib import Path
 
 import pytest
@@ -23,80 +21,11 @@ from prefetch.errors import ChecksumMismatchError, SourceError
 from prefetch.retry import RetryPolicy
 from prefetch.snapshot import Checksum, RemoteFile
 from prefetch.transfer import Transfer, TransferConfig, group_chunks, plan_chunks
+from tests.fakes.memory import MemorySource, crc32_file, sha256_file
 
 KiB = 1024
 MiB = 1024 * KiB
 NO_RETRY = RetryPolicy(attempts=1, base_delay=0.0, max_delay=0.0)
-
-
-class _Reader:
-    def __init__(self, source: MemorySource, data: bytes, start: int) -> None:
-        self._source, self._data, self._pos = source, data, start
-
-    def readinto(self, buf: memoryview, /) -> int:
-        with self._source.lock:
-            left = self._source.fail_after - self._source.served
-        if left <= 0:
-            raise SourceError("the test source failed on purpose")
-        n = min(
-            len(buf), len(self._data) - self._pos, left, 100 * KiB
-        )  # short reads, like a socket
-        buf[:n] = self._data[self._pos : self._pos + n]
-        self._pos += n
-        with self._source.lock:
-            self._source.served += n
-        return n
-
-    def close(self) -> None:
-        pass
-
-
-class MemorySource:
-    """A Source over bytes in memory; records every ranged request, can fail after N bytes."""
-
-    def __init__(self, objects: dict[str, bytes], *, fail_after: int = 1 << 62) -> None:
-        self.objects = objects
-        self.fail_after = fail_after
-        self.served = 0
-        self.requests: list[tuple[str, int, int]] = []
-        self.events: list[tuple[str, str]] = []  # ("describe" | "open", path), in order
-        self.lock = threading.Lock()
-
-    def resolve(self, spec: object) -> object:  # not used by Transfer
-        raise NotImplementedError
-
-    def describe(self, file: RemoteFile) -> RemoteFile:
-        with self.lock:
-            self.events.append(("describe", file.path))
-        return file
-
-    def open_range(self, file: RemoteFile, start: int, end: int) -> _Reader:
-        with self.lock:
-            self.requests.append((file.path, start, end))
-            self.events.append(("open", file.path))
-        return _Reader(self, self.objects[file.path][:end], start)
-
-
-def sha256_file(path: str, data: bytes) -> RemoteFile:
-    digest = hashlib.sha256(data).hexdigest()
-    return RemoteFile(
-        path,
-        len(data),
-        version=digest[:16],
-        checksums=(Checksum("sha256", digest, origin="test"),),
-        described=True,
-    )
-
-
-def crc32_file(path: str, data: bytes) -> RemoteFile:
-    value = zlib.crc32(data).to_bytes(4, "big").hex()
-    return RemoteFile(
-        path,
-        len(data),
-        version=value,
-        checksums=(Checksum("crc32", value, origin="test"),),
-        described=True,
-    )
 
 
 def run(

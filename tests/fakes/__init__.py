@@ -5,6 +5,8 @@
   trickles, stalls, sends short or long bodies);
 * :mod:`tests.fakes.s3proxy`: a proxy in front of the real local S3 server (SeaweedFS) that
   corrupts or cuts response bodies and throttles them;
+* :mod:`tests.fakes.memory`: a Source over bytes in memory (no server), for the engine and sync
+  tests;
 * :mod:`tests.fakes.k8s_stub`: a Kubernetes API server for nodes (labels, taints, JSON Patch),
   used through the real kubernetes client.
 """
