@@ -271,36 +271,10 @@ def _composite(checksum: Checksum, part_digests: Sequence[bytes]) -> str:
 def hash_file(
     path: Path, checksum: Checksum, *, reader: Callable[[int], None] | None = None
 ) -> str:
-    """Compute ``checksum``'s value over the file at ``path`` (any mode).
-
-    ``reader`` is called with the byte count of each read (for progress and rate limiting).
-    """
-    size = os.path.getsize(path)
-    buf = bytearray(max(min(READ_BUFFER, size), 1))  # small files: no 4 MiB memset each
-    view = memoryview(buf)
-    mode = mode_of(checksum)
-    bounds = part_bounds(checksum.part_sizes) if checksum.part_sizes is not None else [(0, size)]
-    digests: list[bytes] = []
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        for start, end in bounds:
-            h = new_hasher(checksum.algorithm, size=size)
-            pos = start
-            while pos < end:
-                n = os.preadv(fd, [view[: min(len(view), end - pos)]], pos)
-                if n == 0:
-                    break  # file shorter than the parts say: the digest will not match
-                h.update(view[:n])
-                pos += n
-                if reader is not None:
-                    reader(n)
-            digests.append(h.digest())
-    finally:
-        os.close(fd)
-    if mode == "parts":
-        return _composite(checksum, digests)
-    return encode(digests[0], checksum.encoding)
+    """Compute ``checksum``'s value over the file at ``path`` (any mode): :func:`hash_file_all`
+    for one checksum. ``reader`` is called with the byte count of each read (for progress and
+    rate limiting)."""
+    return hash_file_all(path, [checksum], reader=reader)[0]
 
 
 def hash_file_all(
