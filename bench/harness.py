@@ -224,7 +224,9 @@ class Cache:
         else:
             self.note = "page cache not dropped (--no-drop-caches or --quick); dest deleted+synced"
 
-    def settle(self, remove: list[Path], warm: list[Path]) -> None:
+    def settle(self, remove: list[Path], warm: list[Path], *, warm_code: bool = True) -> None:
+        """Delete ``remove``, sync, drop the page cache, read back the tools' code (unless
+        ``warm_code`` is false: a cold start) and ``warm`` (the server's data), wait quiet."""
         for path in remove:  # delete first: dirty pages of deleted files need no write-back
             if path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
@@ -235,7 +237,7 @@ class Cache:
         if self.drop:
             with open("/proc/sys/vm/drop_caches", "w") as fh:
                 fh.write("3\n")
-            for argv in self.warm_cmds:
+            for argv in self.warm_cmds if warm_code else []:
                 subprocess.run(
                     argv,
                     env=self.env,

@@ -111,6 +111,34 @@ def table(rows: list[dict[str, Any]], title: str) -> str:
     return "\n".join(out)
 
 
+def _small_and_noop_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 15's targets for many small files (<= 1.2x s5cmd) and the no-op pull (< 0.3 s
+    warm, < 0.5 s cold, per source)."""
+    out: list[dict[str, Any]] = []
+    small = {r["tool"]: r for r in res.get("small_files", {}).get("rows", []) if r["available"]}
+    pf, s5 = small.get("prefetch"), small.get("s5cmd")
+    if pf and s5 and pf["median_wall_s"] and s5["median_wall_s"]:
+        ratio = pf["median_wall_s"] / s5["median_wall_s"]
+        out.append(
+            {
+                "target": "many small files: <= 1.2x s5cmd",
+                "value": f"{ratio:.2f}x ({pf['median_wall_s']:.2f}s vs {s5['median_wall_s']:.2f}s)",
+                "met": ratio <= 1.2,
+            }
+        )
+    for mode, limit in (("warm", 0.3), ("cold", 0.5)):
+        for r in res.get("noop", {}).get(mode, []):
+            if r["tool"] in ("prefetch", "hf-prefetch") and r["available"] and r["median_wall_s"]:
+                out.append(
+                    {
+                        "target": f"no-op pull ({r['tool']}, {mode}) < {limit} s",
+                        "value": f"{r['median_wall_s']:.2f}s",
+                        "met": r["median_wall_s"] < limit,
+                    }
+                )
+    return out
+
+
 def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     rows = {r["tool"]: r for r in res.get("compare", {}).get("rows", [])}
     out: list[dict[str, Any]] = []
@@ -135,15 +163,15 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     if hp and hs:
         out.append(
             {
-                "target": "Hub: >= 2x snapshot_download",
+                "target": "Hub: >= 2.5x snapshot_download",
                 "value": f"{hs / hp:.2f}x",
-                "met": hs / hp >= 2,
+                "met": hs / hp >= 2.5,
             }
         )
     elif hs:
         out.append(
             {
-                "target": "Hub: >= 2x snapshot_download",
+                "target": "Hub: >= 2.5x snapshot_download",
                 "value": "hf-prefetch not available",
                 "met": None,
             }
@@ -161,6 +189,18 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
                 "met": got >= 0.9 * c,
             }
         )
+    curl = rows.get("ceiling-get")
+    if pf and curl and curl.get("cpu_s") and rows["prefetch"].get("cpu_s"):
+        ratio = rows["prefetch"]["cpu_s"] / curl["cpu_s"]
+        out.append(
+            {
+                "target": "client CPU-s per GB <= 1.3x curl's",
+                "value": f"{ratio:.2f}x ({rows['prefetch']['cpu_s']:.2f} vs "
+                f"{curl['cpu_s']:.2f} CPU-s for the same bytes)",
+                "met": ratio <= 1.3,
+            }
+        )
+    out += _small_and_noop_targets(res)
     rss = [
         r["peak_rss_mib"]
         for r in res.get("compare", {}).get("rows", [])
@@ -235,6 +275,14 @@ def report(res: dict[str, Any]) -> str:
             table(s["rows"], f"Many small files ({s['files']} x {s['file_size'] // 1024} KiB)"),
             "",
         ]
+    if "noop" in res:
+        for mode, what in (
+            ("warm", "nothing dropped"),
+            ("cold", "page cache dropped, the tools' code not read back in"),
+        ):
+            rows = res["noop"][mode]
+            ratio_rows(rows)
+            parts += [table(rows, f"No-op pull, everything current ({mode}: {what})"), ""]
     if "resume" in res:
         r = res["resume"]
         parts += ["### Resume after SIGKILL at 50%", ""]

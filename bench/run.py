@@ -434,16 +434,22 @@ class Bench:
         for t in tools:
             if t.missing:
                 say(f"skipping {t.name}: {t.missing}")
-        rows = self.alternate(tools, a.runs, data.total, "compare")
+        if a.compare:
+            rows = self.alternate(tools, a.runs, data.total, "compare")
+            self.results["compare"] = {"expected_bytes": data.total, "rows": rows}
+        if "noop" in want:
+            noop_names = {"prefetch", "hf-prefetch"} | variants
+            noop_tools = [t for t in tools if t.name in noop_names and t.group in ("s3", "hub")]
+            self.results["noop"] = self.noop(noop_tools, a.runs, data.total)
         self.stop_hub()
-        self.results["compare"] = {"expected_bytes": data.total, "rows": rows}
 
         if a.small_files > 0 and "small" in want:
             say(f"uploading {a.small_files} x {a.small_file_size // 1024} KiB")
             small_total = s3_put_small(
                 server.client(), SMALL_PREFIX, a.small_files, a.small_file_size
             )
-            small_names = {"prefetch", "s5cmd", "rclone", "aws", "boto3"}
+            rivals = {"s5cmd", "rclone", "aws", "boto3"}
+            small_names = {"prefetch"} | (rivals & want or rivals) | variants
             small_tools = [t for t in self.s3_tools(server, SMALL_PREFIX) if t.name in small_names]
             self.results["small_files"] = {
                 "files": a.small_files,
@@ -470,6 +476,32 @@ class Bench:
         }
         self.results["elapsed_s"] = round(time.monotonic() - t_start, 1)
         return self.results
+
+    def noop(self, tools: list[Tool], runs: int, expected: int) -> dict[str, Any]:
+        """A pull into a destination that is already complete (the agent's every resync, and
+        a pod start on a node that has the model): each tool pulls once into its own DEST,
+        then ``runs`` rounds of pulling again, warm (nothing dropped) then cold (page cache
+        dropped, the tools' code NOT read back in: a fresh node's first command)."""
+        dests = {t.name: self.work / f"noop-{t.name}" for t in tools}
+        live = [t for t in tools if not t.missing]
+        for tool in live:
+            say(f"noop: first pull of {tool.name}")
+            self.measure(tool, 0, dests[tool.name], expected)
+        out: dict[str, Any] = {}
+        for mode in ("warm", "cold"):
+            samples: dict[str, list[Sample]] = {t.name: [] for t in tools}
+            for run in range(1, runs + 1):
+                say(f"noop {mode}: round {run} of {runs}")
+                for tool in live:
+                    if mode == "cold":
+                        self.cache.settle([], [], warm_code=False)
+                    else:
+                        self.cache.wait_quiet()
+                    sample = self.measure(tool, run, dests[tool.name], expected, settle=False)
+                    samples[tool.name].append(sample)
+            out[mode] = [summarize(t, samples[t.name], expected) for t in tools]
+        self.cache.settle(list(dests.values()), [])
+        return out
 
     def resume(self, server: SeaweedS3, total: int) -> dict[str, Any]:
         """SIGKILL ``prefetch pull`` once it has written half the bytes, pull again, count."""
@@ -575,7 +607,7 @@ ALL_TOOLS = [
     "ceiling-dd",
     "dd-buffered",
 ]
-GROUPS = {"s3", "hub", "ceiling", "small", "resume", "scaling"}
+GROUPS = {"s3", "hub", "ceiling", "small", "resume", "scaling", "noop"}
 
 
 def size_list(text: str) -> list[int]:
@@ -621,6 +653,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--small-file-size", default="100KiB")
     p.add_argument("--no-resume", dest="resume", action="store_false")
     p.add_argument("--no-small-files", dest="no_small", action="store_true")
+    p.add_argument(
+        "--no-compare",
+        dest="compare",
+        action="store_false",
+        help="skip the whole-model comparison (run only the other phases asked for)",
+    )
     p.add_argument("--no-drop-caches", dest="drop_caches", action="store_false", default=None)
     p.add_argument(
         "--s5cmd-tuned",
@@ -695,7 +733,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = names - set(ALL_TOOLS) - GROUPS
     if unknown:
         p.error(f"--tools: unknown {sorted(unknown)}")
-    if names & {"resume", "scaling", "small"} and "prefetch" not in names:
+    if names & {"resume", "scaling", "small", "noop"} and "prefetch" not in names:
         names.add("prefetch")
     a.tools = sorted(names)
     return a

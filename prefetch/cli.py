@@ -163,7 +163,29 @@ class _Group(click.Group):
             ctx.exit(1)
 
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+class _LazyGroup(_Group):
+    """A group some of whose commands are imported only when they run (or ``--help`` lists
+    them): the agent's commands bring kubernetes, prometheus_client and psutil, which a
+    ``prefetch pull`` does not need (start-up: see bench/README.md)."""
+
+    #: command name -> (module, attribute)
+    lazy_commands: dict[str, tuple[str, str]] = {}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.lazy_commands})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        command = super().get_command(ctx, cmd_name)
+        if command is None and cmd_name in self.lazy_commands:
+            import importlib
+
+            module, attribute = self.lazy_commands[cmd_name]
+            command = getattr(importlib.import_module(module), attribute)
+            self.add_command(command, cmd_name)
+        return command
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="prefetch")
 @click.option("-v", "--verbose", count=True, help="More log output on stderr (-vv for debug).")
 def main(verbose: int) -> None:
@@ -301,8 +323,21 @@ def hub_options(fn: F) -> F:
     return fn
 
 
+def proxy_option(fn: F) -> F:
+    """``--proxy URL``: this command's requests to the source go through URL ("none": direct),
+    instead of HTTP(S)_PROXY; NO_PROXY still applies."""
+    return click.option(
+        "--proxy", default=None, metavar="URL",
+        help="HTTP(S) proxy for the source (none: direct) [default: HTTPS_PROXY/HTTP_PROXY; "
+        "hosts in NO_PROXY always go direct].",
+    )(fn)  # fmt: skip
+
+
 #: The pull flags that set ModelSpec fields, named in messages about combinations of them.
-_FLAG_NAMES = {"revision": "--revision", "hf_repo": "--hf-repo", "hf_revision": "--hf-revision"}
+_FLAG_NAMES = {
+    "revision": "--revision", "hf_repo": "--hf-repo", "hf_revision": "--hf-revision",
+    "proxy": "--proxy", "mirrors": "--mirror", "hub_fallback": "--no-hub-fallback",
+}  # fmt: skip
 
 
 def pull_spec(
@@ -315,6 +350,9 @@ def pull_spec(
     hf_repo: str | None,
     hf_revision: str | None,
     layout_name: str | None,
+    proxy: str | None = None,
+    mirrors: tuple[str, ...] = (),
+    hub_fallback: bool = True,
 ) -> tuple[ModelSpec, str]:
     """The spec and layout name (hf or plain) the pull options describe; ConfigError on a
     combination that makes no sense."""
@@ -328,8 +366,13 @@ def pull_spec(
             revision=revision or None,
             hf_repo=hf_repo or None,
             hf_revision=hf_revision or None,
+            proxy=proxy,
+            mirrors=tuple(parse_source_uri(m) for m in mirrors),
+            hub_fallback=hub_fallback,
         )
     except SpecError as exc:
+        if exc.field in ("proxy", "mirrors", "hub_fallback"):
+            raise ConfigError(exc.render(_FLAG_NAMES), hint=exc.hint) from exc
         if not exc.cross_field:
             raise
         raise ConfigError(exc.render(_FLAG_NAMES), hint=exc.hint) from exc
@@ -348,6 +391,23 @@ def pull_spec(
 @click.option("--name", default="", help="Model name (a DNS label); default from the URI.")
 @click.option("--endpoint-url", envvar="AWS_ENDPOINT_URL", help="S3 endpoint (default: AWS).")
 @hub_options
+@proxy_option
+@click.option(
+    "--mirror",
+    "mirrors",
+    multiple=True,
+    metavar="S3_URI",
+    help="hf:// sources: an S3 mirror of the repo (written by `prefetch mirror`) to "
+    "pull from before the Hub; repeatable, tried in order.",
+)
+@click.option(
+    "--no-hub-fallback",
+    "hub_fallback",
+    is_flag=True,
+    default=True,
+    flag_value=False,
+    help="With --mirror: fail when no mirror has the revision instead of pulling from the Hub.",
+)
 @click.option(
     "--delete",
     is_flag=True,
@@ -373,6 +433,9 @@ def pull(
     layout_name: str | None,
     hf_repo: str | None,
     hf_revision: str | None,
+    proxy: str | None,
+    mirrors: tuple[str, ...],
+    hub_fallback: bool,
     delete: bool,
     as_json: bool,
     progress: bool | None,
@@ -389,7 +452,8 @@ def pull(
     config = make_config(**transfer)
     spec, layout_kind = pull_spec(
         uri, name=name, include=include, exclude=exclude, revision=revision, hf_repo=hf_repo,
-        hf_revision=hf_revision, layout_name=layout_name,
+        hf_revision=hf_revision, layout_name=layout_name, proxy=proxy, mirrors=mirrors,
+        hub_fallback=hub_fallback,
     )  # fmt: skip
     record.model = spec.name
     root = writable_destination(dest)
@@ -404,14 +468,38 @@ def pull(
             pool_size=config.concurrency + 8,
             retry=config.retry,
         )
-    source = open_source(spec, endpoint_url=endpoint_url, concurrency=config.concurrency, hub=hub)
+    found = None
+    s3_client = None
+    if spec.source.scheme == "s3":
+        from prefetch.sources.s3 import lazy_s3_client
+
+        # one client for the mirror check and the source, created only if needed (a no-op
+        # pull lists without botocore when it can: see prefetch.sources.s3_direct)
+        s3_client = lazy_s3_client(
+            endpoint_url=endpoint_url, max_pool_connections=config.concurrency + 8,
+            proxy=spec.proxy,
+        )  # fmt: skip
+    if spec.source.scheme == "s3" and layout_name != "plain":
+        from prefetch.sources import open_mirror_prefix
+
+        # a mirror prefix (`prefetch mirror`'s output) publishes the Hub's layout
+        found = open_mirror_prefix(spec, s3_client=s3_client, concurrency=config.concurrency)
+    if found is not None:
+        spec, source, snapshot = found
+        layout_kind = "hf"
+    else:
+        source = open_source(
+            spec, s3_client=s3_client, endpoint_url=endpoint_url,
+            concurrency=config.concurrency, hub=hub,
+        )  # fmt: skip
+        snapshot = None
     layout = layout_for(spec, root, layout_name=layout_kind)
     show = sys.stderr.isatty() if progress is None else progress
     sink: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()
     t0 = time.monotonic()
     try:
         result = sync(spec, source, layout, config, progress=sink, delete=delete,
-                      stop=stop_on_sigterm(), so_far=record)  # fmt: skip
+                      stop=stop_on_sigterm(), so_far=record, snapshot=snapshot)  # fmt: skip
     finally:
         record.seconds = round(time.monotonic() - t0, 3)
     if result.files_unverified:
@@ -465,6 +553,177 @@ def verify_cmd(dest: str, as_json: bool, record: VerifyReport) -> None:
         sys.exit(1)
 
 
+def _mirror_record(params: dict[str, Any]) -> Any:
+    from prefetch.mirror import MirrorResult
+
+    return MirrorResult(source=params["src"], destination=params["dst"])
+
+
+@main.command()
+@click.argument("src")
+@click.argument("dst")
+@click.option(
+    "--revision",
+    default=None,
+    help="hf:// sources: branch, tag or 40-hex commit (also hf://org/name@rev) [default: main].",
+)
+@click.option(
+    "--token", default=None, help="Hub token [default: HF_TOKEN, then the token file in HF_HOME]."
+)
+@click.option(
+    "--endpoint",
+    envvar="HF_ENDPOINT",
+    default=None,
+    show_envvar=True,
+    help="Hub endpoint [default: https://huggingface.co].",
+)
+@click.option("--endpoint-url", envvar="AWS_ENDPOINT_URL", help="S3 endpoint (default: AWS).")
+@proxy_option
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1, 512),
+    default=8,
+    show_default=True,
+    envvar="PREFETCH_CONCURRENCY",
+    help="Parts in flight; peak memory is about concurrency x part size.",
+)
+@click.option(
+    "--part-size",
+    default="16MiB",
+    show_default=True,
+    help="Multipart part size, 5MiB-5GiB (grown for files over 10,000 parts).",
+)
+@click.option(
+    "--attempts",
+    type=click.IntRange(1, 100),
+    default=6,
+    show_default=True,
+    help="Tries per request on timeouts, resets, 5xx and throttling.",
+)
+@click.option(
+    "--min-rate",
+    default="64KiB",
+    envvar="PREFETCH_MIN_RATE",
+    show_default=True,
+    help="Bytes/s a read must average over --stall-timeout, or it is retried (0: off).",
+)
+@click.option(
+    "--stall-timeout",
+    default="30s",
+    envvar="PREFETCH_STALL_TIMEOUT",
+    show_default=True,
+    help="Window of the --min-rate rule.",
+)
+@click.option(
+    "--deadline",
+    default="off",
+    envvar="PREFETCH_DEADLINE",
+    show_default=True,
+    help="Give up (resumably) when the mirror takes longer (e.g. 2h).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
+@click.option(
+    "--progress/--no-progress",
+    default=None,
+    help="Progress bar (default: when stderr is a terminal).",
+)
+@json_even_on_failure(_mirror_record)
+def mirror(
+    src: str,
+    dst: str,
+    revision: str | None,
+    token: str | None,
+    endpoint: str | None,
+    endpoint_url: str | None,
+    proxy: str | None,
+    concurrency: int,
+    part_size: str,
+    attempts: int,
+    min_rate: str,
+    stall_timeout: str,
+    deadline: str,
+    as_json: bool,
+    progress: bool | None,
+    record: Any,
+) -> None:
+    """Mirror SRC (hf://org/name[@rev], or an s3:// mirror prefix) into DST (s3://bucket/prefix):
+    verified against the Hub's ids, resumable, and uploading nothing already there."""
+    from prefetch.mirror import MirrorConfig, S3Prefix, mirror_hub, mirror_s3
+    from prefetch.mirror.upload import make_writer_client
+    from prefetch.sources import open_source
+    from prefetch.sources.s3 import make_s3_client
+
+    if not dst.strip().startswith("s3://"):
+        raise ConfigError(f"the mirror destination must be s3://bucket/prefix, not {dst!r}")
+    source_uri, dest_uri = parse_source_uri(src), parse_source_uri(dst)
+    if source_uri.scheme == "s3" and revision:
+        raise ConfigError("--revision is for hf:// sources")
+    size = size_option(part_size, "--part-size")
+    assert size is not None
+    transfer = make_config(
+        concurrency, "64MiB", False, False, attempts, min_rate, stall_timeout, deadline
+    )
+    config = MirrorConfig(transfer=transfer, part_size=size)
+    client = make_writer_client(
+        make_s3_client, endpoint_url, max_pool_connections=concurrency + 8, proxy=proxy
+    )
+    dest = S3Prefix(client, dest_uri.location, dest_uri.path, retry=transfer.retry)
+    record.destination = dest.url(dest.prefix)
+    show = sys.stderr.isatty() if progress is None else progress
+    sink: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()
+    t0 = time.monotonic()
+    try:
+        if source_uri.scheme == "hf":
+            from prefetch.sources.hf import HubOptions
+
+            spec = ModelSpec(source=source_uri, revision=revision or None, proxy=proxy)
+            hub = HubOptions(
+                endpoint=endpoint or None,
+                token=token or None,
+                pool_size=concurrency + 8,
+                retry=transfer.retry,
+            )
+            source = open_source(spec, hub=hub)
+            result = mirror_hub(
+                spec, source, dest, config, progress=sink, stop=stop_on_sigterm(), so_far=record
+            )
+        else:
+            if (source_uri.location, source_uri.path) == (dest_uri.location, dest_uri.path):
+                raise ConfigError("the mirror source and destination are the same prefix")
+            spec = ModelSpec(source=source_uri, proxy=proxy)
+            src_client = client
+            if proxy is not None:  # --proxy is for the source only
+                src_client = make_s3_client(
+                    endpoint_url=endpoint_url, max_pool_connections=concurrency + 8, proxy=proxy
+                )
+            source = open_source(spec, s3_client=src_client)
+            src_prefix = S3Prefix(
+                src_client, source_uri.location, source_uri.path, retry=transfer.retry
+            )
+            result = mirror_s3(
+                source,
+                src_prefix,
+                dest,
+                config,
+                progress=sink,
+                stop=stop_on_sigterm(),
+                so_far=record,
+            )
+    finally:
+        record.seconds = round(time.monotonic() - t0, 3)
+    if as_json:
+        click.echo(json.dumps(result.to_json(), sort_keys=True))
+        return
+    what = f"{result.repo_id}@{result.ref}" if result.repo_id else src
+    commit = f" ({result.commit[:12]})" if result.commit else ""
+    click.echo(
+        f"{printable(what)}{commit}: {result.files} files, "
+        f"{format_bytes(result.bytes_uploaded)} uploaded, "
+        f"{format_bytes(result.bytes_skipped)} already there, in {result.seconds:.1f}s "
+        f"-> {printable(result.destination)}"
+    )
+
+
 @main.command()
 @click.option("--size", default="96MiB", show_default=True, help="Total size of the model.")
 @click.option("--dest", default=None, help="Where to pull to (default: a temporary folder).")
@@ -478,11 +737,12 @@ def demo(size: str, dest: str | None, as_json: bool) -> None:
     run_demo(total, dest, as_json=as_json)
 
 
-from prefetch.agent.cli import agent_cmd, gc_cmd, ls_cmd  # noqa: E402
-
-main.add_command(agent_cmd)
-main.add_command(ls_cmd)
-main.add_command(gc_cmd)
+_LazyGroup.lazy_commands.update(
+    {
+        name: ("prefetch.agent.cli", f"{name}_cmd")
+        for name in ("agent", "ls", "gc", "status")  # each defined there as <name>_cmd
+    }
+)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

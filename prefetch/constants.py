@@ -17,3 +17,7 @@ HOST_MOUNT_POINT = "/mnt/k8s-disks/local-nvme"
 HOST_CACHE_DIR = HOST_MOUNT_POINT + "/huggingface"
 #: Prefix of every Prometheus metric.
 METRICS_PREFIX = "model_prefetch"
+#: The node annotation where the agent writes its progress (JSON), read by ``prefetch status``.
+PROGRESS_ANNOTATION = "model-prefetch.io/progress"
+#: Least seconds between two writes of the progress annotation by one agent (one per node).
+PROGRESS_INTERVAL = 30.0

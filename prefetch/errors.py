@@ -31,7 +31,9 @@ builtin where that is true, so callers can also catch them as ``FileNotFoundErro
     │   └── MissingChecksumError             --require-checksum and the source has none
     ├── LayoutError                          the destination cannot be written / is not ours
     │   └── LockTimeoutError                 another pull holds the model's lock for too long
-    └── NodeGateError                        the Kubernetes API refused a node label/taint change
+    ├── NodeGateError                        the Kubernetes API refused a node label/taint change
+    └── ClusterReadError                     prefetch status could not read the Nodes (no
+                                             kubeconfig, unreachable API server, 401/403)
 """
 
 from __future__ import annotations
@@ -150,3 +152,7 @@ class LockTimeoutError(LayoutError, TimeoutError):
 
 class NodeGateError(PrefetchError):
     pass
+
+
+class ClusterReadError(PrefetchError):
+    """Reading the cluster with the user's kubeconfig failed (``prefetch status``)."""

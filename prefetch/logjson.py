@@ -1,8 +1,11 @@
 """Log lines for the agent: one JSON object per line on stderr (or plain text for people).
 
 Fields: ``ts`` (UTC, RFC 3339 with milliseconds), ``level``, ``logger``, ``msg``, and when the
-call passed them through ``extra=``: ``model``, ``phase``, ``bytes``, ``rate``, ``error``. An
-exception adds ``error`` (type and message) and ``traceback``. Every record passes
+call passed them through ``extra=``: ``model``, ``phase``, ``bytes``, ``rate``, ``error``, and for
+the node's story (:mod:`prefetch.agent.events`) ``event``, ``seconds``, ``source``, ``node``. An
+exception adds ``error`` (type and message) and ``traceback``. A line written while a sync runs
+carries that sync's ``sync_id`` (:func:`sync_context`), also from the engine's worker threads
+(their pools start with :func:`inherit_context`). Every record passes
 :class:`prefetch.redact.RedactingFilter` and the formatters scrub again: nothing that looks like a
 credential (presigned URL signatures, bearer tokens, Hub tokens, AWS secret keys) is written, and a
 message is one line, control characters escaped. The code never logs secrets on purpose; this is
@@ -11,17 +14,32 @@ the last line of defence against a library's debug log.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import logging
+import secrets
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 from prefetch.redact import install_filter, redact
 
 #: ``extra=`` keys copied into the JSON object, in this order.
-EXTRA_FIELDS = ("model", "phase", "bytes", "rate", "error")
+EXTRA_FIELDS = (
+    "model",
+    "phase",
+    "bytes",
+    "rate",
+    "error",
+    "event",
+    "seconds",
+    "source",
+    "node",
+    "sync_id",
+)
 NOISY_LOGGERS = (
     "botocore",
     "boto3",
@@ -36,6 +54,52 @@ NOISY_LOGGERS = (
 #: Kept under its old name for callers: see :func:`prefetch.redact.redact`.
 scrub = redact
 
+#: The sync a line is written for (None outside one): set by :func:`sync_context`.
+_SYNC_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("sync_id", default=None)
+
+
+def new_sync_id() -> str:
+    """A short random id for one sync attempt (8 hex digits: unique enough among one node's
+    syncs, short enough to read and to grep)."""
+    return secrets.token_hex(4)
+
+
+def current_sync_id() -> str | None:
+    return _SYNC_ID.get()
+
+
+@contextlib.contextmanager
+def sync_context(sync_id: str | None = None) -> Iterator[str]:
+    """Every line written in this context (and in threads started with :func:`inherit_context`
+    or ``asyncio.to_thread`` from it) carries ``sync_id``; yields the id."""
+    value = sync_id or new_sync_id()
+    token = _SYNC_ID.set(value)
+    try:
+        yield value
+    finally:
+        _SYNC_ID.reset(token)
+
+
+def inherit_context() -> Callable[[], None]:
+    """An initializer for a thread pool created here: its threads take this thread's sync id.
+    (A new thread starts with an empty context; ``asyncio.to_thread`` copies it, a
+    ``ThreadPoolExecutor`` does not.)"""
+    value = _SYNC_ID.get()
+
+    def initializer() -> None:
+        _SYNC_ID.set(value)
+
+    return initializer
+
+
+def _field(record: logging.LogRecord, key: str) -> Any:
+    """An extra field of ``record``; the sync id falls back to the writing thread's context
+    (the handlers here format on the thread that logs)."""
+    value = record.__dict__.get(key)
+    if value is None and key == "sync_id":
+        return _SYNC_ID.get()
+    return value
+
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
@@ -47,7 +111,7 @@ class JsonFormatter(logging.Formatter):
             "msg": scrub(record.getMessage()),
         }
         for key in EXTRA_FIELDS:
-            value = record.__dict__.get(key)
+            value = _field(record, key)
             if value is not None:
                 out[key] = scrub(value) if isinstance(value, str) else value
         if record.exc_info and record.exc_info[1] is not None:
@@ -66,9 +130,9 @@ class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = scrub(super().format(record))
         extras = [
-            f"{k}={record.__dict__[k]}"
+            f"{k}={_field(record, k)}"
             for k in EXTRA_FIELDS
-            if record.__dict__.get(k) is not None and k != "error"
+            if _field(record, k) is not None and k != "error"
         ]
         if record.__dict__.get("error") is not None and not record.exc_info:
             extras.append(f"error={scrub(str(record.__dict__['error']))!r}")

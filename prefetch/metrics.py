@@ -31,9 +31,20 @@ model_prefetch_evicted_bytes_total                         counter    reason
 model_prefetch_config_reload_failures_total                counter
 model_prefetch_config_last_reload_successful               gauge
 model_prefetch_node_gate_errors_total                      counter
+model_prefetch_events_dropped_total                        counter    reason=rate_limited|queue_full
+model_prefetch_event_errors_total                          counter
+model_prefetch_sync_phase_duration_seconds                 histogram  model, phase (**)
+model_prefetch_time_to_ready_seconds                       histogram  since (***)
+model_prefetch_ready_after_seconds                         gauge      since (***)
+model_prefetch_node_progress_writes_total                  counter    result=ok|failed
+process_start_time_seconds, process_cpu_seconds_total...   (the process collector)
 =========================================================  =========  ========================
 
 (*) ``reason`` is ``download`` (caught while fetching) or ``reverify`` (found at rest).
+(**) ``phase`` is one of :data:`prefetch.sync.SYNC_PHASES` (resolve, download, verify, publish),
+observed for each sync that changed the cache (see :class:`prefetch.sync.SyncTimings`).
+(***) ``since`` is ``node_creation`` (the Node's ``metadata.creationTimestamp``) or
+``agent_start``; observed once per agent process, when every required model is first ready.
 """
 
 from __future__ import annotations
@@ -46,9 +57,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from prefetch.constants import METRICS_PREFIX
+from prefetch.sync import SYNC_PHASES
 from prefetch.transfer import plan_chunks
 from prefetch.units import format_bytes
 
@@ -56,8 +68,15 @@ log = logging.getLogger(__name__)
 
 #: Every state a model can be in (``model_prefetch_model_state{state=...}``).
 MODEL_STATES = ("pending", "syncing", "updating", "verifying", "ready", "failed")
+#: The kinds of source a sync can be served by (``ModelSpec.source_kind``): a bounded label.
+SOURCE_KINDS = ("mirror", "hub", "s3")
 #: Sync durations from seconds (up to date) to many hours (a large model over a slow link).
 SYNC_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400, 28800, 57600)
+#: Phase and time-to-ready durations: a tenth of a second (a resolve) to four hours (a cold
+#: start over a slow link); longer lands in +Inf, which an alert should catch long before.
+PHASE_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400)
+#: What a time to ready is counted from (``since`` label).
+READY_SINCE = ("node_creation", "agent_start")
 RATE_WINDOW = 10.0
 PROGRESS_LOG_INTERVAL = 30.0
 
@@ -112,6 +131,12 @@ class AgentMetrics:
         )
         self.model_state = Gauge(
             p + "model_state", "1 for the state the model is in.", ["model", "state"], registry=r
+        )
+        self.model_source = Gauge(
+            p + "model_source",
+            "1 for the kind of source (mirror, hub, s3) that served the model's last sync.",
+            ["model", "source_kind"],
+            registry=r,
         )
         self.model_ready = Gauge(
             p + "model_ready",
@@ -181,6 +206,51 @@ class AgentMetrics:
             "Failed attempts to update the node's labels and taint.",
             registry=r,
         )
+        self.events_dropped = Counter(
+            p + "events_dropped",
+            "Kubernetes Events not sent: rate_limited (the node's token bucket was empty) or "
+            "queue_full (the sender fell behind).",
+            ["reason"],
+            registry=r,
+        )
+        self.event_errors = Counter(
+            p + "event_errors",
+            "Kubernetes Event writes that failed (API error or unreachable API server).",
+            registry=r,
+        )
+        self.sync_phase_duration = Histogram(
+            p + "sync_phase_duration_seconds",
+            "Wall-clock seconds of each phase of a sync that changed the cache.",
+            ["model", "phase"],
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
+        self.time_to_ready = Histogram(
+            p + "time_to_ready_seconds",
+            "Seconds from node creation or agent start until every required model was first "
+            "ready (once per agent process).",
+            ["since"],
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
+        self.ready_after = Gauge(
+            p + "ready_after_seconds",
+            "The time to ready this agent process observed, by what it counts from.",
+            ["since"],
+            registry=r,
+        )
+        self.progress_writes = Counter(
+            p + "node_progress_writes",
+            "Writes of the progress annotation on the node.",
+            ["result"],
+            registry=r,
+        )
+        for since in READY_SINCE:
+            self.time_to_ready.labels(since)  # zero from the start: increase() sees the first
+        for result in ("ok", "failed"):
+            self.progress_writes.labels(result)
+        with contextlib.suppress(ValueError):  # already there (the global registry has one)
+            ProcessCollector(registry=r)
         self._window = rate_window
         self._clock = clock
         self._lock = threading.Lock()
@@ -212,8 +282,28 @@ class AgentMetrics:
             _remove(gauge, model)
         for s in MODEL_STATES:
             _remove(self.model_state, model, s)
+        for kind in SOURCE_KINDS:
+            _remove(self.model_source, model, kind)
+        for phase in SYNC_PHASES:
+            with contextlib.suppress(KeyError):
+                self.sync_phase_duration.remove(model, phase)
         with self._lock:
             self._samples.pop(model, None)
+
+    def set_source(self, model: str, kind: str) -> None:
+        """The kind of source (one of :data:`SOURCE_KINDS`) that served ``model``'s last sync."""
+        for k in SOURCE_KINDS:
+            self.model_source.labels(model, k).set(1 if k == kind else 0)
+
+    def observe_phases(self, model: str, timings: dict[str, float]) -> None:
+        """One sync's phase durations (``SyncTimings.to_json()``)."""
+        for phase in SYNC_PHASES:
+            self.sync_phase_duration.labels(model, phase).observe(timings.get(phase, 0.0))
+
+    def observe_time_to_ready(self, since: str, seconds: float) -> None:
+        """A time to ready (``since`` one of :data:`READY_SINCE`); called once per process."""
+        self.time_to_ready.labels(since).observe(seconds)
+        self.ready_after.labels(since).set(seconds)
 
     def add_bytes(self, model: str, n: int) -> None:
         second = int(self._clock())

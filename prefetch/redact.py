@@ -31,6 +31,8 @@ _SECRETS = (
     (re.compile(r"(?i)\b(bearer\s+)[A-Za-z0-9._~+/=-]{8,}"), r"\1***"),
     # Hugging Face user/org tokens
     (re.compile(r"\bhf_[A-Za-z0-9]{16,}\b"), "hf_***"),
+    # a password in a URL's user info (a proxy's http://user:password@host:3128)
+    (re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^/\s:@\"']*:)[^/\s@\"']+@"), r"\1***@"),
     # key=value / "key": "value" pairs whose key names a secret
     (
         re.compile(

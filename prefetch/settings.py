@@ -61,26 +61,97 @@ def aws_endpoint_url(environ: Mapping[str, str] | None = None) -> str | None:
     return _http_url("AWS_ENDPOINT_URL", environ)
 
 
+def aws_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The ``AWS_*`` variables, for code that must resolve S3 settings exactly as botocore reads
+    them from the environment (``sources/s3_direct.py``'s listing without a botocore client)."""
+    return {k: v for k, v in _environ(environ).items() if k.startswith("AWS_")}
+
+
 def in_kubernetes(environ: Mapping[str, str] | None = None) -> bool:
     """``KUBERNETES_SERVICE_HOST`` is set: the process runs in a pod (the node gate may work)."""
     return bool(_environ(environ).get("KUBERNETES_SERVICE_HOST"))
 
 
+def kubeconfig(environ: Mapping[str, str] | None = None) -> str | None:
+    """``KUBECONFIG`` (one path, or several joined by ``:``) for ``prefetch status``; read here
+    because the kubernetes client reads it once, when it is imported."""
+    return _environ(environ).get("KUBECONFIG") or None
+
+
+#: A per-source proxy setting that means "connect directly", whatever the environment says.
+DIRECT_WORDS = frozenset({"", "none", "direct"})
+
+
 @dataclass(frozen=True)
 class Proxies:
-    """``HTTP_PROXY``/``HTTPS_PROXY``/``NO_PROXY`` (lower case first, as curl and urllib do).
+    """``HTTP_PROXY``/``HTTPS_PROXY``/``NO_PROXY`` (lower case first, as curl and urllib do),
+    or a source's own proxy setting in place of the first two.
 
     ``by_scheme`` maps "http"/"https" to the proxy URL; ``no_proxy`` is the raw bypass list,
-    matched by :func:`urllib.request.proxy_bypass_environment`.
+    matched by :func:`no_proxy_matches`. :meth:`proxy_for` is THE routing rule every source
+    applies (the Hub's pool, its metadata client and the S3 client), so they never disagree.
     """
 
     by_scheme: Mapping[str, str]
     no_proxy: str | None = None
 
+    def proxy_for(self, url: str) -> str | None:
+        """The proxy a request for ``url`` goes through, or None for a direct connection."""
+        parts = urlsplit(url)
+        proxy = self.by_scheme.get(parts.scheme.lower())
+        if proxy is None or no_proxy_matches(parts.hostname or "", self.no_proxy or ""):
+            return None
+        return proxy
 
-def proxies(environ: Mapping[str, str] | None = None) -> Proxies:
-    """The proxies the environment names for HTTP and HTTPS, and the hosts that bypass them."""
+    def key(self) -> tuple[tuple[tuple[str, str], ...], str | None]:
+        """A hashable value equal for equal settings (to share clients between them)."""
+        return tuple(sorted(self.by_scheme.items())), self.no_proxy
+
+
+def no_proxy_matches(host: str, no_proxy: str) -> bool:
+    """Does ``NO_PROXY`` (comma-separated names, ``*`` for all) exempt ``host``? As curl and
+    urllib read it: a name matches itself and its subdomains, a leading dot is ignored."""
+    host = host.lower().rstrip(".")
+    for entry in no_proxy.split(","):
+        name = entry.strip().lstrip(".").lower()
+        if name == "*":
+            return True
+        if name and (host == name or host.endswith("." + name)):
+            return True
+    return False
+
+
+def parse_proxy(value: str, *, field: str) -> str:
+    """A source's own proxy setting: an ``http(s)://host:port`` URL, or ``""`` for direct
+    (``none`` and ``direct`` say the same). ConfigError, naming ``field``, for anything else."""
+    text = value.strip()
+    if text.lower() in DIRECT_WORDS:
+        return ""
+    parts = urlsplit(text)
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        raise ConfigError(
+            f"{field}: {value!r} is not a proxy URL like http://host:3128 (or none: direct)"
+        )
+    try:
+        parts.port  # noqa: B018 (raises on a port that is not a number)
+    except ValueError as exc:
+        raise ConfigError(f"{field}: {value!r} has an invalid port") from exc
+    return text
+
+
+def proxies(environ: Mapping[str, str] | None = None, *, override: str | None = None) -> Proxies:
+    """The proxies for HTTP and HTTPS, and the hosts that bypass them.
+
+    ``override`` is a source's own setting (see :func:`parse_proxy`): a URL replaces
+    ``HTTP(S)_PROXY`` for both schemes, ``""`` means direct; None (the default) takes the
+    environment's. ``NO_PROXY`` applies in every case, so a host it names is never proxied.
+    """
     env = _environ(environ)
+    no_proxy = (env.get("no_proxy") or env.get("NO_PROXY") or "").strip() or None
+    if override is not None:
+        override = parse_proxy(override, field="proxy")
+        by_scheme = {"http": override, "https": override} if override else {}
+        return Proxies(by_scheme=by_scheme, no_proxy=no_proxy)
     found: dict[str, str] = {}
     for scheme in ("http", "https"):
         name = f"{scheme}_proxy"
@@ -93,15 +164,17 @@ def proxies(environ: Mapping[str, str] | None = None) -> Proxies:
         if not parts.hostname:
             raise ConfigError(f"{name.upper()}: {value!r} is not a proxy URL")
         found[scheme] = value
-    no_proxy = (env.get("no_proxy") or env.get("NO_PROXY") or "").strip() or None
     return Proxies(by_scheme=found, no_proxy=no_proxy)
 
 
 __all__ = [
+    "DIRECT_WORDS",
     "Proxies",
     "aws_endpoint_url",
     "debug",
     "hf_endpoint",
     "in_kubernetes",
+    "no_proxy_matches",
+    "parse_proxy",
     "proxies",
 ]

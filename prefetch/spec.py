@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 
 from prefetch.errors import ConfigError
 from prefetch.paths import ref_name_problem
+from prefetch.settings import parse_proxy
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,254}$")
@@ -18,7 +19,10 @@ _COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
 #: The sidecar checksum file an S3 prefix may carry (sha256sum format), see README.
 SIDECAR_MANIFEST = "SHA256SUMS"
 #: The ModelSpec fields a rule's message may name (as ``{field}`` in its reason).
-SPEC_FIELDS = ("name", "source", "revision", "include", "exclude", "hf_repo", "hf_revision")
+SPEC_FIELDS = (
+    "name", "source", "revision", "include", "exclude", "hf_repo", "hf_revision", "proxy",
+    "mirrors", "hub_fallback",
+)  # fmt: skip
 
 
 class SpecError(ConfigError):
@@ -155,6 +159,15 @@ class ModelSpec:
     hf_repo: str | None = None
     #: S3 sources with hf_repo: the commit sha to publish under (default: derived from the listing).
     hf_revision: str | None = None
+    #: How to reach the source, not what the model is (so not in the agent's spec digest): an
+    #: http(s) proxy URL for every request to it, "" for direct (the config's "none"), None for
+    #: the environment's HTTP(S)_PROXY. NO_PROXY applies either way (settings.proxies).
+    proxy: str | None = None
+    #: hf:// sources: S3 mirrors (see prefetch.mirror_format) tried in order before the Hub; the
+    #: model's identity (repo id, revision, layout) stays the hf:// source.
+    mirrors: tuple[SourceURI, ...] = ()
+    #: hf:// sources with mirrors: go to the Hub when no mirror has the commit (or none answers).
+    hub_fallback: bool = True
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -178,6 +191,41 @@ class ModelSpec:
         if self.hf_revision is not None and not _COMMIT_SHA.match(self.hf_revision):
             raise SpecError(
                 "hf_revision", f"{_literal(self.hf_revision)} is not a 40-hex commit sha"
+            )
+        if self.proxy is not None:
+            self._normalize_proxy(self.proxy)
+        self._check_mirrors()
+
+    def _normalize_proxy(self, proxy: str) -> None:
+        """``proxy`` as settings.parse_proxy reads it ("none" and "direct" become "")."""
+        try:
+            value = parse_proxy(proxy, field="proxy")
+        except ConfigError as exc:
+            raise SpecError("proxy", _escape(str(exc).removeprefix("proxy: "))) from exc
+        object.__setattr__(self, "proxy", value)
+
+    def _check_mirrors(self) -> None:
+        """Mirrors are S3 prefixes in front of a Hub model, each listed once; without the Hub
+        to fall back to, at least one mirror must be given."""
+        if self.mirrors and self.source.scheme != "hf":
+            raise SpecError(
+                "mirrors",
+                "only for hf:// models (a mirror holds a Hub repo's commits); an S3 mirror "
+                "prefix can be the {source} itself",
+                cross_field=True,
+            )
+        seen: set[str] = set()
+        for mirror in self.mirrors:
+            if not isinstance(mirror, SourceURI) or mirror.scheme != "s3":
+                raise SpecError("mirrors", f"{_literal(str(mirror))} is not an s3:// URI")
+            if str(mirror) in seen:
+                raise SpecError("mirrors", f"{_literal(str(mirror))} is listed twice")
+            seen.add(str(mirror))
+        if not self.hub_fallback and not self.mirrors:
+            raise SpecError(
+                "hub_fallback",
+                "turning the Hub fallback off needs {mirrors} (else there is no source left)",
+                cross_field=True,
             )
 
     def _check_hub_fields(self) -> None:
@@ -219,11 +267,28 @@ class ModelSpec:
             )
 
     @property
+    def fetch_route(self) -> tuple[object, ...]:
+        """Where the bytes come from, as opposed to what they are: the mirrors in order, the
+        Hub fallback and the proxy. Changing it changes no content, so a cached copy stays
+        valid; the agent confirms it with the new route at once."""
+        return (tuple(str(m) for m in self.mirrors), self.hub_fallback, self.proxy)
+
+    @property
     def repo_id(self) -> str | None:
         """The Hub repo id the model is published under (None: plain layout only)."""
         if self.source.scheme == "hf":
             return self.source.location
         return self.hf_repo
+
+    def source_kind(self, served_by: str) -> str:
+        """What kind of source served a sync of this model, from the URI it names
+        (``SyncResult.served_by``): "mirror" (one of ``mirrors``), "hub" or "s3". A bounded
+        set, for metric labels."""
+        if served_by.startswith("hf://"):
+            return "hub"
+        if any(served_by == str(m) for m in self.mirrors):
+            return "mirror"
+        return "s3"
 
     def wants(self, path: str) -> bool:
         """Does the include/exclude filter keep this relative path?"""

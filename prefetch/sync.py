@@ -13,13 +13,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, overload
-
-import psutil
 
 from prefetch import verify
 from prefetch.errors import (
@@ -30,15 +30,108 @@ from prefetch.errors import (
 )
 from prefetch.layout import Layout, RecordedFile, model_lock
 from prefetch.progress import NullProgress, ProgressSink
-from prefetch.snapshot import RemoteFile, Snapshot
+from prefetch.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.sources.base import Source
 from prefetch.spec import ModelSpec
-from prefetch.transfer import Transfer, TransferConfig, TransferStats, staged_name
+from prefetch.transfer import (
+    PublishFn,
+    Transfer,
+    TransferConfig,
+    TransferStats,
+    staged_name,
+)
 from prefetch.units import format_bytes
 
 log = logging.getLogger(__name__)
 #: Kept free on the destination's filesystem beyond what a pull needs.
 SPACE_MARGIN = 64 * 1024 * 1024
+
+
+#: The phases of a sync, in order (the ``phase`` label of the phase-duration metric).
+SYNC_PHASES = ("resolve", "download", "verify", "publish")
+
+
+@dataclass
+class SyncTimings:
+    """Where a sync's wall-clock time went, phase by phase, in seconds.
+
+    The engine hashes and publishes early files while later ones still download, so the phases
+    are cut along the sync's critical path, and add up to its ``seconds`` (the agent's making
+    room between :func:`prepare` and :func:`execute` is the only time outside them):
+
+    * ``resolve``: listing the source, taking the model's lock, planning (:func:`prepare`);
+    * ``download``: from the transfer's start to the last byte received;
+    * ``verify``: after the last byte, the hashing that the download did not hide (the time
+      in that window not spent publishing);
+    * ``publish``: publishing after the last byte, plus the commit (refs, records, deletions).
+
+    So a slow disk or a CPU-bound hash shows as verify or publish time, and a slow link as
+    download time: each phase is time the operator waited for, not CPU time.
+    """
+
+    resolve: float = 0.0
+    download: float = 0.0
+    verify: float = 0.0
+    publish: float = 0.0
+
+    def to_json(self) -> dict[str, float]:
+        return {name: round(getattr(self, name), 3) for name in SYNC_PHASES}
+
+
+class _PhaseClock:
+    """Watches a transfer for :class:`SyncTimings`: it is the progress sink every chunk passes
+    through (noting when the last byte arrived, then handing on to the caller's sink) and it
+    wraps the publish callback (noting when each publish ran). Cheap enough for the per-chunk
+    path: one clock read and one attribute store per call."""
+
+    def __init__(self, progress: ProgressSink) -> None:
+        self._progress = progress
+        self.last_byte: float | None = None
+        self.publishes: list[tuple[float, float]] = []
+
+    def start(self, model: str, total_bytes: int, total_files: int) -> None:
+        self._progress.start(model, total_bytes, total_files)
+
+    def advance(self, nbytes: int) -> None:
+        self.last_byte = time.monotonic()
+        self._progress.advance(nbytes)
+
+    def file_done(self, path: str, size: int) -> None:
+        self._progress.file_done(path, size)
+
+    def retry(self, reason: str) -> None:
+        self._progress.retry(reason)
+
+    def checksum_failure(self, path: str) -> None:
+        self._progress.checksum_failure(path)
+
+    def finish(self) -> None:
+        self._progress.finish()
+
+    def publisher(self, publish: PublishFn) -> PublishFn:
+        def timed(file: RemoteFile, staged: Path, checks: tuple[Checksum, ...]) -> None:
+            began = time.monotonic()
+            try:
+                publish(file, staged, checks)
+            finally:
+                self.publishes.append((began, time.monotonic()))
+
+        return timed
+
+    def timings(self, resolve: float, began: float, ended: float, committed: float) -> SyncTimings:
+        """The phases of a transfer that ran from ``began`` to ``ended``, committed at
+        ``committed`` (monotonic clock), after ``resolve`` seconds of preparing."""
+        last_byte = min(max(self.last_byte or began, began), ended)
+        tail_publish = sum(
+            max(0.0, min(end, ended) - max(start, last_byte)) for start, end in self.publishes
+        )
+        tail_publish = min(tail_publish, ended - last_byte)
+        return SyncTimings(
+            resolve=resolve,
+            download=last_byte - began,
+            verify=ended - last_byte - tail_publish,
+            publish=tail_publish + (committed - ended),
+        )
 
 
 @dataclass
@@ -63,12 +156,16 @@ class SyncResult:
     resumed_bytes: int = 0
     seconds: float = 0.0
     up_to_date: bool = field(default=False)
+    #: The source the snapshot was resolved from: ``source`` itself, or for a Hub model with
+    #: mirrors the mirror (``s3://...``) or the Hub (``hf://org/name``) that had it.
+    served_by: str = ""
+    timings: SyncTimings = field(default_factory=SyncTimings)
 
     def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {**self.__dict__, "timings": self.timings.to_json()}
 
     def note_snapshot(self, snapshot: Snapshot, layout: Layout) -> None:
-        self.source = snapshot.source
+        self.served_by = snapshot.source
         self.revision = snapshot.revision_id
         self.path = str(layout.model_path(snapshot))
         self.files = len(snapshot.files)
@@ -109,7 +206,7 @@ def check_free_space(layout: Layout, needed: int) -> None:
     """Fail before starting when ``needed`` bytes (see :func:`bytes_needed`) cannot fit."""
     staging = layout.staging_dir()
     staging.mkdir(parents=True, exist_ok=True)
-    free = psutil.disk_usage(str(staging)).free
+    free = shutil.disk_usage(staging).free  # (stdlib: psutil costs start-up, see cli.py)
     if needed + SPACE_MARGIN > free:
         raise InsufficientSpaceError(
             f"not enough free space under {layout.root}: the pull needs "
@@ -135,6 +232,8 @@ class Plan:
     bytes_needed: int
     started: float
     _lock: contextlib.ExitStack = field(repr=False)
+    #: Seconds from ``started`` to the plan: resolving (when prepare did), the lock, planning.
+    resolve_seconds: float = 0.0
 
     @property
     def bytes_to_fetch(self) -> int:
@@ -178,7 +277,10 @@ def prepare(
         spec.name, len(todo), len(snapshot.files),
         format_bytes(sum(f.size for f in todo)), format_bytes(snapshot.total_bytes),
     )  # fmt: skip
-    return Plan(spec, source, layout, snapshot, todo, needed, started, held)
+    return Plan(
+        spec, source, layout, snapshot, todo, needed, started, held,
+        resolve_seconds=time.monotonic() - started,
+    )  # fmt: skip
 
 
 def execute(
@@ -202,18 +304,27 @@ def execute(
     result.note_snapshot(plan.snapshot, layout)
     if todo and check_space:
         check_free_space(layout, plan.bytes_needed)
-    progress.start(spec.name, plan.bytes_to_fetch, len(todo))
+    clock = _PhaseClock(progress)
+    clock.start(spec.name, plan.bytes_to_fetch, len(todo))
     transfer = Transfer(
-        plan.source, layout.staging_dir(), layout.publish, config, progress=progress, stop=stop
+        plan.source,
+        layout.staging_dir(),
+        clock.publisher(layout.publish),
+        config,
+        progress=clock,
+        stop=stop,
     )
     try:
+        began = time.monotonic()
         try:
             transfer.run(todo)
         finally:
             result.note_transfer(transfer.stats)
+        ended = time.monotonic()
         result.deleted = layout.commit(
             plan.snapshot, spec, delete=delete, superseded_grace=superseded_grace
         )
+        result.timings = clock.timings(plan.resolve_seconds, began, ended, time.monotonic())
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or isinstance(exc, PrefetchError):
             raise
@@ -255,6 +366,7 @@ def sync(
     result.note_snapshot(snapshot, layout)  # known even if the lock is not had
     with prepare(spec, source, layout, snapshot=snapshot, lock_timeout=lock_timeout) as ready:
         ready.started = t0  # the resolve counts in the sync's seconds
+        ready.resolve_seconds = time.monotonic() - t0
         return execute(
             ready,
             config,

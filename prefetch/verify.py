@@ -25,32 +25,60 @@ from __future__ import annotations
 
 import base64
 import errno
+import functools
 import hashlib
 import mmap
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
-
-from awscrt import checksums as crt
 
 from prefetch.errors import ChecksumMismatchError, ConfigError
 from prefetch.snapshot import Checksum
 
-#: awscrt's CRC functions take any buffer (bytes or a memoryview of the engine's buffer).
-_CRC: dict[
-    str, tuple[Callable[[bytes | memoryview, int], int], Callable[[int, int, int], int], int]
-] = {
-    "crc64nvme": (crt.crc64nvme, crt.combine_crc64nvme, 8),
-    "crc32c": (crt.crc32c, crt.combine_crc32c, 4),
-    "crc32": (crt.crc32, crt.combine_crc32, 4),
-}
+_CrcFunctions = tuple[Callable[[bytes | memoryview, int], int], Callable[[int, int, int], int], int]
+
+
+class _CrcTable(Mapping[str, _CrcFunctions]):
+    """algorithm -> (crc, combine, width in bytes), from awscrt, whose functions take any buffer
+    (bytes or a memoryview of the engine's buffer). awscrt is imported on first use: loading
+    its native library is ~0.07 s of every command's start-up otherwise (a no-op pull hashes
+    nothing)."""
+
+    _NAMES = ("crc64nvme", "crc32c", "crc32")
+
+    @functools.cached_property
+    def _table(self) -> dict[str, _CrcFunctions]:
+        from awscrt import checksums as crt
+
+        return {
+            "crc64nvme": (crt.crc64nvme, crt.combine_crc64nvme, 8),
+            "crc32c": (crt.crc32c, crt.combine_crc32c, 4),
+            "crc32": (crt.crc32, crt.combine_crc32, 4),
+        }
+
+    def __getitem__(self, algorithm: str) -> _CrcFunctions:
+        return self._table[algorithm]
+
+    def __contains__(self, algorithm: object) -> bool:
+        return algorithm in self._NAMES
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._NAMES)
+
+    def __len__(self) -> int:
+        return len(self._NAMES)
+
+
+_CRC = _CrcTable()
 _HASHLIB = {"sha256": hashlib.sha256, "sha1": hashlib.sha1, "md5": hashlib.md5}
 ALGORITHMS = frozenset(_CRC) | frozenset(_HASHLIB) | {"git-sha1"}
 #: Strongest first; Verify uses the first checksum of a file whose algorithm is known.
 STRENGTH = ("sha256", "sha1", "git-sha1", "crc64nvme", "crc32c", "md5", "crc32")
 #: Origins of checksums that do not come from the server that serves the bytes: always checked.
-INDEPENDENT_ORIGINS = frozenset({"sidecar"})
+#: "mirror": a mirror's metadata (prefetch.mirror_format), recorded when the blob was mirrored
+#: and checked against the Hub, so an object altered since then fails both of its checks.
+INDEPENDENT_ORIGINS = frozenset({"sidecar", "mirror"})
 READ_BUFFER = 4 * 1024 * 1024
 
 

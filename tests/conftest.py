@@ -38,12 +38,30 @@ def s3_client(s3_server: SeaweedS3):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture
-def bucket(s3_client, request: pytest.FixtureRequest) -> str:  # type: ignore[no-untyped-def]
+def bucket(s3_client, request: pytest.FixtureRequest) -> Iterator[str]:  # type: ignore[no-untyped-def]
     """A fresh, empty bucket for one test."""
     name = f"t{next(_bucket_ids)}-{os.getpid()}-{request.node.name[:30]}".lower()
     name = "".join(c if c.isalnum() or c == "-" else "-" for c in name).strip("-")[:63]
     s3_client.create_bucket(Bucket=name)
-    return name
+    yield name
+    drop_bucket(s3_client, name)
+
+
+def drop_bucket(s3_client, name: str) -> None:  # type: ignore[no-untyped-def]
+    """Empty and delete a test's bucket: SeaweedFS gives every bucket its own volumes and
+    auto-sizes their number from free disk, so a session that only ever creates buckets runs
+    out of writable volumes ("failed to find writable volumes") some hundred tests in."""
+    try:
+        uploads = s3_client.list_multipart_uploads(Bucket=name).get("Uploads", [])
+        for u in uploads:
+            s3_client.abort_multipart_upload(Bucket=name, Key=u["Key"], UploadId=u["UploadId"])
+        for page in s3_client.get_paginator("list_objects_v2").paginate(Bucket=name):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                s3_client.delete_objects(Bucket=name, Delete={"Objects": keys, "Quiet": True})
+        s3_client.delete_bucket(Bucket=name)
+    except Exception:  # best effort: a test may have deleted it, or left it unusable on purpose
+        pass
 
 
 @pytest.fixture

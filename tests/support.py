@@ -397,3 +397,61 @@ class AgentProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+# -- mirrors --------------------------------------------------------------------------------------
+
+
+def write_mirror(
+    client: Any,
+    bucket: str,
+    prefix: str,
+    hub: HubServer,
+    repo: str = HUB_REPO,
+    revision: str = "main",
+    *,
+    refs: tuple[str, ...] | None = None,
+    repo_id: str | None = None,
+) -> str:
+    """Write ``repo@revision`` as the Hub server serves it into ``s3://bucket/prefix`` in the
+    mirror format (prefetch/mirror_format.py), directly with boto3 as ``prefetch mirror`` would:
+    blobs named by Hub id, then the commit's metadata, then its refs (``refs``: default
+    ``(revision,)`` unless it is a sha). ``repo_id`` overrides the recorded repo. Returns the
+    commit sha."""
+    import base64
+    from datetime import UTC, datetime
+
+    from prefetch import verify
+    from prefetch.mirror_format import (
+        MirrorCommit,
+        MirrorFile,
+        blob_key,
+        is_commit,
+        ref_key,
+        snapshot_key,
+    )
+
+    found = hub.repos[repo].resolve(revision)
+    assert found is not None, f"{repo} has no {revision}"
+    commit = found.sha
+    files = []
+    for path, f in sorted(hub.files(repo, commit).items()):
+        data = f.read()
+        crc = verify.new_hasher("crc64nvme")
+        crc.update(data)
+        kind = "sha256" if f.sha256 is not None else "git-sha1"
+        crc64 = base64.b64encode(crc.digest()).decode()
+        files.append(MirrorFile(path, f.size, f.etag, kind, crc64))
+        put(client, bucket, blob_key(prefix, f.etag), data)
+    meta = MirrorCommit(
+        repo_id=repo_id or repo,
+        commit=commit,
+        ref=revision,
+        source=f"hf://{repo}@{revision}",
+        mirrored_at=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        files=tuple(files),
+    )
+    put(client, bucket, snapshot_key(prefix, commit), meta.to_json())
+    for ref in refs if refs is not None else (() if is_commit(revision) else (revision,)):
+        put(client, bucket, ref_key(prefix, ref), commit.encode() + b"\n")
+    return commit

@@ -68,6 +68,15 @@ def ready_label(model: str) -> str:
     return label_key(DEFAULT_LABEL_PREFIX, model)
 
 
+def gate_patches(stub: KubeStub) -> list[Any]:
+    """The node gate's PATCHes (JSON patches of labels and taints), not the progress note's."""
+    return [
+        p
+        for p in stub.requests_of("PATCH")
+        if p.path.startswith("/api/v1/nodes/") and p.content_type == "application/json-patch+json"
+    ]
+
+
 def sample(agent: Agent, name: str, **labels: str) -> float | None:
     return agent.registry.get_sample_value(name, labels)
 
@@ -335,7 +344,7 @@ def test_gate_labels_ready_models_and_lifts_the_taint_when_all_required_are_read
     # the taint went in the same patch that labelled the last required model, not before
     taint_ops = [
         (i, p.body)
-        for i, p in enumerate(stub.requests_of("PATCH"))
+        for i, p in enumerate(gate_patches(stub))
         if any(op["op"] == "remove" and op["path"].startswith("/spec/taints") for op in p.body)
     ]
     assert len(taint_ops) == 1
@@ -463,7 +472,7 @@ def test_a_changed_source_is_picked_up_on_re_resolve(
     # the model kept its label throughout: no patch ever removed it
     assert not [
         p
-        for p in stub.requests_of("PATCH")
+        for p in gate_patches(stub)
         if any(op["op"] == "remove" and "labels" in op["path"] for op in p.body)
     ]
 
@@ -516,7 +525,7 @@ def test_bit_rot_is_found_the_label_dropped_first_and_the_file_fetched_again(
     # (the observing hook bumps the node's resourceVersion, so that first patch is retried)
     removals = [
         p
-        for p in stub.requests_of("PATCH")
+        for p in gate_patches(stub)
         if p.status == 200 and any(op["op"] == "remove" and "labels" in op["path"] for op in p.body)
     ]
     assert len(removals) == 1

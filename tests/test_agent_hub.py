@@ -78,11 +78,13 @@ def test_agent_follows_a_moved_branch_and_prunes_the_old_snapshot(tmp_path: Path
                 "the old snapshot pruned once the grace is 0",
                 timeout=30,
             )
+            removed = f"removed {len(server_files(hub, 'acme/tiny', revision=sha1))} file(s)"
+            # the files go before the sync's log line is written: wait for the line, not the files
+            wait_for(lambda: removed in agent.stderr(), "the pruning sync's log line", timeout=30)
             assert agent.get("/readyz")[0] == 200
         finally:
             agent.stop()
         expected = server_files(hub, "acme/tiny", revision=sha2)
-        removed = f"removed {len(server_files(hub, 'acme/tiny', revision=sha1))} file(s)"
         blobs = {f.etag for f in hub.files("acme/tiny", sha2).values()}
     assert removed in agent.stderr()  # the sync that pruned says so
     assert [p.name for p in (repo / "snapshots").iterdir()] == [sha2]

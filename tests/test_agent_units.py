@@ -103,7 +103,8 @@ def test_metrics_sink_feeds_the_registry() -> None:
     assert value("model_prefetch_model_state", {"model": "m", "state": "syncing"}) is None
 
     names = {f.name for f in text_string_to_metric_families(generate_latest(registry).decode())}
-    assert all(n.startswith("model_prefetch_") for n in names)
+    # the agent's own, and the process collector's (process_start_time_seconds...)
+    assert all(n.startswith(("model_prefetch_", "process_")) for n in names)
     # two registries never share state (no module-level registry)
     assert CollectorRegistry().get_sample_value("model_prefetch_all_required_ready") is None
     AgentMetrics(CollectorRegistry())

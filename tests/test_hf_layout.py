@@ -124,7 +124,8 @@ def test_refs_for_tags_none_for_a_sha_and_main_for_s3_mirrors(tmp_path: Path) ->
     data = b"weights"
     f = s3_file("w.bin", data, "etag1", Checksum("crc32", "x"))
     publish(mirror, f, data)
-    mirror.commit(snap(C1, f, source="s3://bucket/m/", rev=None), SPEC, delete=False)
+    s3_spec = ModelSpec(source=parse_source_uri("s3://bucket/m/"), hf_repo="org/mirror")
+    mirror.commit(snap(C1, f, source="s3://bucket/m/", rev=None), s3_spec, delete=False)
     assert (mirror.refs / "main").read_bytes() == C1.encode()
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import builtins
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
@@ -156,3 +158,45 @@ def test_a_model_in_a_shared_cache_gets_one_safe_folder(tmp_path: Path) -> None:
     for bad in ("", ".", "..", "a/b", "/abs", "x\n"):
         with pytest.raises(LayoutError):
             model_dir(tmp_path, bad)
+
+
+def test_a_directory_where_a_file_belongs_is_refused_by_name(tmp_path: Path) -> None:
+    layout = PlainLayout(tmp_path)
+    layout.prepare()
+    (tmp_path / "sub" / "dir" / "w.bin").mkdir(parents=True)
+    f = remote("sub/dir/w.bin", b"weights")
+    with pytest.raises(LayoutError, match=r"sub/dir/w\.bin: a directory is in the way"):
+        publish(layout, f, b"weights")
+    assert (tmp_path / "sub" / "dir" / "w.bin").is_dir()
+
+
+def test_the_record_log_is_opened_once_per_commit_not_once_per_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Publishing 1000 small files is one loop on the transfer's coordinator: each system call
+    there also waits for the GIL behind the download threads, so the log stays open."""
+    opened: list[str] = []
+    real_open = os.open
+
+    def counting_open(path: object, *args: object, **kwargs: object) -> int:
+        if str(path).endswith("published.jsonl"):
+            opened.append(str(path))
+        return real_open(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    real_builtin_open = builtins.open
+
+    def counting_builtin_open(path: object, *args: object, **kwargs: object) -> object:
+        if str(path).endswith("published.jsonl"):
+            opened.append(str(path))
+        return real_builtin_open(path, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(os, "open", counting_open)
+    monkeypatch.setattr(builtins, "open", counting_builtin_open)
+    layout = PlainLayout(tmp_path)
+    files = {f"f{i}.bin": bytes([i]) * 10 for i in range(5)}
+    pull(layout, files)
+    assert len(opened) == 1
+    assert all(PlainLayout(tmp_path).is_current(remote(p, d)) for p, d in files.items())
+    pull(layout, {**files, "g.bin": b"g"})  # the next sync appends to a new log
+    assert len(opened) == 2
+    assert PlainLayout(tmp_path).is_current(remote("g.bin", b"g"))

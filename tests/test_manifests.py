@@ -59,6 +59,8 @@ def test_there_are_manifests() -> None:
         "ScaledObject",
         "NodePool",
         "EC2NodeClass",
+        "Job",
+        "CronJob",
     }
     assert expected <= kinds, f"missing kinds: {expected - kinds}"
 
@@ -144,11 +146,17 @@ def test_kustomize_daemonset_carries_models_yaml_unchanged() -> None:
     volume = next(v for v in mu.pod_spec(daemonset)["volumes"] if "configMap" in v)
     cm = next(c for c in configmaps if mu.name(c) == volume["configMap"]["name"])
     assert cm["data"]["models.yaml"] == MODELS_FILE.read_text(encoding="utf-8")
-    assert all(
-        d["metadata"].get("namespace") == "model-prefetch"
+    # every namespaced object in the agent's namespace, but the events Role and its binding,
+    # which kustomize must leave in "default" (where Events about a Node live)
+    namespaces = {
+        (d["kind"], d["metadata"].get("namespace"))
         for d in docs
         if d["kind"] not in ("Namespace", "ClusterRole", "ClusterRoleBinding")
-    )
+    }
+    assert {ns for kind, ns in namespaces if kind not in ("Role", "RoleBinding")} == {
+        "model-prefetch"
+    }
+    assert {ns for kind, ns in namespaces if kind in ("Role", "RoleBinding")} == {"default"}
 
 
 # -- the agent's config, as the agent reads it ---------------------------------------------------
@@ -401,7 +409,7 @@ def test_agent_port_and_probes_match_the_agent() -> None:
 def _agent_command() -> click.Command:
     from prefetch import cli
 
-    command = cli.main.commands.get("agent")
+    command = cli.main.get_command(click.Context(cli.main), "agent")
     assert command is not None, "the `agent` command is not registered in prefetch.cli"
     return command
 
@@ -472,20 +480,33 @@ def test_credentials_come_from_an_optional_secret() -> None:
     assert all(e.get("value") is None for e in c["env"] if e["name"] in refs)
 
 
-def test_rbac_is_nodes_get_and_patch_only() -> None:
+def test_rbac_is_nodes_get_and_patch_and_events_create_and_patch_in_default_only() -> None:
+    """The agent's whole API surface (tests/test_events.py checks a run uses exactly this)."""
     role = mu.one("ClusterRole")
     assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
-    assert not mu.find("Role") and not mu.find("RoleBinding")
-    binding = mu.one("ClusterRoleBinding")
-    daemonset = mu.one("DaemonSet")
-    assert binding["roleRef"]["name"] == mu.name(role)
-    assert binding["subjects"] == [
-        {
-            "kind": "ServiceAccount",
-            "name": mu.pod_spec(daemonset)["serviceAccountName"],
-            "namespace": daemonset["metadata"]["namespace"],
-        }
+    events_role = mu.one("Role", under="daemonset")
+    # Events about a Node must live in "default": the only grant outside the cluster role
+    assert events_role["metadata"]["namespace"] == "default"
+    assert events_role["rules"] == [
+        {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]}
     ]
+    daemonset = mu.one("DaemonSet")
+    agent = {
+        "kind": "ServiceAccount",
+        "name": mu.pod_spec(daemonset)["serviceAccountName"],
+        "namespace": daemonset["metadata"]["namespace"],
+    }
+    binding = mu.one("ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == mu.name(role)
+    assert binding["subjects"] == [agent]
+    events_binding = mu.one("RoleBinding", under="daemonset")
+    assert events_binding["metadata"]["namespace"] == "default"
+    assert events_binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": mu.name(events_role),
+    }
+    assert events_binding["subjects"] == [agent]
 
 
 # -- vLLM ----------------------------------------------------------------------------------------

@@ -511,6 +511,7 @@ def test_public_api() -> None:
         "READY_VALUE",
         "in_cluster_gate",
         "label_key",
+        "parse_timestamp",
     ]
 
 

@@ -144,29 +144,29 @@ def test_single_part_additional_checksums(s3_client, bucket, tmp_path, algorithm
     assert (tmp_path / "d/w.bin").read_bytes() == data
 
 
-def test_small_objects_cost_one_request_each(s3_client, bucket, tmp_path):
+def proxied_client(s3_server: Any, proxy: S3FaultProxy) -> Any:
+    """A client of the local server that sends every request through ``proxy``."""
+    return make_s3_client(endpoint_url=proxy.endpoint, access_key=s3_server.access_key,
+                          secret_key=s3_server.secret_key)  # fmt: skip
+
+
+def test_small_objects_cost_one_request_each(s3_server, s3_client, bucket, tmp_path):
     """Objects up to 1 MiB are described by one GET (checksum headers included) whose body is kept
-    for the download: no HEAD, no second GET; larger ones get a HEAD and ranged GETs."""
+    for the download: no HEAD, no second GET; larger ones get a HEAD and ranged GETs. Counted
+    where the requests arrive, whichever path sent them."""
     small = {f"m/s{i}.json": os.urandom(1000 * (i + 1)) for i in range(3)}
     for key, data in small.items():
         put(s3_client, bucket, key, data, ChecksumAlgorithm="SHA256")
     large = os.urandom(3 * MiB)
     put(s3_client, bucket, "m/large.bin", large, ChecksumAlgorithm="CRC32C")
-    calls: list[tuple[str, str]] = []
-
-    def record(params: dict[str, Any], model: Any, **_: Any) -> None:
-        calls.append((model.name, params.get("Key", "")))
-
-    s3_client.meta.events.register("provide-client-params.s3.*", record)
-    try:
-        result = pull(s3_client, f"s3://{bucket}/m", tmp_path / "d")
-    finally:
-        s3_client.meta.events.unregister("provide-client-params.s3.*", record)
+    with S3FaultProxy(s3_server.endpoint) as proxy:
+        result = pull(proxied_client(s3_server, proxy), f"s3://{bucket}/m", tmp_path / "d")
+    calls = [(method, key) for method, key, _ in proxy.requests]
     assert result.files_verified == 4
     for key, data in small.items():
-        assert [op for op, k in calls if k == key] == ["GetObject"], key
+        assert [method for method, k in calls if k == key] == ["GET"], key
         assert (tmp_path / "d" / key.removeprefix("m/")).read_bytes() == data
-    assert [op for op, k in calls if k == "m/large.bin"].count("HeadObject") == 1
+    assert [method for method, k in calls if k == "m/large.bin"].count("HEAD") == 1
     assert (tmp_path / "d/large.bin").read_bytes() == large
 
 
@@ -180,6 +180,29 @@ def test_multipart_crc64nvme_full_object(s3_client, bucket, tmp_path):
     result = pull(s3_client, f"s3://{bucket}/m", tmp_path / "d")
     assert result.checksum_algorithms == {"crc64nvme": 1}
     assert (tmp_path / "d/w.bin").read_bytes() == data
+
+
+def test_a_full_object_checksum_needs_no_part_layout_request(
+    s3_server, s3_client, bucket, tmp_path
+):
+    """The part sizes of a multipart object (a HEAD ?partNumber=1) are asked for only when a
+    check needs them: a composite checksum does, a FULL_OBJECT CRC64NVME (checked instead of
+    the multipart ETag) does not."""
+    full, composite = os.urandom(11 * MiB + 123), os.urandom(11 * MiB + 1)
+    put_multipart(s3_client, bucket, "m/full.bin", full, 5 * MiB, ChecksumAlgorithm="CRC64NVME",
+                  ChecksumType="FULL_OBJECT")  # fmt: skip
+    put_multipart(s3_client, bucket, "m/composite.bin", composite, 5 * MiB,
+                  ChecksumAlgorithm="SHA256")  # fmt: skip
+    with S3FaultProxy(s3_server.endpoint) as proxy:
+        result = pull(proxied_client(s3_server, proxy), f"s3://{bucket}/m", tmp_path / "d")
+    heads = {
+        key: [query for method, k, query in proxy.requests if method == "HEAD" and k == key]
+        for key in ("m/full.bin", "m/composite.bin")
+    }
+    assert heads == {"m/full.bin": [""], "m/composite.bin": ["", "partNumber=1"]}
+    assert result.checksum_algorithms == {"crc64nvme": 1, "sha256": 1}
+    assert (tmp_path / "d/full.bin").read_bytes() == full
+    assert (tmp_path / "d/composite.bin").read_bytes() == composite
 
 
 def test_multipart_sha256_composite(s3_client, bucket, tmp_path):
@@ -285,34 +308,15 @@ def test_connection_cut_mid_body_is_retried_from_the_last_byte(s3_server, s3_cli
     assert result.bytes_downloaded == len(data)
 
 
-def test_throttling_and_5xx_are_retried_with_backoff(s3_client, bucket, tmp_path):
-    from botocore.awsrequest import AWSResponse
-
+def test_throttling_and_5xx_are_retried_with_backoff(s3_server, s3_client, bucket, tmp_path):
     data = os.urandom(2 * MiB + 1)
     put(s3_client, bucket, "m/w.bin", data)
-    failures = {"left": 4}
-    lock = threading.Lock()
-
-    class Raw:
-        def stream(self, **kw: Any):  # type: ignore[no-untyped-def]
-            yield b""
-
-    def inject(request, **kwargs):  # type: ignore[no-untyped-def]
-        if request.method != "GET" or "Range" not in request.headers:
-            return None
-        with lock:
-            if failures["left"] <= 0:
-                return None
-            failures["left"] -= 1
-            code = 503 if failures["left"] % 2 else 500
-        body = b"<Error><Code>SlowDown</Code><Message>Reduce your request rate</Message></Error>"
-        resp = AWSResponse(request.url, code, {"Content-Type": "application/xml"}, Raw())
-        resp._content = body  # type: ignore[attr-defined]
-        return resp
-
-    s3_client.meta.events.register("before-send.s3.GetObject", inject)
-    result = pull(s3_client, f"s3://{bucket}/m", tmp_path / "d")
-    assert failures["left"] == 0 and result.retries == 4
+    with S3FaultProxy(s3_server.endpoint) as proxy:
+        proxy.faults.refuse_key = "m/w.bin"
+        proxy.faults.refuse_statuses = (503, 500)  # SlowDown, InternalError
+        proxy.faults.refuse_times = 4
+        result = pull(proxied_client(s3_server, proxy), f"s3://{bucket}/m", tmp_path / "d")
+    assert proxy.faults.refuse_times == 0 and result.retries == 4
     assert (tmp_path / "d/w.bin").read_bytes() == data
 
 

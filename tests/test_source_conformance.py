@@ -20,6 +20,8 @@ on the wire); the Hub case from :class:`tests.fakes.hubserver.HubServer` and its
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -32,18 +34,21 @@ import urllib3
 from prefetch.errors import ChecksumMismatchError, SourceChangedError, SourceError
 from prefetch.layout import PlainLayout
 from prefetch.layout.hf import HfCacheLayout
+from prefetch.mirror_format import MirrorCommit, MirrorFile, blob_key, ref_key, snapshot_key
 from prefetch.modelgen import GeneratedFile, make_model_dir, random_bytes, upload_model
 from prefetch.progress import NullProgress
 from prefetch.retry import RetryPolicy
+from prefetch.sources import open_source
 from prefetch.sources.hf import HubOptions, open_hub_source
 from prefetch.sources.s3 import S3Source, make_s3_client
 from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.sync import SyncResult, sync
 from prefetch.transfer import Cancelled, TransferConfig
+from prefetch.verify import new_hasher
 
-from .fakes.hubserver import HubServer
+from .fakes.hubserver import HubFile, HubServer
 from .fakes.s3proxy import S3FaultProxy
-from .support import journaled_bytes
+from .support import journaled_bytes, put
 
 MiB = 1024 * 1024
 SHARD = "model.safetensors"
@@ -265,7 +270,67 @@ class HubCase(SourceCase):
         )
 
 
-CASES = ["s3", "hub"]
+class MirrorCase(S3Case):
+    """A Hub repo's S3 mirror (prefetch/mirror_format.py) in SeaweedFS, through the same fault
+    proxy, pulled as ``hf://`` with the mirror and no Hub fallback. A replaced file is a new
+    commit on ``main``: a new blob, its metadata, the ref moved (the old blob stays)."""
+
+    id = "mirror"
+    repo = "acme/conform"
+    prefix = "mirror/"
+
+    def __init__(self, model: dict[str, Path], s3_server: Any, client: Any, bucket: str) -> None:
+        SourceCase.__init__(self, model)
+        self.client, self.bucket = client, bucket
+        self.files = {rel: HubFile.from_path(rel, p) for rel, p in model.items()}
+        self.commit(self.files)
+        self.proxy = S3FaultProxy(s3_server.endpoint).__enter__()
+        self.proxy_client = make_s3_client(
+            endpoint_url=self.proxy.endpoint,
+            access_key=s3_server.access_key,
+            secret_key=s3_server.secret_key,
+        )
+
+    def commit(self, files: dict[str, HubFile]) -> None:
+        """Mirror ``files`` as one new commit of ``main``, in the order ``prefetch mirror``
+        writes: blobs, the commit's metadata, the ref."""
+        entries = []
+        for rel, f in sorted(files.items()):
+            data = f.read()
+            crc = new_hasher("crc64nvme")
+            crc.update(data)
+            kind = "sha256" if f.sha256 is not None else "git-sha1"
+            crc64 = base64.b64encode(crc.digest()).decode()
+            entries.append(MirrorFile(rel, f.size, f.etag, kind, crc64))
+            put(self.client, self.bucket, blob_key(self.prefix, f.etag), data)
+        sha = hashlib.sha1(repr(entries).encode()).hexdigest()
+        meta = MirrorCommit(self.repo, sha, "main", f"hf://{self.repo}", "2026-01-01T00:00:00Z",
+                            tuple(entries))  # fmt: skip
+        put(self.client, self.bucket, snapshot_key(self.prefix, sha), meta.to_json())
+        put(self.client, self.bucket, ref_key(self.prefix, "main"), sha.encode())
+
+    def key(self, path: str) -> str:
+        return blob_key(self.prefix, self.files[path].etag)
+
+    def replace(self, path: str, data: bytes) -> None:
+        self.files = {**self.files, path: HubFile.from_bytes(path, data)}
+        self.commit(self.files)
+
+    def pull(self, dest, config=CONFIG, *, progress=None, stop=None):  # type: ignore[no-untyped-def]
+        spec = ModelSpec(
+            source=parse_source_uri(f"hf://{self.repo}"),
+            mirrors=(parse_source_uri(f"s3://{self.bucket}/{self.prefix}"),),
+            hub_fallback=False,
+        )
+        source = open_source(spec, s3_client=self.proxy_client)
+        layout = HfCacheLayout(dest, self.repo)
+        return sync(spec, source, layout, config, progress=progress, stop=stop)
+
+    published = HubCase.published
+    partial_dir = HubCase.partial_dir
+
+
+CASES = ["s3", "hub", "mirror"]
 
 
 @pytest.fixture(scope="module")
@@ -276,10 +341,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(params=CASES)
 def case(request: pytest.FixtureRequest, model: dict[str, Path]) -> Iterator[SourceCase]:
     made: S3Case | HubCase
-    if request.param == "s3":
+    if request.param in ("s3", "mirror"):
         server = request.getfixturevalue("s3_server")
         client = request.getfixturevalue("s3_client")
-        made = S3Case(model, server, client, request.getfixturevalue("bucket"))
+        kind = S3Case if request.param == "s3" else MirrorCase
+        made = kind(model, server, client, request.getfixturevalue("bucket"))
     else:
         made = HubCase(model)
     try:

@@ -3,6 +3,9 @@ against an in-memory source and a real PlainLayout on disk."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -189,3 +192,60 @@ def test_sync_still_runs_both_phases_and_honours_stop(tmp_path: Path, stop_set: 
     else:
         result = sync(SPEC, source, layout, TransferConfig(), stop=stop)
         assert result.revision == "rev-1" and result.files_downloaded == len(FILES)
+
+
+# -- crash safety of publishing ------------------------------------------------------------------
+
+_KILLED_AT_THE_RECORD = """
+import os, signal, sys
+from pathlib import Path
+from prefetch.layout import PlainLayout
+from prefetch.layout.base import RecordBook
+from prefetch.spec import ModelSpec, parse_source_uri
+from prefetch.sync import sync
+from prefetch.transfer import TransferConfig
+from tests.fakes.memory import MemorySource
+
+objects = {f"f{i:02d}.bin": bytes([i]) * (1000 + i) for i in range(40)}
+appended = []
+real_append = RecordBook.append
+
+def append_then_die(self, key, entry):
+    if len(appended) == 10:  # the 11th file is renamed into place, its record not written
+        os.kill(os.getpid(), signal.SIGKILL)
+    appended.append(key)
+    real_append(self, key, entry)
+
+RecordBook.append = append_then_die
+spec = ModelSpec(source=parse_source_uri("s3://bucket/model"), name="model")
+sync(spec, MemorySource(objects), PlainLayout(Path(sys.argv[1])), TransferConfig(concurrency=4))
+"""
+
+
+def test_a_pull_killed_between_a_files_rename_and_its_record_leaves_only_whole_files(
+    tmp_path: Path,
+) -> None:
+    """kill -9 while small files publish: every file at its final path is whole (written and
+    fsynced before the rename), the records name only published files, and the next pull
+    fetches exactly the files without a record and ends with every file verified."""
+    dest = tmp_path / "dest"
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_AT_THE_RECORD, str(dest)],
+        capture_output=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    objects = {f"f{i:02d}.bin": bytes([i]) * (1000 + i) for i in range(40)}
+    on_disk = {p.name: p.read_bytes() for p in dest.glob("f*.bin")}
+    assert len(on_disk) == 11 and all(objects[name] == data for name, data in on_disk.items())
+    layout = PlainLayout(dest)
+    recorded = set(layout.book.load()["entries"])
+    assert len(recorded) == 10 and recorded < set(on_disk)
+
+    source = MemorySource(objects)
+    result = sync(SPEC, source, PlainLayout(dest), TransferConfig(concurrency=4))
+    assert result.files_downloaded == 30 and sorted(set(source.opened)) == sorted(
+        set(objects) - recorded
+    )
+    report = verify_local(PlainLayout(dest))
+    assert report.ok and {p.name: p.read_bytes() for p in dest.glob("f*.bin")} == objects

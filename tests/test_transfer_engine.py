@@ -12,6 +12,7 @@ import fcntl
 import hashlib
 import itertools
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -328,3 +329,89 @@ def test_a_one_chunk_file_is_hashed_as_it_arrives_and_keeps_no_journal(tmp_path:
         )
     (journal,) = (tmp_path / "st4").glob("*.journal")
     assert len(journal.read_text().splitlines()) == 2  # the header and the one finished chunk
+
+
+def test_a_small_file_is_created_written_and_fsynced_by_a_worker_not_the_coordinator(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file of one chunk is one io task (fetch, write, hash, fsync): the coordinator, whose
+    every system call also waits for the GIL behind the download threads, only checks and
+    publishes. Its partial file is durable before it is published."""
+    events: list[tuple[str, str, str]] = []  # (call, thread, path or fd)
+    real_open, real_fsync, real_fallocate = os.open, os.fsync, os.posix_fallocate
+    names: dict[int, str] = {}
+
+    def spy_open(path: object, *args: object, **kwargs: object) -> int:
+        fd = real_open(path, *args, **kwargs)  # type: ignore[arg-type]
+        names[fd] = str(path)
+        if str(path).endswith(".incomplete"):
+            events.append(("open", threading.current_thread().name, str(path)))
+        return fd
+
+    def spy_fsync(fd: int) -> None:
+        real_fsync(fd)
+        events.append(("fsync", threading.current_thread().name, names.get(fd, "")))
+
+    def spy_fallocate(fd: int, offset: int, length: int) -> None:
+        events.append(("fallocate", threading.current_thread().name, names.get(fd, "")))
+        real_fallocate(fd, offset, length)
+
+    monkeypatch.setattr(os, "open", spy_open)
+    monkeypatch.setattr(os, "fsync", spy_fsync)
+    monkeypatch.setattr(os, "posix_fallocate", spy_fallocate)
+    objects = {f"f{i}.json": os.urandom(3000 + i) for i in range(20)}
+    published: list[tuple[str, bool]] = []
+    dest = tmp_path / "out"
+
+    def publish(file: RemoteFile, staged: Path, checks: tuple[Checksum, ...]) -> None:
+        synced = ("fsync", str(staged)) in {(call, path) for call, _, path in events}
+        published.append((file.path, synced and bool(checks)))
+        dest.mkdir(exist_ok=True)
+        os.replace(staged, dest / file.path)
+
+    cfg = TransferConfig(concurrency=4, buffer_size=256 * KiB, retry=NO_RETRY)
+    files = [sha256_file(p, d) for p, d in objects.items()]
+    Transfer(MemorySource(objects), tmp_path / "st", publish, cfg).run(files)
+    assert {(dest / p).read_bytes() == d for p, d in objects.items()} == {True}
+    assert sorted(published) == sorted((p, True) for p in objects)  # fsynced, then published
+    assert [e for e in events if e[0] == "fallocate"] == []  # one write: nothing to preallocate
+    assert {thread for call, thread, _ in events} <= {f"prefetch-io_{i}" for i in range(4)}
+
+
+def test_a_small_file_with_one_corrupt_byte_is_fetched_again_then_refused_unpublished(
+    tmp_path: Path,
+) -> None:
+    data = os.urandom(100 * KiB)
+    file = sha256_file("small.bin", data)
+    corrupt = bytearray(data)
+    corrupt[len(data) // 2] ^= 0x01
+    source = MemorySource({file.path: bytes(corrupt)})
+    with pytest.raises(ChecksumMismatchError, match=r"small\.bin"):
+        run(source, [file], tmp_path / "st", tmp_path / "out")
+    assert source.opened == ["small.bin", "small.bin"]  # deleted, fetched once more, refused
+    assert not (tmp_path / "out").exists()
+    assert list((tmp_path / "st").iterdir()) == []  # nothing left that looks resumable
+
+
+def test_a_journal_left_by_an_earlier_plan_goes_when_the_file_now_fits_one_write(
+    tmp_path: Path,
+) -> None:
+    """Pulled before with 64 KiB pieces and killed, now with the default 8 MiB: the file is
+    fetched whole and the old journal (which no longer applies) is removed with it."""
+    data = os.urandom(200 * KiB)
+    file = sha256_file("w.bin", data)
+    staging = tmp_path / "st"
+    with pytest.raises(SourceError):
+        run(
+            MemorySource({file.path: data}, fail_after=100 * KiB),
+            [file],
+            staging,
+            tmp_path / "out",
+            chunk_size=64 * KiB,
+            piece_size=64 * KiB,
+            buffer_size=64 * KiB,
+        )
+    assert list(staging.glob("*.journal"))
+    run(MemorySource({file.path: data}), [file], staging, tmp_path / "out")
+    assert (tmp_path / "out" / "w.bin").read_bytes() == data
+    assert list(staging.iterdir()) == []

@@ -57,7 +57,7 @@ _cache_dir_option = click.option(
     default=None,
     show_envvar=True,
     help="This node's name (downward API spec.nodeName); without it, or outside a "
-    "cluster, node labels and the startup taint are left alone.",
+    "cluster, node labels and the startup taint are left alone and no Events are written.",
 )
 @_cache_dir_option
 @click.option(
@@ -91,6 +91,7 @@ def agent_cmd(
     Serves /healthz, /readyz and /metrics; reloads the config file when it changes; on SIGTERM
     stops downloads resumably and exits 0.
     """
+    from prefetch.agent.events import in_cluster_events
     from prefetch.agent.reconcile import Agent
     from prefetch.logjson import setup_logging
 
@@ -104,6 +105,7 @@ def agent_cmd(
         cache_dir=Path(cache_dir) if cache_dir else None,
         listen=listen,
         gate_factory=_cluster_gate_factory(node_name),
+        event_sink=in_cluster_events(node_name),
         handle_signals=True,
         exit_on_stuck=True,
     )
@@ -240,3 +242,53 @@ def gc_cmd(
     else:
         verb = "would free" if dry_run else "freed"
         click.echo(f"{len(evicted)} model(s), {verb} {format_bytes(freed)}")
+
+
+@click.command("status")
+@click.option(
+    "--kubeconfig",
+    default=None,
+    help="The kubeconfig file [default: KUBECONFIG, else ~/.kube/config].",
+)
+@click.option("--context", default=None, help="The kubeconfig context [default: its current].")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Choice(["table", "json"]),
+    default="table",
+    show_default=True,
+    help="A table for people, or one JSON document on stdout.",
+)
+@click.option(
+    "-l",
+    "--selector",
+    default=None,
+    help="Only nodes with these labels, e.g. karpenter.sh/nodepool=gpu (as kubectl -l).",
+)
+def status_cmd(
+    kubeconfig: str | None, context: str | None, output: str, selector: str | None
+) -> None:
+    """Show each node's model warm-up: phase, progress, rate, ETA, ready labels, startup taint.
+
+    Reads the Nodes with your kubeconfig (the agent's progress annotation and the node's labels
+    and taint); needs only 'list nodes'. Nodes without an agent report are listed as such.
+    """
+    from prefetch.agent.node_report import cluster_api, list_nodes, node_report, table
+
+    api = cluster_api(kubeconfig, context)
+    try:
+        nodes = list_nodes(api, selector)
+    finally:
+        api.api_client.close()
+    now = time.time()
+    reports = [node_report(n, now) for n in nodes]
+    if output == "json":
+        without = sum(1 for r in reports if r.problem is not None)
+        document = {"nodes": [r.to_json() for r in reports], "nodes_without_report": without}
+        click.echo(json.dumps(document, sort_keys=True))
+        return
+    if not reports:
+        click.echo("no nodes" + (f" match {selector!r}" if selector else ""), err=True)
+        return
+    for line in table(reports):
+        click.echo(line)

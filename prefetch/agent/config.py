@@ -26,6 +26,10 @@
         required: true                    # gates /readyz and the startup taint
         hfRepo: org/name                  # s3 only: publish in the HF layout under this id
         pin: false                        # never evicted, even after leaving the config
+        proxy: http://proxy:3128          # this model's sources through this proxy ("none":
+                                          # direct); default HTTP(S)_PROXY; NO_PROXY applies
+        mirrors: [s3://bucket/hf/org/name/]   # hf only: `prefetch mirror` prefixes tried first,
+        hubFallback: true                 # in order; then the Hub unless this is false
 
 One model per Hub repo: two models that publish into the same ``hub/models--org--name`` (two
 ``hf://`` sources of one repo, whatever their revisions, or an S3 mirror whose ``hfRepo`` is
@@ -51,7 +55,7 @@ import yaml
 from prefetch.constants import DEFAULT_LABEL_PREFIX, DEFAULT_LISTEN, DEFAULT_STARTUP_TAINT_KEY
 from prefetch.errors import ConfigError
 from prefetch.retry import RetryPolicy
-from prefetch.spec import ModelSpec, SpecError, parse_source_uri, validate_name
+from prefetch.spec import ModelSpec, SourceURI, SpecError, parse_source_uri, validate_name
 from prefetch.transfer import TransferConfig
 from prefetch.units import parse_duration, parse_size
 
@@ -79,12 +83,15 @@ _TOP_KEYS = (
     "s3",
     "models",
 )
-_MODEL_KEYS = ("name", "source", "revision", "include", "exclude", "required", "hfRepo", "pin")
+_MODEL_KEYS = (
+    "name", "source", "revision", "include", "exclude", "required", "hfRepo", "pin", "proxy",
+    "mirrors", "hubFallback",
+)  # fmt: skip
 _BACKOFF_KEYS = ("initial", "max")
 _S3_KEYS = ("endpointUrl",)
 _SHA = re.compile(r"^[0-9a-f]{40}$")
 #: The keys of a model in the file, by the ModelSpec field each sets (the others match).
-_SPEC_KEYS = {"hf_repo": "hfRepo", "hf_revision": "revision"}
+_SPEC_KEYS = {"hf_repo": "hfRepo", "hf_revision": "revision", "hub_fallback": "hubFallback"}
 _LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 T = TypeVar("T")
@@ -203,7 +210,11 @@ def parse_listen(value: str, *, field_name: str = "listen") -> tuple[str, int]:
 
 
 def spec_digest(spec: ModelSpec) -> str:
-    """What decides a model's content: a changed digest means the cached copy is not it."""
+    """What decides a model's content: a changed digest means the cached copy is not it.
+
+    Where the bytes come from (``spec.fetch_route``: mirrors, Hub fallback, proxy) is not
+    content: a mirror serves the Hub's commit, checked against the Hub's ids, so adding or
+    reordering mirrors keeps the copy ready (the agent confirms it with the new sources)."""
     text = "\0".join(
         [
             str(spec.source),
@@ -428,9 +439,40 @@ def _model(value: Any, where: str) -> ModelSpec:
             pin=_get(m, "pin", where, _bool, False),
             hf_repo=hf_repo,
             hf_revision=hf_revision,
+            proxy=_get(m, "proxy", where, _proxy, None),
+            mirrors=_get(m, "mirrors", where, _mirrors, ()),
+            hub_fallback=_get(m, "hubFallback", where, _bool, True),
         )
     except SpecError as exc:
         raise ConfigError(exc.render(_SPEC_KEYS, prefix=f"{where}."), hint=exc.hint) from exc
+
+
+def _proxy(value: Any, path: str) -> str | None:
+    """A model's ``proxy``: a URL, or ``none``/"" for direct; null: the environment's."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(f"{path}: expected a proxy URL or none, got {_kind(value)}")
+    return value
+
+
+def _mirrors(value: Any, path: str) -> tuple[SourceURI, ...]:
+    """A model's ``mirrors``: a list of s3:// URIs (one string: a list of one)."""
+    if isinstance(value, str):
+        value = [value]
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ConfigError(f"{path}: expected a list of s3:// URIs, got {_kind(value)}")
+    return tuple(_source_uri(v, f"{path}[{i}]") for i, v in enumerate(value))
+
+
+def _source_uri(value: Any, path: str) -> SourceURI:
+    try:
+        return parse_source_uri(_str(value, path))
+    except ConfigError as exc:
+        message = str(exc)
+        raise ConfigError(message if message.startswith(path) else f"{path}: {message}") from exc
 
 
 def _s3(value: Any, path: str) -> str | None:

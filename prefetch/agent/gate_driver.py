@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
 
 from prefetch.agent.config import AgentConfig
+from prefetch.agent.events import EventRecorder, gate_opened
 from prefetch.logjson import scrub
 from prefetch.metrics import AgentMetrics
 
@@ -46,10 +47,21 @@ ReadyState = Callable[[], tuple[tuple[str, ...], bool]]
 class GateDriver:
     """Applies the ready set to the node gate, rate-limited, retried after errors."""
 
-    def __init__(self, factory: GateFactory, metrics: AgentMetrics, read_state: ReadyState) -> None:
+    def __init__(
+        self,
+        factory: GateFactory,
+        metrics: AgentMetrics,
+        read_state: ReadyState,
+        events: EventRecorder | None = None,
+    ) -> None:
         self._factory = factory
         self._metrics = metrics
         self._read_state = read_state
+        self._events = events
+        self._taint = ""
+        #: The gate is open: every required model's readiness reached the node (NodeGateOpened
+        #: was told); it closes again when a required model leaves the ready set.
+        self._opened = False
         self._gate: NodeGateLike | None = None
         self._lock = asyncio.Lock()
         self._applied: tuple[tuple[str, ...], bool] | None = None
@@ -61,9 +73,16 @@ class GateDriver:
     def enabled(self) -> bool:
         return self._gate is not None
 
+    @property
+    def gate(self) -> NodeGateLike | None:
+        """The gate in use now (the progress note and the ready clock write and read the node
+        through it when it can), or None."""
+        return self._gate
+
     def open(self, config: AgentConfig) -> None:
         """Build the gate for ``config`` (at start-up)."""
         self._gate = self._factory(config)
+        self._taint = config.startup_taint
 
     async def apply(self, *, force: bool = False) -> None:
         """Apply the current ready set, unless it was applied recently (``force`` applies now)."""
@@ -80,7 +99,7 @@ class GateDriver:
             gate = self._gate
             ready, all_required = key
             try:
-                await asyncio.to_thread(gate.apply, list(ready), all_required)
+                result = await asyncio.to_thread(gate.apply, list(ready), all_required)
             except Exception as exc:
                 self._metrics.gate_errors.inc()
                 self.last_error = scrub(str(exc))
@@ -94,6 +113,20 @@ class GateDriver:
             self.last_error = None
             self._applied = key
             self._applied_at = now
+            self._tell(
+                ready, all_required, taint_removed=bool(getattr(result, "taint_removed", False))
+            )
+
+    def _tell(self, ready: tuple[str, ...], all_required: bool, *, taint_removed: bool) -> None:
+        """NodeGateOpened once each time the node's gate opens (all required models ready)."""
+        if not all_required:
+            self._opened = False
+            return
+        if self._opened:
+            return
+        self._opened = True
+        if self._events is not None:
+            self._events.emit(gate_opened(ready, self._taint, taint_removed=taint_removed))
 
     async def replace(self, config: AgentConfig) -> None:
         """The label prefix or taint changed: take our labels off under the old prefix (the
@@ -105,4 +138,5 @@ class GateDriver:
             except Exception as exc:
                 log.warning("could not remove the labels under the old prefix: %s", exc)
         self._gate = self._factory(config)
+        self._taint = config.startup_taint
         self._applied = None

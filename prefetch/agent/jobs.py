@@ -22,11 +22,20 @@ import time
 from collections.abc import Callable, Coroutine
 
 from prefetch.agent.config import AgentConfig
+from prefetch.agent.events import (
+    EventRecorder,
+    WarmingStory,
+    checksum_failed,
+    model_ready,
+    reverify_failed,
+    sync_failed,
+)
 from prefetch.agent.gate_driver import GateDriver
 from prefetch.agent.scheduler import ModelState, Scheduler
 from prefetch.agent.space import SpaceManager
-from prefetch.errors import PrefetchError
+from prefetch.errors import ChecksumMismatchError, PrefetchError
 from prefetch.layout import Layout
+from prefetch.logjson import scrub, sync_context
 from prefetch.metrics import AgentMetrics
 from prefetch.sources.base import Source
 from prefetch.spec import ModelSpec
@@ -75,6 +84,10 @@ class JobParts:
     usage_changed: Callable[[], None]
     #: The agent's loop, for the steps a worker thread must run there.
     loop: asyncio.AbstractEventLoop
+    #: The node's story: Kubernetes Events and their JSON log lines.
+    events: EventRecorder
+    #: Tells WarmingStarted once the syncs that begin warming have resolved their models.
+    warming: WarmingStory
 
     def in_loop(self, coro: Coroutine[object, object, None]) -> None:
         """From a worker thread: run ``coro`` on the loop and wait for it."""
@@ -100,10 +113,15 @@ class SyncJob:
         self._parts = parts
 
     async def run(self, ms: ModelState, stop: threading.Event) -> None:
+        # one id for every line of this attempt, also from its worker threads
+        with sync_context():
+            await self._run(ms, stop)
+
+    async def _run(self, ms: ModelState, stop: threading.Event) -> None:
         parts = self._parts
         spec, config = ms.spec, parts.config()
         try:
-            result = await asyncio.to_thread(self._blocking, ms, config, stop)
+            result = await asyncio.to_thread(self._settled_after, ms, config, stop)
         except Cancelled:
             log.info(
                 "%s: sync stopped; the partial download resumes next time",
@@ -125,6 +143,16 @@ class SyncJob:
             parts.usage_changed()
             parts.wake()
 
+    def _settled_after(
+        self, ms: ModelState, config: AgentConfig, stop: threading.Event
+    ) -> SyncResult:
+        """:meth:`_blocking`, then tell the warming story this sync is over (before the loop
+        hears how it went, so WarmingStarted is told before the model's ModelReady)."""
+        try:
+            return self._blocking(ms, config, stop)
+        finally:
+            self._parts.warming.settled(ms.spec.name)
+
     def _blocking(self, ms: ModelState, config: AgentConfig, stop: threading.Event) -> SyncResult:
         """In a worker thread: resolve and plan under the model's lock, make room, sync."""
         parts = self._parts
@@ -139,6 +167,7 @@ class SyncJob:
                 prepare(spec, source, layout, lock_timeout=LOCK_TIMEOUT) as plan,
                 contextlib.ExitStack() as room,
             ):
+                parts.warming.planned(spec.name, plan.snapshot.total_bytes, plan.bytes_to_fetch)
                 try:
                     if stop.is_set():
                         raise Cancelled("stopped")
@@ -178,20 +207,26 @@ class SyncJob:
     def _ok(self, ms: ModelState, result: SyncResult) -> None:
         metrics = self._parts.metrics
         spec = ms.spec
+        became_ready = not ms.ready or ms.revision != result.revision
         ms.sync_succeeded(result, time.monotonic())
+        self._tell_ok(ms, result, became_ready=became_ready)
         metrics.last_success.labels(spec.name).set(ms.last_success or 0.0)
         metrics.model_size.labels(spec.name).set(result.bytes_total)
         metrics.remaining_bytes.labels(spec.name).set(0)
+        metrics.set_source(spec.name, spec.source_kind(result.served_by))
         if result.up_to_date:
             log.debug("%s: up to date at %s", spec.name, result.revision)
             return
         metrics.sync_duration.labels(spec.name).observe(result.seconds)
+        metrics.observe_phases(spec.name, result.timings.to_json())
         rate = result.bytes_downloaded / result.seconds if result.seconds else 0.0
         removed = f"; removed {len(result.deleted)} file(s)" if result.deleted else ""
+        served_by = _served_by(result, spec)
         log.info(
-            "%s: synced revision %s: %d file(s), %s downloaded in %.1fs%s",
+            "%s: synced revision %s from %s: %d file(s), %s downloaded in %.1fs%s",
             spec.name,
             result.revision[:12],
+            served_by,
             result.files_downloaded,
             format_bytes(result.bytes_downloaded),
             result.seconds,
@@ -201,13 +236,41 @@ class SyncJob:
                 "phase": "sync",
                 "bytes": result.bytes_downloaded,
                 "rate": round(rate),
+                "source": served_by,
             },
         )
+
+    def _tell_ok(self, ms: ModelState, result: SyncResult, *, became_ready: bool) -> None:
+        """The events of a successful sync: checksum failures it recovered from, and the model
+        becoming ready (or ready at a new revision)."""
+        events, spec = self._parts.events, ms.spec
+        source = _served_by(result, spec)
+        if result.checksum_failures:
+            detail = f"{result.checksum_failures} file(s) failed their checksum while downloading"
+            events.emit(checksum_failed(spec.name, detail, source=source, sync_failed=False))
+        if became_ready:
+            events.emit(
+                model_ready(
+                    spec.name,
+                    bytes_total=result.bytes_total,
+                    downloaded=result.bytes_downloaded,
+                    seconds=result.seconds,
+                    source=source,
+                    revision=result.revision,
+                )
+            )
 
     def _failed(self, ms: ModelState, exc: BaseException) -> None:
         parts = self._parts
         spec = ms.spec
         delay = ms.sync_failed(exc, time.monotonic(), parts.config().retry_backoff)
+        source = scrub(str(spec.source))
+        message = ms.last_error or type(exc).__name__
+        if isinstance(exc, ChecksumMismatchError):
+            parts.events.emit(checksum_failed(spec.name, message, source=source, sync_failed=True))
+        else:
+            reason = ms.error_reason or "internal"
+            parts.events.emit(sync_failed(spec.name, reason, message, source=source))
         parts.metrics.sync_failures.labels(spec.name, ms.error_reason).inc()
         log.warning(
             "%s: sync failed (%s), next try in %.0fs%s: %s",
@@ -249,6 +312,7 @@ class VerifyJob:
                 exc,
                 extra={"model": spec.name, "phase": "verify", "error": str(exc)},
             )
+            parts.events.emit(reverify_failed(spec.name, scrub(f"could not run: {exc}")))
             if parts.scheduler.current(ms):
                 await parts.drop_ready(ms, f"re-verification could not run: {exc}")
             ms.refetch = True
@@ -287,8 +351,15 @@ class VerifyJob:
             reason,
             extra={"model": spec.name, "phase": "verify", "error": reason},
         )
+        parts.events.emit(reverify_failed(spec.name, scrub(reason)))
         if parts.scheduler.current(ms):
             await parts.drop_ready(ms, f"re-verification failed: {reason}")
         await asyncio.to_thread(forget_failures, layout, report)
         await asyncio.to_thread(parts.store.record_verify, spec, ok=False)
         ms.refetch = True
+
+
+def _served_by(result: SyncResult, spec: ModelSpec) -> str:
+    """The source that served the sync (a mirror or the Hub), else the model's own source;
+    credentials redacted."""
+    return scrub(result.served_by or str(spec.source))

@@ -1,6 +1,6 @@
 """The NodeGate: node labels and the startup taint that gate scheduling on ready models.
 
-The agent owns two things on its node, and nothing else:
+The agent owns three things on its node, and nothing else:
 
 * labels ``<prefix>/<model-label-name>=ready``, one per verified model (see :func:`label_key` for
   how a model name becomes a label name). Every label under ``<prefix>/`` whose value is ``ready``
@@ -9,6 +9,8 @@ The agent owns two things on its node, and nothing else:
   under it with any other value, are never touched.
 * the Karpenter startup taint (``startup_taint_key`` with ``startup_taint_effect``, any value),
   removed once every required model is ready. It is never added back: Karpenter owns adding it.
+* the progress annotation (:meth:`NodeGate.annotate`, written by
+  :mod:`prefetch.agent.progress_note`), one merge patch of that one key.
 
 Each :meth:`NodeGate.apply` reads the node, computes the smallest change, and sends nothing when
 the node is already right. A change goes out as one JSON Patch whose first operation tests
@@ -23,6 +25,7 @@ through ``asyncio.to_thread``. RBAC needed: ``nodes`` ``get`` and ``patch``.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import logging
@@ -54,6 +57,7 @@ __all__ = [
     "NodeGate",
     "in_cluster_gate",
     "label_key",
+    "parse_timestamp",
 ]
 
 logger = logging.getLogger(__name__)
@@ -70,6 +74,7 @@ _LABEL_NAME_RE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 _DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _NOT_LABEL_CHAR_RE = re.compile(r"[^-A-Za-z0-9_.]+")
 _JSON_PATCH = "application/json-patch+json"
+_MERGE_PATCH = "application/merge-patch+json"
 _TAINT_EFFECTS = frozenset({"NoSchedule", "PreferNoSchedule", "NoExecute"})
 # 409: conflict; 422: our resourceVersion test failed (checked, see apply); 429: throttled.
 _RETRY_STATUSES = frozenset({409, 422, 429})
@@ -292,6 +297,49 @@ class NodeGate:
             hint="check that the API server is reachable and healthy from the agent pod",
         )
 
+    def annotate(self, key: str, value: str) -> None:
+        """Set one annotation on the node: one merge patch, no GET, no retry.
+
+        The agent's progress note is the one user; it is rewritten at the next interval anyway,
+        so a failure is not retried here (a struggling API server gets one request per interval,
+        not a burst). A merge patch creates ``metadata.annotations`` when the node has none and
+        touches no other key; no resourceVersion guard is needed, as no one else writes *key*.
+        Raises :class:`NodeGateError` on any failure.
+        """
+        body = {"metadata": {"annotations": {key: value}}}
+        try:
+            resp = self._api.patch_node(
+                self.node_name,
+                body,
+                field_manager=FIELD_MANAGER,
+                _content_type=_MERGE_PATCH,
+                _preload_content=False,
+                _request_timeout=self._timeout,
+            )
+            try:
+                resp.drain_conn()
+            finally:
+                resp.release_conn()
+        except ApiException as exc:
+            raise self._fatal(exc, "patch", _describe(exc)) from exc
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise NodeGateError(
+                f"could not annotate node {self.node_name!r}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def creation_time(self) -> float | None:
+        """The node's ``metadata.creationTimestamp`` as Unix time (None when it has none or it
+        does not parse). One GET; raises :class:`NodeGateError` when the node cannot be read."""
+        try:
+            node = self._get()
+        except ApiException as exc:
+            raise self._fatal(exc, "get", _describe(exc)) from exc
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise NodeGateError(
+                f"could not read node {self.node_name!r}: {type(exc).__name__}: {exc}"
+            ) from exc
+        return parse_timestamp((node.get("metadata") or {}).get("creationTimestamp"))
+
     # -- one round -------------------------------------------------------------------------
 
     def _get(self) -> dict[str, Any]:
@@ -375,6 +423,20 @@ class NodeGate:
                 hint="check the service account token mounted into the agent pod",
             )
         return NodeGateError(f"the API server refused to {verb} node {self.node_name!r} ({detail})")
+
+
+def parse_timestamp(value: object) -> float | None:
+    """A Kubernetes timestamp (RFC 3339 in UTC, ``2026-12-03T18:00:00Z``) as Unix time; None
+    for anything else."""
+    if not isinstance(value, str):
+        return None
+    try:
+        parsed = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=datetime.UTC)
+    return parsed.timestamp()
 
 
 def _retryable(exc: ApiException) -> bool:

@@ -33,7 +33,10 @@ The parts, one job each: :mod:`~prefetch.agent.jobs` (the sync and verify jobs' 
 :mod:`~prefetch.agent.scheduler` (the model table, phases, backoff, what is due),
 :mod:`~prefetch.agent.space` (reservations and eviction), :mod:`~prefetch.agent.gate_driver`
 (the node's labels and taint), :mod:`~prefetch.agent.status` (the /readyz body),
-:mod:`~prefetch.agent.config_file` (reloads, each content once) and
+:mod:`~prefetch.agent.config_file` (reloads, each content once),
+:mod:`~prefetch.agent.events` (the node's story as Kubernetes Events and log lines),
+:mod:`~prefetch.agent.progress_note` (the Node's progress annotation, at most one write per
+30 s), :mod:`~prefetch.agent.ready_clock` (time to ready, once per process) and
 :mod:`~prefetch.agent.source_opener` (shared S3 clients). :class:`Agent` here wires them: the
 loop, config reloads, starting jobs in worker threads, and shutdown.
 """
@@ -56,8 +59,11 @@ from prometheus_client import CollectorRegistry
 
 from prefetch.agent.config import AgentConfig, spec_digest
 from prefetch.agent.config_file import ConfigFile
+from prefetch.agent.events import EventRecorder, EventSink, WarmingStory
 from prefetch.agent.gate_driver import GateDriver, GateFactory
 from prefetch.agent.jobs import LOCK_TIMEOUT, JobParts, SyncJob, VerifyJob
+from prefetch.agent.progress_note import Note, ProgressReporter, build_note
+from prefetch.agent.ready_clock import ReadyClock
 from prefetch.agent.scheduler import (
     Intervals,
     Job,
@@ -114,6 +120,7 @@ class Agent:
         listen: str | None = None,
         serve: bool = True,
         gate_factory: GateFactory | None = None,
+        event_sink: EventSink | None = None,
         registry: CollectorRegistry | None = None,
         s3_client: object | None = None,
         hub: HubOptions | None = None,
@@ -128,6 +135,10 @@ class Agent:
         self._serve = serve
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = AgentMetrics(self.registry)
+        #: The node's story (Kubernetes Events through ``event_sink``, and JSON log lines).
+        self.events = EventRecorder(self.metrics, event_sink)
+        self.warming = WarmingStory(self.events)
+        self._warming = False  # a warming episode began; until every required model is ready
         self._config_file = ConfigFile(
             config_path, self.metrics, cache_dir=cache_dir, listen=listen
         )
@@ -141,8 +152,12 @@ class Agent:
         self.store: Store = Store(Path("."))
         self.server: HealthServer | None = None
         self.scheduler = Scheduler()
-        self.space = SpaceManager(self.store, self.metrics)
-        self.gate = GateDriver(gate_factory or (lambda cfg: None), self.metrics, self._ready_state)
+        self.space = SpaceManager(self.store, self.metrics, self.events)
+        self.gate = GateDriver(
+            gate_factory or (lambda cfg: None), self.metrics, self._ready_state, self.events
+        )
+        self.progress = ProgressReporter(self._progress_note, lambda: self.gate.gate, self.metrics)
+        self.ready_clock = ReadyClock(self.metrics, started=time.time())
         self._tasks: set[asyncio.Task[None]] = set()
         self._background: dict[str, asyncio.Task[None]] = {}  # "gate", "usage": one each
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -187,6 +202,8 @@ class Agent:
             config_error=self._config_file.last_error,
             gate_enabled=self.gate.enabled,
             gate_error=self.gate.last_error,
+            time_to_ready=dict(self.ready_clock.seconds),
+            progress_error=self.progress.last_error,
         )
         return readiness_body(self.scheduler.states(), facts, time.monotonic())
 
@@ -237,7 +254,10 @@ class Agent:
             await self._reload()
         self._start_due_jobs(now)
         # in the background: a slow API server must not stall the loop's heartbeat
-        self._in_background("gate", self.gate.apply)
+        self._in_background("gate", self._write_node)
+        if self.ready_clock.on_pass(self.scheduler.all_required_ready()):
+            clock, gate = self.ready_clock, self.gate.gate
+            self._in_background("ready-clock", lambda: clock.observe_node(gate))
         self._refresh_metrics(now)
         self.passes += 1
         self._beat = time.monotonic()
@@ -299,6 +319,7 @@ class Agent:
                 if self._exit_on_stuck:
                     logging.shutdown()
                     os._exit(0)
+        await asyncio.to_thread(self.events.close)  # what is queued goes out, briefly
         log.info("agent stopped", extra={"phase": "shutdown"})
 
     # -- config ---------------------------------------------------------------------------------
@@ -307,7 +328,7 @@ class Agent:
         config = self._config_file.overridden(config)
         self.config = config
         self.store = Store(config.cache_dir)
-        self.space = SpaceManager(self.store, self.metrics)
+        self.space = SpaceManager(self.store, self.metrics, self.events)
         config.cache_dir.mkdir(parents=True, exist_ok=True)
         self.store.empty_trash()
         self._config_loaded_at = time.monotonic()
@@ -363,7 +384,14 @@ class Agent:
             digest = spec_digest(spec)
             ms = old_states.get(spec.name)
             if ms is not None and ms.digest == digest:
-                ms.spec = spec  # required/pin may change without touching the copy
+                if ms.spec.fetch_route != spec.fetch_route:
+                    log.info(
+                        "%s: its sources changed; confirming the copy with them",
+                        spec.name,
+                        extra={"model": spec.name, "phase": "config"},
+                    )
+                    ms.reconfirm()
+                ms.spec = spec  # required/pin/sources may change without touching the copy
                 ms.index = index
                 new_states[spec.name] = ms
                 continue
@@ -427,8 +455,24 @@ class Agent:
         running = sum(1 for t in self._tasks if not t.done())
         intervals = Intervals(self.config.resolve_interval, self.config.verify_interval)
         slots = self.config.parallel_models - running
-        for ms, kind in self.scheduler.due_jobs(now, intervals, slots):
+        due = self.scheduler.due_jobs(now, intervals, slots)
+        self._announce_warming(due)
+        for ms, kind in due:
             self._start(ms, kind)
+
+    def _announce_warming(self, due: list[tuple[ModelState, JobKind]]) -> None:
+        """A warming episode begins when syncs start while a required model is not ready (once,
+        until every required model is ready again); WarmingStory tells it when they resolved."""
+        if self.scheduler.all_required_ready():
+            self._warming = False
+            return
+        if self._warming or not any(kind is JobKind.SYNC for _, kind in due):
+            return
+        self._warming = True
+        cold = [ms for ms in self.scheduler.states() if not ms.ready]
+        starting = [ms.spec.name for ms, kind in due if kind is JobKind.SYNC and not ms.ready]
+        known = {ms.spec.name: n for ms in cold if (n := ms.bytes_total) is not None}
+        self.warming.begin([ms.spec.name for ms in cold], starting, known)
 
     def _start(self, ms: ModelState, kind: JobKind) -> None:
         stop = threading.Event()
@@ -466,6 +510,8 @@ class Agent:
             wake=self._poke,
             usage_changed=self._usage_changed,
             loop=self._loop,
+            events=self.events,
+            warming=self.warming,
         )
 
     def _usage_changed(self) -> None:
@@ -476,6 +522,22 @@ class Agent:
 
     def _ready_state(self) -> tuple[tuple[str, ...], bool]:
         return self.scheduler.ready_names(), self.scheduler.all_required_ready()
+
+    async def _write_node(self) -> None:
+        """The gate, then the progress note: one after the other, so the note's PATCH never
+        lands between the gate's GET and its guarded PATCH (which would make it retry)."""
+        await self.gate.apply()
+        await self.progress.maybe_write()
+
+    def _progress_note(self) -> Note:
+        return build_note(
+            self.scheduler.states(),
+            self.metrics.rate,
+            all_ready=self.scheduler.all_required_ready(),
+            prefix=self.config.label_prefix,
+            taint=self.config.startup_taint,
+            now=time.time(),
+        )
 
     def _publish(self, ms: ModelState) -> None:
         self.metrics.set_state(

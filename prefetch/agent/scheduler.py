@@ -120,6 +120,10 @@ class ModelState:
     touched: float = float("-inf")
     job: Job | None = None
     sink: MetricsSink | None = None
+    #: The last successful sync that changed the cache (its phase timings go to /readyz).
+    last_change: SyncResult | None = None
+    #: The source that served the last successful sync (a mirror, the Hub, the S3 prefix).
+    served_by: str | None = None
 
     @property
     def syncing(self) -> bool:
@@ -136,6 +140,12 @@ class ModelState:
         self.revision = revision
         self.bytes_total = bytes_total
         self.last_success = synced_at
+
+    def reconfirm(self) -> None:
+        """Its sources changed: resolve again as soon as no job runs (a ready copy stays ready;
+        a failing model retries now rather than after its backoff)."""
+        self.last_resolved = None
+        self.next_attempt = 0.0
 
     def start_sync(self, job: Job, sink: MetricsSink | None = None) -> None:
         self.job = job
@@ -159,6 +169,9 @@ class ModelState:
             self.last_verified = now
         self.last_success = time.time()
         self.touched = now
+        self.served_by = result.served_by or None
+        if not result.up_to_date:
+            self.last_change = result
 
     def sync_failed(
         self,

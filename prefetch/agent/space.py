@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from prefetch.agent.events import EventRecorder, evicted
 from prefetch.errors import InsufficientSpaceError, LockTimeoutError
 from prefetch.metrics import AgentMetrics, MetricsSink
 from prefetch.spec import ModelSpec
@@ -42,9 +43,12 @@ class SpaceManager:
     """Reservations and busy entries of running syncs, and eviction to make room (thread-safe:
     syncs call it from their worker threads)."""
 
-    def __init__(self, store: Store, metrics: AgentMetrics) -> None:
+    def __init__(
+        self, store: Store, metrics: AgentMetrics, events: EventRecorder | None = None
+    ) -> None:
         self.store = store
         self._metrics = metrics
+        self._events = events
         self._lock = threading.Lock()
         self._reserved: dict[str, Reservation] = {}
         self._busy: dict[str, int] = {}
@@ -140,6 +144,8 @@ class SpaceManager:
                 spec.name,
                 extra={"model": spec.name, "phase": "evict", "bytes": freed},
             )
+            if self._events is not None:
+                self._events.emit(evicted(entry.name, freed, for_model=spec.name))
             free = self.store.free_bytes() - others
             if needed + keep <= free:
                 return free

@@ -9,7 +9,8 @@ last errors. Reading only: it never changes a model's state.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,9 @@ class AgentFacts:
     config_error: str | None
     gate_enabled: bool
     gate_error: str | None
+    #: Seconds to the first all-required-ready, by what they count from (see ready_clock).
+    time_to_ready: Mapping[str, float] = field(default_factory=dict)
+    progress_error: str | None = None
 
 
 def readiness_body(models: list[ModelState], facts: AgentFacts, now: float) -> JsonObject:
@@ -52,7 +56,15 @@ def readiness_body(models: list[ModelState], facts: AgentFacts, now: float) -> J
             "digest": facts.config_digest[:12] or None,
             "last_reload_error": facts.config_error,
         },
-        "gate": {"enabled": facts.gate_enabled, "last_error": facts.gate_error},
+        "gate": {
+            "enabled": facts.gate_enabled,
+            "last_error": facts.gate_error,
+            "progress_annotation_error": facts.progress_error,
+        },
+        "time_to_ready": {
+            "agent_start": facts.time_to_ready.get("agent_start"),
+            "node_creation": facts.time_to_ready.get("node_creation"),
+        },
     }
 
 
@@ -69,7 +81,8 @@ def model_status(ms: ModelState, now: float) -> JsonObject:
         files_left = 0 if ms.ready else None
     return {
         "name": ms.spec.name,
-        "source": str(ms.spec.source),
+        # the source that served the last sync (a mirror or the Hub), else the model's own
+        "source": ms.served_by or str(ms.spec.source),
         "required": ms.spec.required,
         "pinned": ms.spec.pin,
         "state": ms.phase.value,
@@ -85,6 +98,20 @@ def model_status(ms: ModelState, now: float) -> JsonObject:
         "error_reason": ms.error_reason,
         "failures": ms.failures,
         "last_success": iso_utc(ms.last_success),
+        "last_sync": _last_sync(ms),
+    }
+
+
+def _last_sync(ms: ModelState) -> JsonObject | None:
+    """How long the last sync that changed the cache took, and where the time went."""
+    result = ms.last_change
+    if result is None:
+        return None
+    return {
+        "revision": result.revision,
+        "seconds": result.seconds,
+        "bytes_downloaded": result.bytes_downloaded,
+        "phases": result.timings.to_json(),
     }
 
 

@@ -279,8 +279,10 @@ class HfCacheLayout:
         else:
             files = {p: b for p, b in previous.items() if (final / p).is_symlink()} | links
         ref = snapshot.requested_revision
-        if ref is None and not snapshot.source.startswith("hf://"):
-            ref = "main"  # an S3 mirror: its snapshot is what "main" means offline
+        if ref is None and spec.source.scheme != "hf":
+            # an S3 source: its snapshot is what "main" means offline (a Hub model pinned to a
+            # commit gets no ref, whether the Hub or one of its mirrors served it)
+            ref = "main"
         # every ref this snapshot was pulled for (a branch and a tag may name one commit)
         refs = sorted({*_refs_of(snaps.get(commit, {})), *([ref] if ref else [])})
         snaps[commit] = {"files": dict(sorted(files.items())), "source": snapshot.source,

@@ -43,6 +43,9 @@ class PlainLayout:
         self.state = root / STATE_DIR
         self.book = RecordBook(self.state)
         self._entries: dict[str, Any] | None = None
+        #: Directories this layout made or checked (make_dirs_inside) since its last commit: a
+        #: model of 1000 files in one folder checks that folder once, not once per file.
+        self._dirs_made: set[Path] = set()
 
     def lock_path(self) -> Path:
         return self.state / "lock"
@@ -72,10 +75,12 @@ class PlainLayout:
 
     def publish(self, file: RemoteFile, staged: Path, checksums: tuple[Checksum, ...]) -> None:
         target = safe_join(self.root, file.path)
-        make_dirs_inside(self.root, target.parent)
-        if target.is_dir():
-            raise LayoutError(f"cannot publish {file.path}: a directory is in the way")
-        os.replace(staged, target)
+        if target.parent not in self._dirs_made:
+            self._dirs_made.add(make_dirs_inside(self.root, target.parent))
+        try:
+            os.replace(staged, target)
+        except IsADirectoryError:
+            raise LayoutError(f"cannot publish {file.path}: a directory is in the way") from None
         entry = file_entry(file, checksums)
         self.book.append(file.path, entry)
         self._loaded()[file.path] = entry
@@ -102,6 +107,7 @@ class PlainLayout:
         )
         self.book.compact(data)
         self._entries = entries
+        self._dirs_made.clear()  # deletions may have pruned them
         return deleted
 
     def _local_files(self) -> Iterator[str]:
@@ -139,6 +145,7 @@ class PlainLayout:
         with contextlib.suppress(FileNotFoundError):
             safe_join(self.root, path).unlink()  # unlink never follows the last component
         self._entries = None
+        self._dirs_made.clear()
 
 
 def _prune_empty_dirs(root: Path, *, skip: Path) -> None:

@@ -52,16 +52,20 @@ class HttpClient(Protocol):
     def request(self, method: str, url: str, **kwargs: Any) -> Any: ...
 
 
-_SHARED_POOLS: dict[int, HttpClient] = {}
+_SHARED_POOLS: dict[tuple[int, object], HttpClient] = {}
 _SHARED_LOCK = threading.Lock()
 
 
-def shared_http_pool(size: int = 32) -> HttpClient:
-    """One pooled client per process and pool size (the agent reuses connections across syncs)."""
+def shared_http_pool(size: int = 32, proxies: settings.Proxies | None = None) -> HttpClient:
+    """One pooled client per process, pool size and proxy settings (default: the environment's,
+    read now), so the agent reuses connections across syncs and a model with its own proxy
+    never shares a pool with one that goes direct."""
+    proxies = settings.proxies() if proxies is None else proxies
+    key = (size, proxies.key())
     with _SHARED_LOCK:
-        pool = _SHARED_POOLS.get(size)
+        pool = _SHARED_POOLS.get(key)
         if pool is None:
-            pool = _SHARED_POOLS[size] = make_http_pool(size)
+            pool = _SHARED_POOLS[key] = make_http_pool(size, proxies=proxies)
         return pool
 
 
@@ -83,37 +87,23 @@ class ProxyRouter:
         self, direct: HttpClient, proxies: settings.Proxies, kwargs: Mapping[str, Any]
     ) -> None:
         self._direct = direct
+        self._proxies = proxies
         self._proxied = {
-            scheme: urllib3.ProxyManager(url, **kwargs) for scheme, url in proxies.by_scheme.items()
+            url: urllib3.ProxyManager(url, **kwargs) for url in set(proxies.by_scheme.values())
         }
-        self._no_proxy = proxies.no_proxy or ""
 
     def manager_for(self, url: str) -> HttpClient:
-        """The client that sends a request for ``url``: a proxy, or the direct pool."""
-        parts = urlsplit(url)
-        manager = self._proxied.get(parts.scheme.lower())
-        if manager is None or self._bypassed(parts.hostname or ""):
-            return self._direct
-        return manager
-
-    def _bypassed(self, host: str) -> bool:
-        return no_proxy_matches(host, self._no_proxy)
+        """The client that sends a request for ``url``: a proxy, or the direct pool (the rule is
+        :meth:`prefetch.settings.Proxies.proxy_for`)."""
+        proxy = self._proxies.proxy_for(url)
+        return self._direct if proxy is None else self._proxied[proxy]
 
     def request(self, method: str, url: str, **kwargs: Any) -> Any:
         return self.manager_for(url).request(method, url, **kwargs)
 
 
-def no_proxy_matches(host: str, no_proxy: str) -> bool:
-    """Does ``NO_PROXY`` (comma-separated names, ``*`` for all) exempt ``host``? As curl and
-    urllib read it: a name matches itself and its subdomains, a leading dot is ignored."""
-    host = host.lower().rstrip(".")
-    for entry in no_proxy.split(","):
-        name = entry.strip().lstrip(".").lower()
-        if name == "*":
-            return True
-        if name and (host == name or host.endswith("." + name)):
-            return True
-    return False
+#: Does ``NO_PROXY`` exempt a host? (The rule lives in settings, beside the variables.)
+no_proxy_matches = settings.no_proxy_matches
 
 
 def discard(resp: Any) -> None:

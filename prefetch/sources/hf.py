@@ -23,6 +23,7 @@ and neither do the signed query strings of CDN URLs.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import logging
 import re
@@ -110,12 +111,14 @@ def open_hub_source(spec: ModelSpec, hub: HubOptions | None = None) -> HubSource
         token = get_token()
     else:
         token = options.token or None
-    http = options.http or shared_http_pool(options.pool_size)
+    proxies = settings.proxies(override=spec.proxy)
+    http = options.http or shared_http_pool(options.pool_size, proxies)
     return HubSource(
         spec.source,
         endpoint=endpoint,
         token=token,
         http=http,
+        proxies=proxies,
         retry=options.retry,
         timeout=urllib3.Timeout(connect=options.connect_timeout, read=options.read_timeout),
         redirect_ttl=options.redirect_ttl,
@@ -308,6 +311,74 @@ def _status_of(exc: BaseException) -> int | None:
     return int(status) if status is not None else None
 
 
+# ---- metadata requests: the same proxy rule as the bytes ----------------------------------------
+
+#: The proxy settings of the source whose metadata call runs in this context (None: the
+#: environment's); set around each huggingface_hub call, in the thread that makes it.
+_METADATA_PROXIES: contextvars.ContextVar[settings.Proxies | None] = contextvars.ContextVar(
+    "prefetch_hub_metadata_proxies", default=None
+)
+
+
+_ROUTING_LOCK = threading.Lock()
+
+
+def route_metadata_through_proxy_rule() -> bool:
+    """Install :func:`_install_proxy_rule_client` once per process (sources may be opened from
+    several threads at once; a second install would close the session the first one made)."""
+    with _ROUTING_LOCK:
+        return _install_proxy_rule_client()
+
+
+@functools.cache
+def _install_proxy_rule_client() -> bool:
+    """Make huggingface_hub's shared client route each request by our proxy rule.
+
+    huggingface_hub sends its metadata calls (revision lookup, file listing) through one
+    process-wide httpx client that reads the environment's proxies its own way and knows no
+    per-source setting. Its client factory is replaced (once) by one whose transport asks
+    :meth:`prefetch.settings.Proxies.proxy_for` per request, with the calling source's settings
+    (``_METADATA_PROXIES``), so a model's ``proxy`` and NO_PROXY mean the same for its listing
+    as for its bytes. False when this huggingface_hub has no client factory (before 1.0,
+    requests reads the environment itself; a per-source proxy then covers the bytes only)."""
+    import huggingface_hub
+
+    set_factory = getattr(huggingface_hub, "set_client_factory", None)
+    httpx: Any = None
+    for name in ("httpx2", "httpx"):
+        with contextlib.suppress(ImportError):
+            httpx = __import__(name)
+            break
+    if set_factory is None or httpx is None:
+        return False
+    from huggingface_hub.utils import _http as hf_http
+
+    hook = getattr(hf_http, "hf_request_event_hook", None)
+    transports: dict[str | None, Any] = {}
+    lock = threading.Lock()
+
+    class ProxyRuleTransport(httpx.BaseTransport):  # type: ignore[misc]
+        def handle_request(self, request: Any) -> Any:
+            proxies = _METADATA_PROXIES.get() or settings.proxies()
+            proxy = proxies.proxy_for(str(request.url))
+            with lock:
+                transport = transports.get(proxy)
+                if transport is None:
+                    transport = transports[proxy] = httpx.HTTPTransport(proxy=proxy)
+            return transport.handle_request(request)
+
+    def client() -> Any:
+        return httpx.Client(
+            event_hooks={"request": [hook]} if hook else {},
+            follow_redirects=True,
+            timeout=None,
+            transport=ProxyRuleTransport(),
+        )
+
+    set_factory(client)
+    return True
+
+
 # ---- the source --------------------------------------------------------------------------------
 
 
@@ -326,9 +397,14 @@ class HubSource:
         redirect_ttl: float = 600.0,
         metadata_timeout: float = 120.0,
         api: Any = None,
+        proxies: settings.Proxies | None = None,
     ) -> None:
         if uri.scheme != "hf":
             raise ValueError(f"not a Hub URI: {uri}")
+        #: The proxy rule for huggingface_hub's metadata requests (None: the environment's);
+        #: the bytes go through ``http``, built for the same rule by open_hub_source.
+        self._proxies = proxies
+        route_metadata_through_proxy_rule()
         self._uri = uri
         self._repo = uri.location
         self._endpoint = endpoint.rstrip("/")
@@ -358,6 +434,7 @@ class HubSource:
 
     def _call(self, what: str, revision: str, fn: Callable[[], T]) -> T:
         def translated() -> T:
+            proxied = _METADATA_PROXIES.set(self._proxies)
             try:
                 return fn()
             except PrefetchError:
@@ -366,6 +443,8 @@ class HubSource:
                 raise translate_api_error(
                     exc, what, repo=self._repo, revision=revision, has_token=bool(self._token)
                 ) from exc
+            finally:
+                _METADATA_PROXIES.reset(proxied)
 
         def once() -> T:
             # list_repo_tree takes no timeout (see call_with_deadline)

@@ -2,7 +2,8 @@
 
 Enough of ``/api/v1/nodes`` for the NodeGate tests, answered the way kube-apiserver answers:
 
-* ``GET /api/v1/nodes`` (a ``NodeList``) and ``GET /api/v1/nodes/{name}``;
+* ``GET /api/v1/nodes`` (a ``NodeList``; ``labelSelector`` with equality and existence terms)
+  and ``GET /api/v1/nodes/{name}``; nodes carry a ``metadata.creationTimestamp``;
 * ``PATCH /api/v1/nodes/{name}`` with ``application/json-patch+json`` (RFC 6902 ``add``,
   ``remove``, ``replace``, ``test``, ``move``, ``copy`` on RFC 6901 pointers),
   ``application/merge-patch+json`` (RFC 7386) and ``application/strategic-merge-patch+json``
@@ -15,6 +16,11 @@ Enough of ``/api/v1/nodes`` for the NodeGate tests, answered the way kube-apiser
   handler); a malformed patch body is a 400; labels and taints are validated like the API server
   does (422 ``Invalid`` with causes);
 * errors are ``Status`` objects (``kind: Status``, ``reason``, ``details``, ``code``).
+
+And events.k8s.io/v1 Events (create, list, get, patch; validated as kube-apiserver does, see
+:mod:`tests.fakes.k8s_events`): :meth:`KubeStub.events` returns them,
+:meth:`KubeStub.describe_events` renders them as ``kubectl describe node`` does, and
+:meth:`KubeStub.events_client` is an ``EventsV1Api`` pointed at the stub.
 
 Test hooks: :meth:`KubeStub.fail_next` makes the next N matching requests fail with a status (or
 drop the connection); :meth:`KubeStub.before_next_patch` runs a function on the stored node just
@@ -29,13 +35,16 @@ import copy
 import json
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from kubernetes import client as k8s_client
+
+from tests.fakes.k8s_events import EventStore, describe_events
 
 Json = Any
 NodeHook = Callable[[dict[str, Any]], None]
@@ -69,6 +78,7 @@ class _Fault:
     status: int
     method: str | None
     retry_after: int | None
+    path: str | None = None  # a path prefix the fault is limited to
 
 
 class StubError(Exception):
@@ -396,6 +406,32 @@ def validate_node(node: Json) -> list[dict[str, str]]:
     return causes
 
 
+# -- label selectors ---------------------------------------------------------------------------
+
+
+def selects(selector: str, labels: dict[str, str]) -> bool:
+    """Whether *labels* match a label selector's equality and existence terms (``k=v``,
+    ``k==v``, ``k!=v``, ``k``, ``!k``, comma-separated: all must hold); a set-based term
+    (``k in (a,b)``) is a 400, as the stub does not know it."""
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        if " in " in term or " notin " in term or "(" in term:
+            raise _bad_request(f"unable to parse requirement: {term!r} (not in the stub)")
+        if "!=" in term:
+            key, value = term.split("!=", 1)
+            if labels.get(key.strip()) == value.strip():
+                return False
+        elif "=" in term:
+            key, value = term.replace("==", "=").split("=", 1)
+            if labels.get(key.strip()) != value.strip():
+                return False
+        elif term.startswith("!"):
+            if term[1:].strip() in labels:
+                return False
+        elif term not in labels:
+            return False
+    return True
+
+
 # -- the server ---------------------------------------------------------------------------------
 
 
@@ -418,6 +454,8 @@ class KubeStub:
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._clients: list[k8s_client.ApiClient] = []
+        #: events.k8s.io/v1 Events (see tests.fakes.k8s_events).
+        self.event_store = EventStore(_event_error)
 
     # lifecycle
 
@@ -471,6 +509,23 @@ class KubeStub:
         self._clients.append(api_client)
         return k8s_client.CoreV1Api(api_client)
 
+    def events_client(self) -> k8s_client.EventsV1Api:
+        """A real ``EventsV1Api`` talking to this stub over HTTP, without auth."""
+        configuration = k8s_client.Configuration(host=self.url)
+        configuration.verify_ssl = False
+        api_client = k8s_client.ApiClient(configuration)
+        self._clients.append(api_client)
+        return k8s_client.EventsV1Api(api_client)
+
+    def events(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        """Copies of the stored Events (of *namespace*, if given), oldest first."""
+        return self.event_store.all(namespace)
+
+    def describe_events(self, node: str) -> str:
+        """The ``Events:`` section ``kubectl describe node <node>`` would print."""
+        about = [e for e in self.events() if (e.get("regarding") or {}).get("name") == node]
+        return describe_events(about)
+
     # state
 
     def add_node(
@@ -479,16 +534,23 @@ class KubeStub:
         *,
         labels: dict[str, str] | None = None,
         taints: list[dict[str, Any]] | None = None,
+        annotations: dict[str, str] | None = None,
+        created: str | None = None,
     ) -> dict[str, Any]:
+        """Store a node; ``created`` is its ``metadata.creationTimestamp`` (RFC 3339, as the
+        API server sets it; default: now)."""
+        stamp = created or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         node: dict[str, Any] = {
             "kind": "Node",
             "apiVersion": "v1",
-            "metadata": {"name": name, "uid": f"uid-{name}"},
+            "metadata": {"name": name, "uid": f"uid-{name}", "creationTimestamp": stamp},
             "spec": {},
             "status": {"conditions": [{"type": "Ready", "status": "True"}]},
         }
         if labels is not None:
             node["metadata"]["labels"] = dict(labels)
+        if annotations is not None:
+            node["metadata"]["annotations"] = dict(annotations)
         if taints is not None:
             node["spec"]["taints"] = copy.deepcopy(taints)
         with self._lock:
@@ -530,13 +592,15 @@ class KubeStub:
         *,
         method: str | None = None,
         retry_after: int | None = None,
+        path: str | None = None,
     ) -> None:
-        """Answer the next *count* requests (of *method*, when given) with *status*.
+        """Answer the next *count* requests (of *method*, and under the *path* prefix, when
+        given) with *status*.
 
         ``status=0`` drops the connection without an answer. Faults queue up in call order.
         """
         with self._lock:
-            self._faults.append(_Fault(count, status, method, retry_after))
+            self._faults.append(_Fault(count, status, method, retry_after, path))
 
     def before_next_patch(self, change: NodeHook) -> None:
         """Run *change* on the stored node right before the next PATCH is applied (once)."""
@@ -551,10 +615,10 @@ class KubeStub:
         with self._lock:
             self.requests.append(request)
 
-    def _take_fault(self, method: str) -> _Fault | None:
+    def _take_fault(self, method: str, path: str = "") -> _Fault | None:
         with self._lock:
             for fault in self._faults:
-                if fault.method in (None, method):
+                if fault.method in (None, method) and path.startswith(fault.path or ""):
                     fault.remaining -= 1
                     if fault.remaining <= 0:
                         self._faults.remove(fault)
@@ -563,14 +627,23 @@ class KubeStub:
 
     # request handling (called from handler threads)
 
-    def _handle(self, method: str, path: str, content_type: str | None, body: Json) -> Json:
+    def _handle(
+        self, method: str, path: str, content_type: str | None, body: Json, query: str = ""
+    ) -> Json:
+        if self.event_store.handles(path):
+            return self.event_store.handle(method, path, body, _patched, content_type)
         if method == "GET" and path == _LIST_PATH:
+            selector = parse_qs(query).get("labelSelector", [""])[0]
             with self._lock:
                 return {
                     "kind": "NodeList",
                     "apiVersion": "v1",
                     "metadata": {"resourceVersion": str(self._rv)},
-                    "items": [copy.deepcopy(n) for _, n in sorted(self._nodes.items())],
+                    "items": [
+                        copy.deepcopy(n)
+                        for _, n in sorted(self._nodes.items())
+                        if selects(selector, n["metadata"].get("labels") or {})
+                    ],
                 }
         match = _NODE_PATH.match(path)
         if match is None:
@@ -600,28 +673,8 @@ class KubeStub:
             return self._patch(name, content_type, body)
 
     def _patch(self, name: str, content_type: str | None, body: Json) -> Json:
-        media = (content_type or "").split(";")[0].strip()
-        if media not in _PATCH_TYPES:
-            raise StubError(
-                status_object(
-                    415,
-                    "UnsupportedMediaType",
-                    f"the body of the request was in an unknown format - accepted media types "
-                    f"include: {', '.join(_PATCH_TYPES)}, application/apply-patch+yaml",
-                )
-            )
-        if isinstance(body, str) or body is None:
-            raise _bad_request("the body of the request could not be decoded as JSON")
         current = self._nodes[name]
-        if media == "application/json-patch+json":
-            patched = apply_json_patch(current, body)
-        else:
-            if not isinstance(body, dict):
-                raise _bad_request("json: cannot unmarshal array into Go value of type map")
-            strategic = media == "application/strategic-merge-patch+json"
-            patched = apply_merge_patch(current, body, strategic=strategic)
-        if not isinstance(patched, dict):
-            raise _bad_request("the patch did not result in an object")
+        patched = _patched(current, content_type, body)
         meta = patched.setdefault("metadata", {})
         if meta.get("name") != name:
             raise StubError(
@@ -648,6 +701,38 @@ class KubeStub:
         if patched != current:  # a no-op patch does not write (no resourceVersion bump)
             self._store(name, patched)
         return copy.deepcopy(self._nodes[name])
+
+
+def _patched(current: Json, content_type: str | None, body: Json) -> Json:
+    """*current* with the patch *body* applied as its media type says (415/400/422 otherwise)."""
+    media = (content_type or "").split(";")[0].strip()
+    if media not in _PATCH_TYPES:
+        raise StubError(
+            status_object(
+                415,
+                "UnsupportedMediaType",
+                f"the body of the request was in an unknown format - accepted media types "
+                f"include: {', '.join(_PATCH_TYPES)}, application/apply-patch+yaml",
+            )
+        )
+    if isinstance(body, str) or body is None:
+        raise _bad_request("the body of the request could not be decoded as JSON")
+    if media == "application/json-patch+json":
+        patched = apply_json_patch(current, body)
+    else:
+        if not isinstance(body, dict):
+            raise _bad_request("json: cannot unmarshal array into Go value of type map")
+        strategic = media == "application/strategic-merge-patch+json"
+        patched = apply_merge_patch(current, body, strategic=strategic)
+    if not isinstance(patched, dict):
+        raise _bad_request("the patch did not result in an object")
+    return patched
+
+
+def _event_error(
+    code: int, reason: str, message: str, causes: list[dict[str, str]] | None = None
+) -> StubError:
+    return StubError(status_object(code, reason, message, kind="events", causes=causes))
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -691,7 +776,7 @@ class _Handler(BaseHTTPRequestHandler):
         stub = self.stub
         name_match = _NODE_PATH.match(parts.path)
         name = name_match.group(1) if name_match else None
-        fault = stub._take_fault(method)
+        fault = stub._take_fault(method, parts.path)
         headers: dict[str, str] = {}
         if fault is not None and fault.status == 0:
             stub._record(RecordedRequest(method, parts.path, parts.query, content_type, body, 0))
@@ -705,8 +790,8 @@ class _Handler(BaseHTTPRequestHandler):
                 headers["Retry-After"] = str(fault.retry_after)
         else:
             try:
-                payload = stub._handle(method, parts.path, content_type, body)
-                code = 200
+                payload = stub._handle(method, parts.path, content_type, body, parts.query)
+                code = 201 if method == "POST" else 200  # POST only creates (Events)
             except StubError as exc:
                 payload = exc.status
                 code = exc.status["code"]

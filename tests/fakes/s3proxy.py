@@ -36,11 +36,12 @@ class Faults:
     refuse_status: int = 503  # ... with this status (an S3 error body, code SlowDown or other)
     refuse_retry_after: str | None = None  # Retry-After header value, if any
     refuse_times: int = 0  # how many GETs to refuse
+    refuse_statuses: tuple[int, ...] = ()  # when set: the n-th refusal's status, cycling
     ignore_range_key: str | None = None  # object key whose ranged GETs are answered 200
     ignore_range_times: int = 0  # how many (1 << 30: for ever)
     trickle_key: str | None = None  # object key whose GET bodies trickle ...
     trickle: tuple[int, float] = (512, 0.1)  # ... n bytes every t seconds
-    trickle_times: int = 0  # how many responses trickle
+    trickle_times: int = 0  # how many responses (longer than n bytes) trickle
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -51,6 +52,9 @@ class S3FaultProxy:
         self.gets: list[str] = []
         #: (key, Range header or None) of every GET, in order
         self.get_ranges: list[tuple[str, str | None]] = []
+        #: (method, key, query string) of every request, in order
+        self.requests: list[tuple[str, str, str]] = []
+        self._refusals = 0
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -63,6 +67,8 @@ class S3FaultProxy:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
                 key = self.path.split("?", 1)[0].split("/", 2)[-1]
+                query = self.path.split("?", 1)[1] if "?" in self.path else ""
+                proxy.requests.append((self.command, key, query))
                 if self.command == "GET":
                     proxy.get_ranges.append((key, self.headers.get("Range")))
                     refusal = proxy._refusal(key)
@@ -102,7 +108,9 @@ class S3FaultProxy:
                     self.wfile.flush()
                     self.connection.shutdown(socket.SHUT_RDWR)
                     self.close_connection = True
-                elif proxy._take(key, "trickle_key", "trickle_times"):
+                elif len(data) > proxy.faults.trickle[0] and proxy._take(
+                    key, "trickle_key", "trickle_times"
+                ):  # a body of one piece would not trickle: the next answer does
                     self._trickle(data, *proxy.faults.trickle)
                 elif proxy.faults.throttle_bps > 0:
                     piece = 64 * 1024
@@ -165,7 +173,11 @@ class S3FaultProxy:
     def _refusal(self, key: str) -> tuple[int, str | None] | None:
         if not self._take(key, "refuse_key", "refuse_times"):
             return None
-        return self.faults.refuse_status, self.faults.refuse_retry_after
+        statuses = self.faults.refuse_statuses or (self.faults.refuse_status,)
+        with self.faults.lock:
+            status = statuses[self._refusals % len(statuses)]
+            self._refusals += 1
+        return status, self.faults.refuse_retry_after
 
     def _should_cut(self, key: str, status: int) -> bool:
         f = self.faults

@@ -1,0 +1,91 @@
+"""CPU per S3 object request: botocore's ``get_object`` against the S3 source's lean path.
+
+One local SeaweedFS, ``--objects`` objects of ``--size`` bytes; ``--requests`` whole-object
+GETs on 16 threads per mode, the modes alternated ``--rounds`` times in one process; the CPU
+time of the process (user+sys) per request is reported, body read included. The lean path is
+the one the S3 source uses (prefetch/sources/s3_lean.py), set up from a listing as the source
+sets it up.
+
+    python bench/request_cost.py --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+BUCKET = "cost"
+
+
+def modes(client: Any) -> dict[str, Callable[[str], None]]:
+    """mode name -> one whole-object GET of a key, body read to the end."""
+    from prefetch.sources.s3_lean import capture_listing_requests, lean_requests_for
+
+    with capture_listing_requests(client) as sent:
+        client.list_objects_v2(Bucket=BUCKET, MaxKeys=1)
+    lean = lean_requests_for(client, sent[-1])
+    assert lean is not None, "the lean path cannot be set up for this client"
+
+    def botocore_get(key: str) -> None:
+        body = client.get_object(Bucket=BUCKET, Key=key, ChecksumMode="ENABLED")["Body"]
+        body.read()
+        body.close()
+
+    def lean_get(key: str) -> None:
+        answer = lean.send("GET", key, headers={"x-amz-checksum-mode": "ENABLED"})
+        answer.raw.read()
+        answer.release()
+
+    return {"botocore": botocore_get, "lean": lean_get}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--objects", type=int, default=200)
+    p.add_argument("--size", type=int, default=100 * 1024, help="bytes per object")
+    p.add_argument("--requests", type=int, default=1000, help="GETs per mode and round")
+    p.add_argument("--threads", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+
+    from prefetch.locals3 import SeaweedS3
+    from prefetch.modelgen import random_bytes
+
+    with SeaweedS3() as server:
+        client = server.client(max_pool_connections=args.threads + 8)
+        client.create_bucket(Bucket=BUCKET)
+        keys = [f"k/{i:05d}" for i in range(args.objects)]
+        for key in keys:
+            client.put_object(Bucket=BUCKET, Key=key, Body=random_bytes(args.size, key))
+        work = [keys[i % len(keys)] for i in range(args.requests)]
+        per_request: dict[str, list[float]] = {}
+        with ThreadPoolExecutor(args.threads) as pool:
+            for round_no in range(1, args.rounds + 1):
+                for name, get in modes(client).items():
+                    list(pool.map(get, work[:50]))  # connections open, code warm
+                    c0, t0 = time.process_time(), time.monotonic()
+                    list(pool.map(get, work))
+                    cpu, wall = time.process_time() - c0, time.monotonic() - t0
+                    per_request.setdefault(name, []).append(1000 * cpu / len(work))
+                    print(f"round {round_no} {name:9s} {wall:6.2f}s wall, "
+                          f"{1000 * cpu / len(work):.2f} ms CPU per request",
+                          file=sys.stderr)  # fmt: skip
+    print(f"`python bench/request_cost.py --rounds {args.rounds}` ({args.requests} GETs of "
+          f"{args.size} bytes per mode and round, {args.threads} threads)\n")  # fmt: skip
+    print("| path | ms CPU per request (median) | rounds |\n|---|--:|---|")
+    for name, values in per_request.items():
+        rounds = ", ".join(f"{v:.2f}" for v in values)
+        print(f"| {name} | {statistics.median(values):.2f} | {rounds} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""The progress annotation: one compact JSON document on the agent's Node, for ``prefetch status``.
+
+The annotation (:data:`~prefetch.constants.PROGRESS_ANNOTATION`) says, per configured model, its
+phase, bytes done and total of the current sync, the download rate and an ETA, plus when it was
+written and whether every required model is ready::
+
+    {"v":1,"at":"2026-12-03T18:10:00Z","ready":false,"prefix":"model-prefetch.io",
+     "taint":"model-prefetch.io/warming","models":[{"name":"llama","phase":"syncing",
+     "done":1073741824,"total":16060522496,"rate":52428800,"eta":286}]}
+
+**The write rule** (:class:`WriteLimiter`): never two writes less than ``PROGRESS_INTERVAL``
+(30 s) apart. A write is due when what the note *says* changed since the last successful write
+(a model's phase, or all-ready: so warming start and all ready go out as soon as the interval
+allows), or, while bytes are moving, once per interval to refresh the numbers. In the steady
+state (everything ready, nothing fetching) nothing is written. A failed write counts against
+the interval like a successful one (a struggling API server gets at most one try per interval)
+but leaves the change due, so it is tried again. The cost of that at 1,000 nodes is worked out
+in docs/operations.md.
+
+Phases in the note are the scheduler's, except that a ready model being re-verified, or checked
+against its source with nothing to fetch, shows ``ready``: those periodic checks would otherwise
+make two writes per model per ``resolveInterval`` on every node, for nothing an operator needs.
+
+The PATCH itself is :class:`NodeAnnotator`'s (the node gate, :meth:`NodeGate.annotate`): one
+merge patch, no GET, run in a worker thread from a background task, so it never blocks the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from prefetch.agent.scheduler import ModelPhase, ModelState
+from prefetch.constants import PROGRESS_ANNOTATION, PROGRESS_INTERVAL
+from prefetch.logjson import scrub
+from prefetch.metrics import AgentMetrics
+from prefetch.units import iso_utc
+
+log = logging.getLogger(__name__)
+
+#: The note's format version (``"v"``); ``prefetch status`` refuses notes it does not know.
+NOTE_VERSION = 1
+#: Phases during which bytes move and the numbers are refreshed every interval.
+_MOVING = frozenset({"syncing", "updating"})
+
+Note = dict[str, Any]
+#: What counts as a change that matters: each model's shown phase, and all-ready.
+Shape = tuple[tuple[tuple[str, str], ...], bool]
+
+
+@runtime_checkable
+class NodeAnnotator(Protocol):
+    """Sets one annotation on the agent's node (:class:`~prefetch.agent.node.NodeGate` does)."""
+
+    def annotate(self, key: str, value: str) -> None: ...
+
+
+def shown_phase(ms: ModelState) -> str:
+    """The phase the note shows: the scheduler's, but ``ready`` for a ready model that is only
+    being re-verified or checked against its source (nothing to fetch)."""
+    if ms.ready and ms.phase is ModelPhase.VERIFYING:
+        return "ready"
+    if ms.ready and ms.phase is ModelPhase.UPDATING and not (ms.sink and ms.sink.total):
+        return "ready"
+    return ms.phase.value
+
+
+def model_note(ms: ModelState, rate: float) -> Note:
+    """One model's entry: phase, bytes done/total of the current sync (of the model when it is
+    ready), rate in bytes/s, ETA in seconds (None while unknown)."""
+    phase = shown_phase(ms)
+    entry: Note = {"name": ms.spec.name, "phase": phase}
+    sink = ms.sink
+    if phase in _MOVING and sink is not None and ms.syncing:
+        total = sink.total or None
+        done = min(sink.done, sink.total) if total else sink.done
+        remaining = max(sink.total - sink.done, 0)
+        entry |= {
+            "done": done,
+            "total": total,
+            "rate": round(rate),
+            "eta": math.ceil(remaining / rate) if total and rate > 0 else None,
+        }
+    elif ms.ready:
+        entry |= {"done": ms.bytes_total, "total": ms.bytes_total}
+    if phase == "failed" and ms.error_reason:
+        entry["reason"] = ms.error_reason
+    return entry
+
+
+def build_note(
+    models: Sequence[ModelState],
+    rate: Callable[[str], float],
+    *,
+    all_ready: bool,
+    prefix: str,
+    taint: str,
+    now: float,
+) -> Note:
+    """The whole note; ``now`` is Unix time, ``rate(model)`` bytes/s."""
+    return {
+        "v": NOTE_VERSION,
+        "at": iso_utc(now),
+        "ready": all_ready,
+        "prefix": prefix,
+        "taint": taint,
+        "models": [model_note(ms, rate(ms.spec.name)) for ms in models],
+    }
+
+
+def note_shape(note: Note) -> Shape:
+    return tuple((m["name"], m["phase"]) for m in note["models"]), bool(note["ready"])
+
+
+def moving(note: Note) -> bool:
+    return any(m["phase"] in _MOVING for m in note["models"])
+
+
+def encode(note: Note) -> str:
+    """Compact JSON: the annotation is copied to every watcher of the Node, so bytes count."""
+    return json.dumps(note, separators=(",", ":"))
+
+
+class WriteLimiter:
+    """Decides when the note is written (the rule is in the module docstring).
+
+    ``clock`` is monotonic seconds; tests pass their own."""
+
+    def __init__(
+        self, interval: float = PROGRESS_INTERVAL, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.interval = interval
+        self._clock = clock
+        self._attempted = -math.inf
+        self._written: Shape | None = None
+
+    def due(self, shape: Shape, in_flight: bool) -> bool:
+        if self._clock() - self._attempted < self.interval:
+            return False
+        return shape != self._written or in_flight
+
+    def attempting(self) -> None:
+        self._attempted = self._clock()
+
+    def written(self, shape: Shape) -> None:
+        self._written = shape
+
+
+class ProgressReporter:
+    """Writes the note when :class:`WriteLimiter` says so, through whatever annotator the node
+    gate provides now (none outside a cluster: then nothing is written)."""
+
+    def __init__(
+        self,
+        build: Callable[[], Note],
+        annotator: Callable[[], object | None],
+        metrics: AgentMetrics,
+        limiter: WriteLimiter | None = None,
+    ) -> None:
+        self._build = build
+        self._annotator = annotator
+        self._metrics = metrics
+        self.limiter = limiter or WriteLimiter()
+        self.last_error: str | None = None
+
+    async def maybe_write(self) -> None:
+        """Write the note if it is due; on the loop, the PATCH in a worker thread."""
+        annotator = self._annotator()
+        if not isinstance(annotator, NodeAnnotator):
+            return
+        note = self._build()
+        shape = note_shape(note)
+        if not self.limiter.due(shape, moving(note)):
+            return
+        self.limiter.attempting()
+        try:
+            await asyncio.to_thread(annotator.annotate, PROGRESS_ANNOTATION, encode(note))
+        except Exception as exc:
+            self._metrics.progress_writes.labels("failed").inc()
+            self.last_error = scrub(str(exc))
+            log.warning(
+                "could not write the progress annotation: %s",
+                self.last_error,
+                extra={"phase": "progress", "error": self.last_error},
+            )
+            return
+        self._metrics.progress_writes.labels("ok").inc()
+        self.limiter.written(shape)
+        self.last_error = None

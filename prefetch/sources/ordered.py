@@ -1,0 +1,116 @@
+"""Ordered sources: a Hub model's mirrors first, the Hub after; the one place the fallback lives.
+
+:func:`prefetch.sources.open_source` builds an :class:`OrderedSource` for a model with
+``mirrors``, so ``prefetch pull --mirror`` and the agent fall back by the same rule:
+
+* resolving tries each source in order and keeps the first that has the revision (a pinned
+  commit: the first source that has that commit);
+* it moves on when a source lacks it (:class:`~prefetch.errors.NotFoundError`: no ref, no
+  commit, no bucket), refuses access, or stays unreachable or throttled after its retries
+  (:class:`~prefetch.errors.TransientSourceError`);
+* it never moves on from anything else: a mirror of another repo (ConfigError), malformed
+  metadata (InvalidListingError). And once a source has resolved, the sync reads from it alone,
+  so bytes that differ from the recorded ids fail the sync as a checksum failure, never a
+  silent fallback to the Hub.
+
+The snapshot's ``source`` names the source that served it (``SyncResult.served_by``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+from prefetch.errors import (
+    AccessDeniedError,
+    NotFoundError,
+    SourceError,
+    TransientSourceError,
+)
+from prefetch.redact import redact
+from prefetch.snapshot import RemoteFile, Snapshot
+from prefetch.sources.base import RangeReader, Source
+from prefetch.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+#: The failures that make the next source worth trying: this one lacks the revision, or cannot
+#: be reached or used right now. Anything else is a problem to fix, raised as it is.
+FALLBACK_ERRORS: tuple[type[SourceError], ...] = (
+    NotFoundError,
+    AccessDeniedError,
+    TransientSourceError,
+)
+
+
+class OrderedSource:
+    """Sources tried in order (``(uri, source)`` pairs); reads go to the one that resolved.
+
+    Each resolved file's locator remembers its source, so ``describe`` and ``open_range`` of a
+    snapshot reach the source that listed it, whatever resolves came after."""
+
+    def __init__(self, candidates: Sequence[tuple[str, Source]]) -> None:
+        if not candidates:
+            raise ValueError("an ordered source needs at least one source")
+        self._candidates = tuple(candidates)
+        self._owners: dict[str, Source] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def uris(self) -> tuple[str, ...]:
+        return tuple(uri for uri, _ in self._candidates)
+
+    def resolve(self, spec: ModelSpec) -> Snapshot:
+        failures: list[tuple[str, SourceError]] = []
+        for position, (uri, source) in enumerate(self._candidates):
+            try:
+                snapshot = source.resolve(spec)
+            except FALLBACK_ERRORS as exc:
+                failures.append((uri, exc))
+                following = self._candidates[position + 1 :]
+                if following:
+                    log.warning(
+                        "%s: %s cannot serve it (%s); trying %s",
+                        spec.name, uri, redact(str(exc)), following[0][0],
+                        extra={"phase": "resolve"},
+                    )  # fmt: skip
+                continue
+            self._remember(snapshot, source)
+            if failures:
+                log.info("%s: served by %s", spec.name, uri, extra={"phase": "resolve"})
+            return snapshot
+        raise _none_served(spec, failures)
+
+    def _remember(self, snapshot: Snapshot, source: Source) -> None:
+        with self._lock:
+            for f in snapshot.files:
+                self._owners[f.locator] = source
+
+    def _owner(self, file: RemoteFile) -> Source:
+        with self._lock:
+            owner = self._owners.get(file.locator)
+        if owner is None:
+            raise SourceError(f"{file.path}: not listed by any source of this model")
+        return owner
+
+    def describe(self, file: RemoteFile) -> RemoteFile:
+        return self._owner(file).describe(file)
+
+    def open_range(self, file: RemoteFile, start: int, end: int) -> RangeReader:
+        return self._owner(file).open_range(file, start, end)
+
+
+def _none_served(spec: ModelSpec, failures: list[tuple[str, SourceError]]) -> SourceError:
+    """The error when every source failed: of the last source's kind (so a caller still tells
+    "not found" from "unreachable"), naming why each one could not serve."""
+    last = failures[-1][1]
+    if len(failures) == 1:
+        return last
+    reasons = "; ".join(f"{uri}: {exc}" for uri, exc in failures)
+    message = f"no source could serve {spec.source}: {reasons}"
+    error: SourceError = type(last)(message)
+    error.__cause__ = last
+    if last.hint is not None:
+        error.hint = last.hint
+    return error

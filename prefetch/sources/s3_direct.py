@@ -1,0 +1,344 @@
+"""ListObjectsV2 without botocore: what a no-op pull of an S3 model needs, and nothing more.
+
+A pull of a model that is already complete lists the prefix and compares sizes and ETags with
+the local records. Importing botocore (it loads awscrt's native library) and creating a client
+(it reads the 1.25 MB ``endpoints.json`` and the S3 service model) cost ~0.5 CPU-s, most of
+such a pull (bench/README.md, issue 15). So when the credentials are the plain static keys of
+the environment (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` [/ ``AWS_SESSION_TOKEN``]:
+botocore's first provider, which wins over every other), the listing is signed here (SigV4,
+``hashlib``/``hmac``), sent on the shared urllib3 pool (with the source's proxy) and its XML
+parsed with ``xml.etree``. Anything else (a profile, IRSA, IMDS, a CA bundle, FIPS or
+dual-stack endpoints, an access point ARN...) leaves :func:`direct_lister` returning None, and
+the caller uses botocore as before. The botocore client is only created when something needs
+it (describing or reading an object, a sidecar), see ``LazyS3Client`` in s3.py.
+
+Addressing is the one botocore uses for the same settings where it matters: a custom endpoint
+(``AWS_ENDPOINT_URL``, ``--endpoint-url``) path-style (``endpoint/bucket``), AWS itself
+virtual-hosted (``bucket.s3.<region>.amazonaws.com``; path-style for a bucket name with dots,
+as TLS needs). A bucket in another region answers 301/307/400 with ``x-amz-bucket-region``:
+the request is signed again for that region and sent once more.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+import os
+import re
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import SplitResult, quote, unquote_plus, urlsplit
+
+from prefetch import __version__, settings
+from prefetch.sources.s3_lean import LeanResponse
+
+_EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+_USER_AGENT = f"model-prefetch/{__version__}"
+#: A plain bucket name that can be a DNS label (no dots: a dotted name breaks TLS).
+_VIRTUAL_HOSTABLE = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
+_REGION = re.compile(r"^[a-z0-9-]{1,40}$")
+#: Settings under which botocore would address or sign differently: then botocore lists.
+_BOTOCORE_ONLY_ENV = (
+    "AWS_USE_FIPS_ENDPOINT", "AWS_USE_DUALSTACK_ENDPOINT",
+    "AWS_S3_US_EAST_1_REGIONAL_ENDPOINT", "AWS_ENDPOINT_URL_S3",
+    "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS",
+)  # fmt: skip
+#: Keys of a config-file profile under which botocore would address or sign differently.
+_BOTOCORE_ONLY_PROFILE_KEYS = (
+    "s3", "use_fips_endpoint", "use_dualstack_endpoint", "endpoint_url", "services",
+    "s3_use_arn_region", "s3_disable_multiregion_access_points",
+)  # fmt: skip
+#: A listing page's XML is read up to this size (1000 keys of 1 KiB each fit in ~1.5 MB).
+MAX_PAGE_BYTES = 16 * 1024 * 1024
+_REDIRECT_STATUSES = (301, 307, 400)
+
+
+@dataclass(frozen=True)
+class StaticCredentials:
+    access_key: str
+    secret_key: str
+    token: str | None = None
+
+
+def env_credentials(environ: Mapping[str, str]) -> StaticCredentials | None:
+    """The environment's static keys, as botocore's environment provider reads them."""
+    access_key = environ.get("AWS_ACCESS_KEY_ID", "")
+    secret_key = environ.get("AWS_SECRET_ACCESS_KEY", "")
+    if not access_key or not secret_key:
+        return None
+    token = environ.get("AWS_SESSION_TOKEN") or environ.get("AWS_SECURITY_TOKEN") or None
+    return StaticCredentials(access_key, secret_key, token)
+
+
+def _uri_encode(text: str, *, keep_slash: bool = False) -> str:
+    """SigV4's URI encoding: everything but the unreserved characters (and '/' in a path)."""
+    return quote(text, safe="-_.~/" if keep_slash else "-_.~")
+
+
+def canonical_query(params: Mapping[str, str]) -> str:
+    """The query string, encoded and sorted as SigV4 signs it (and as it is sent)."""
+    pairs = sorted((_uri_encode(k), _uri_encode(v)) for k, v in params.items())
+    return "&".join(f"{k}={v}" for k, v in pairs)
+
+
+def sign_v4(
+    method: str,
+    url: str,
+    credentials: StaticCredentials,
+    region: str,
+    *,
+    now: datetime.datetime | None = None,
+) -> dict[str, str]:
+    """The headers (X-Amz-Date, X-Amz-Content-SHA256, [X-Amz-Security-Token], Authorization)
+    that sign a bodyless S3 request for ``url`` (path and query already encoded as sent: see
+    :func:`canonical_query`). The Host header signed is the one ``http.client`` sends (the port
+    only when it is not the scheme's default); it is not returned: set twice, a proxy refuses
+    the request."""
+    now = now or datetime.datetime.now(datetime.UTC)
+    amz_date = now.strftime("%Y%m%dT%H%M%SZ")
+    day = amz_date[:8]
+    parts = urlsplit(url)
+    headers = {
+        "host": _host_header(parts),
+        "x-amz-content-sha256": _EMPTY_SHA256,
+        "x-amz-date": amz_date,
+    }
+    if credentials.token:
+        headers["x-amz-security-token"] = credentials.token
+    names = sorted(headers)
+    canonical = "\n".join(
+        [
+            method,
+            parts.path or "/",
+            parts.query,
+            "".join(f"{n}:{headers[n].strip()}\n" for n in names),
+            ";".join(names),
+            _EMPTY_SHA256,
+        ]
+    )
+    scope = f"{day}/{region}/s3/aws4_request"
+    to_sign = "\n".join(
+        ["AWS4-HMAC-SHA256", amz_date, scope, hashlib.sha256(canonical.encode()).hexdigest()]
+    )
+    key = f"AWS4{credentials.secret_key}".encode()
+    for part in (day, region, "s3", "aws4_request"):
+        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+    signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
+    headers["authorization"] = (
+        f"AWS4-HMAC-SHA256 Credential={credentials.access_key}/{scope}, "
+        f"SignedHeaders={';'.join(names)}, Signature={signature}"
+    )
+    del headers["host"]
+    return headers
+
+
+def _host_header(parts: SplitResult) -> str:
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"  # an IPv6 literal
+    default = 443 if parts.scheme == "https" else 80
+    return host if parts.port in (None, default) else f"{host}:{parts.port}"
+
+
+def bucket_base_url(bucket: str, endpoint_url: str | None, region: str) -> str:
+    """Where the bucket's keys are (ends with '/'): see the module docstring."""
+    if endpoint_url:
+        return f"{endpoint_url.rstrip('/')}/{bucket}/"
+    if _VIRTUAL_HOSTABLE.match(bucket):
+        return f"https://{bucket}.s3.{region}.amazonaws.com/"
+    return f"https://s3.{region}.amazonaws.com/{bucket}/"
+
+
+def _local(tag: str) -> str:
+    return tag.rsplit("}", 1)[-1]
+
+
+def parse_list_page(body: bytes) -> dict[str, Any]:
+    """A ListObjectsV2 answer (``encoding-type=url``) in botocore's shape: ``Contents`` (Key,
+    Size, ETag), ``CommonPrefixes``, ``IsTruncated``, ``NextContinuationToken``, keys decoded."""
+    root = ET.fromstring(body)  # the configured endpoint's answer, size-bounded
+    if _local(root.tag) != "ListBucketResult":
+        raise ValueError(f"not a ListBucketResult: <{_local(root.tag)}>")
+    encoded = False
+    page: dict[str, Any] = {"Contents": [], "CommonPrefixes": [], "IsTruncated": False}
+    for child in root:
+        name = _local(child.tag)
+        if name == "EncodingType":
+            encoded = (child.text or "").strip().lower() == "url"
+    decode: Callable[[str], str] = unquote_plus if encoded else (lambda s: s)
+    for child in root:
+        name = _local(child.tag)
+        if name == "Contents":
+            fields = {_local(c.tag): c.text or "" for c in child}
+            page["Contents"].append(
+                {
+                    "Key": decode(fields["Key"]),
+                    "Size": int(fields.get("Size") or 0),
+                    "ETag": fields.get("ETag", ""),
+                }
+            )
+        elif name == "CommonPrefixes":
+            for c in child:
+                if _local(c.tag) == "Prefix":
+                    page["CommonPrefixes"].append({"Prefix": decode(c.text or "")})
+        elif name == "IsTruncated":
+            page["IsTruncated"] = (child.text or "").strip().lower() == "true"
+        elif name == "NextContinuationToken":
+            page["NextContinuationToken"] = child.text or ""
+    if page["IsTruncated"] and not page.get("NextContinuationToken"):
+        # listing on from nothing would list the first page again, for ever
+        raise ValueError("a truncated listing page without a continuation token")
+    return page
+
+
+class DirectLister:
+    """``list_objects_v2`` of one bucket, signed here (see the module docstring)."""
+
+    def __init__(
+        self,
+        bucket: str,
+        *,
+        endpoint_url: str | None,
+        region: str,
+        credentials: StaticCredentials,
+        http: Any,
+        timeout: Any = None,
+        on_error: Callable[[str, LeanResponse], Exception],
+    ) -> None:
+        self.bucket = bucket
+        self.endpoint_url = endpoint_url
+        self.region = region
+        self._credentials = credentials
+        self._http = http
+        self._timeout = timeout
+        self._on_error = on_error
+
+    @property
+    def base_url(self) -> str:
+        return bucket_base_url(self.bucket, self.endpoint_url, self.region)
+
+    def list_objects_v2(
+        self,
+        *,
+        # botocore's parameter names, so callers call either alike
+        Bucket: str,
+        Prefix: str = "",
+        MaxKeys: int = 1000,
+        ContinuationToken: str | None = None,
+        Delimiter: str | None = None,
+    ) -> dict[str, Any]:
+        """One page, in botocore's answer shape (error answers raise ``on_error``'s error)."""
+        if Bucket != self.bucket:
+            raise ValueError(f"this lister lists {self.bucket}, not {Bucket}")
+        params = {"list-type": "2", "prefix": Prefix, "max-keys": str(MaxKeys)}
+        params["encoding-type"] = "url"
+        if ContinuationToken:
+            params["continuation-token"] = ContinuationToken
+        if Delimiter:
+            params["delimiter"] = Delimiter
+        query = canonical_query(params)
+        answer = self._send(query)
+        if answer.status in _REDIRECT_STATUSES:
+            moved = answer.headers.get("x-amz-bucket-region")
+            if moved and moved != self.region and _REGION.match(moved):
+                _drain(answer.raw)
+                self.region = moved  # the bucket's region, for every later request too
+                answer = self._send(query)
+        if answer.status != 200:
+            raise self._on_error(f"listing s3://{self.bucket}/{Prefix}", answer)
+        try:
+            body = answer.raw.read(MAX_PAGE_BYTES + 1)
+        finally:
+            answer.raw.release_conn()
+        if len(body) > MAX_PAGE_BYTES:
+            raise ValueError(f"a listing page larger than {MAX_PAGE_BYTES} bytes")
+        return parse_list_page(body)
+
+    def _send(self, query: str) -> LeanResponse:
+        base = self.base_url
+        path_only = base[:-1] if base.endswith("/") and urlsplit(base).path != "/" else base
+        url = f"{path_only}?{query}"
+        headers = sign_v4("GET", url, self._credentials, self.region)
+        headers["user-agent"] = _USER_AGENT
+        kwargs: dict[str, Any] = {"headers": headers, "preload_content": False, "redirect": False}
+        if self._timeout is not None:
+            kwargs["timeout"] = self._timeout
+        resp = self._http.request("GET", url, **kwargs)
+        return LeanResponse(int(resp.status), resp.headers, resp)
+
+
+def _drain(raw: Any) -> None:
+    try:
+        raw.read(64 * 1024)
+    finally:
+        raw.release_conn()
+
+
+@dataclass(frozen=True)
+class DirectSettings:
+    """What a direct listing needs to know, as botocore would have resolved it."""
+
+    credentials: StaticCredentials
+    region: str
+    endpoint_url: str | None
+
+
+def direct_settings(
+    bucket: str,
+    *,
+    endpoint_url: str | None,
+    region: str | None,
+    credentials: StaticCredentials | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> DirectSettings | None:
+    """The credentials, region and endpoint to list ``bucket`` with, when this module can do it
+    exactly as botocore would; None when botocore must (see the module docstring).
+    ``credentials``: keys given to the client itself (they win over the environment's)."""
+    env = settings.aws_environ(environ)
+    if any(env.get(name) for name in _BOTOCORE_ONLY_ENV):
+        return None
+    if not re.fullmatch(r"[a-z0-9][a-z0-9.\-_]{1,254}", bucket):
+        return None  # an access point ARN, or a name botocore would refuse or rewrite
+    if bucket.endswith(("--x-s3", "--ol-s3")):
+        return None  # S3 Express directory bucket / Object Lambda: their own auth
+    credentials = credentials or env_credentials(env)
+    if credentials is None:
+        return None
+    profile = _profile_section(env)
+    if profile is None:
+        return None
+    if any(key in profile for key in _BOTOCORE_ONLY_PROFILE_KEYS):
+        return None
+    chosen = region or env.get("AWS_DEFAULT_REGION") or profile.get("region") or "us-east-1"
+    if not _REGION.match(chosen):
+        return None
+    endpoint = endpoint_url or env.get("AWS_ENDPOINT_URL") or None
+    plain_http = endpoint is not None and endpoint.lower().startswith("http://")
+    if not plain_http and (env.get("AWS_CA_BUNDLE") or profile.get("ca_bundle")):
+        return None  # TLS with a CA bundle of its own: botocore's pool is configured for it
+    return DirectSettings(credentials, chosen, endpoint)
+
+
+def _profile_section(env: Mapping[str, str]) -> dict[str, str] | None:
+    """The config file's section of the active profile ({} when there is no file, or no such
+    section for the default profile); None when botocore would fail or must decide (a named
+    profile that is not there, a file that does not parse)."""
+    import configparser
+
+    name = env.get("AWS_DEFAULT_PROFILE") or env.get("AWS_PROFILE") or "default"
+    path = os.path.expanduser(env.get("AWS_CONFIG_FILE") or "~/.aws/config")
+    parser = configparser.RawConfigParser()
+    try:
+        with open(path, encoding="utf-8") as f:
+            parser.read_file(f)
+    except FileNotFoundError:
+        return {} if name == "default" else None
+    except (OSError, UnicodeError, configparser.Error):
+        return None
+    section = "default" if name == "default" else f"profile {name}"
+    if not parser.has_section(section):
+        return {} if name == "default" else None
+    return {k.strip(): v.strip() for k, v in parser.items(section)}

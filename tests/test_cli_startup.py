@@ -1,0 +1,43 @@
+"""The command line starts without the heavy libraries only some commands need (issue 15:
+start-up decides small pulls and no-op pulls); commands imported lazily still work."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import click
+from click.testing import CliRunner
+
+from prefetch.cli import _LazyGroup, main
+
+#: Libraries `import prefetch.cli` must not load: each is imported by the command that needs it.
+HEAVY = (
+    "boto3", "botocore", "huggingface_hub", "kubernetes", "prometheus_client", "awscrt", "psutil",
+    "yaml", "prefetch.agent", "prefetch.sources.s3", "prefetch.sources.hf",
+)  # fmt: skip
+
+
+def test_importing_the_cli_loads_no_sdk_or_agent_module() -> None:
+    code = (
+        "import json, sys; import prefetch.cli; "
+        f"print(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == []
+
+
+def test_lazy_commands_are_listed_and_resolve_to_themselves() -> None:
+    ctx = click.Context(main)
+    names = main.list_commands(ctx)
+    for name in _LazyGroup.lazy_commands:
+        assert name in names
+        command = main.get_command(ctx, name)
+        assert command is not None and command.name == name
+
+
+def test_help_of_a_lazy_command_runs() -> None:
+    result = CliRunner().invoke(main, ["agent", "--help"])
+    assert result.exit_code == 0, result.output
+    assert "--config" in result.output
