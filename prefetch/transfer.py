@@ -52,6 +52,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -649,25 +650,15 @@ class Transfer:
                     raise Cancelled("stopped")
                 # fill the buffer (full buffers keep O_DIRECT writes aligned), never past a chunk
                 want = min(len(view), job.chunks[cursor.indices[cursor.k]][1] - cursor.pos)
-                got = 0
+                got = Filled()
                 try:
-                    while got < want:
-                        try:
-                            n = reader.readinto(view[got : min(want, got + self._slice)])
-                        except PrefetchError:
-                            watch.raise_if_aborted()
-                            raise
-                        watch.raise_if_aborted()
-                        if n <= 0:
-                            raise TransientSourceError(
-                                f"{job.file.path}: connection closed at byte "
-                                f"{cursor.pos + got} of {job.file.size}"
-                            )
-                        got += n
-                        watch.received += n
+                    fill_watched(
+                        reader, watch, view[:want], got, slice_size=self._slice, stop=self._stop,
+                        closed=partial(connection_closed, job.file, cursor.pos),
+                    )  # fmt: skip
                 finally:
-                    if got:  # also on errors: keep what arrived, the retry starts after it
-                        self._write(job, view[:got], cursor)
+                    if got.pos:  # also on errors: keep what arrived, the retry starts after it
+                        self._write(job, view[: got.pos], cursor)
         finally:
             self._watchdog.unwatch(watch)
             reader.close()
@@ -728,6 +719,52 @@ class _Watch:
     def raise_if_aborted(self) -> None:
         if self.reason is not None:
             raise self.reason
+
+
+@dataclass
+class Filled:
+    """How much of a view :func:`fill_watched` has filled; it stays right when the read fails,
+    so the caller keeps what arrived and a retry starts after it."""
+
+    pos: int = 0
+
+
+def connection_closed(file: RemoteFile, start: int, filled: int) -> str:
+    """The message for a body that ended ``filled`` bytes into a read starting at ``start``."""
+    return f"{file.path}: connection closed at byte {start + filled} of {file.size}"
+
+
+def fill_watched(
+    reader: Any,
+    watch: _Watch,
+    view: memoryview,
+    filled: Filled,
+    *,
+    slice_size: int,
+    stop: threading.Event,
+    closed: Callable[[int], str],
+    on_bytes: Callable[[int], None] | None = None,
+) -> None:
+    """Read ``reader`` into ``view[filled.pos:]`` until it is full, ``slice_size`` bytes per
+    ``readinto`` so the watchdog sees bytes arrive. The one read loop of every driver of ranged
+    reads (the pull engine, the mirror): a read the watchdog aborted (stop, stall, deadline)
+    raises the watchdog's reason rather than whatever the reader said; a closed connection is
+    a TransientSourceError with the message ``closed(filled.pos)``."""
+    while filled.pos < len(view):
+        if stop.is_set():
+            raise Cancelled("stopped")
+        try:
+            n = reader.readinto(view[filled.pos : min(len(view), filled.pos + slice_size)])
+        except PrefetchError:
+            watch.raise_if_aborted()
+            raise
+        watch.raise_if_aborted()
+        if n <= 0:
+            raise TransientSourceError(closed(filled.pos))
+        filled.pos += n
+        watch.received += n
+        if on_bytes is not None:
+            on_bytes(n)
 
 
 class _Watchdog:
@@ -894,11 +931,14 @@ Watchdog = _Watchdog
 
 __all__ = [
     "Cancelled",
+    "Filled",
     "PrefetchError",
     "Transfer",
     "TransferConfig",
     "TransferStats",
     "Watchdog",
+    "connection_closed",
+    "fill_watched",
     "group_chunks",
     "plan_chunks",
     "read_slice",

@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -274,6 +275,32 @@ def wait_for(
             extra = f"\n{json.dumps(dump(), indent=1, default=str)}" if dump else ""
             raise AssertionError(f"timed out after {timeout}s waiting for {what}{extra}")
         time.sleep(interval)
+
+
+def kill_9_when(
+    proc: subprocess.Popen[bytes],
+    reached: Callable[[], bool],
+    what: str,
+    *,
+    timeout: float = 60.0,
+    interval: float = 0.01,
+) -> None:
+    """SIGKILL ``proc`` as soon as ``reached()`` (a crash mid-work, for the resume tests); fail
+    if it ended first. Its pipes are closed and it is reaped whatever happens."""
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not reached():
+            time.sleep(interval)
+        assert proc.poll() is None, f"the {what} ended before it could be killed: {proc.poll()}"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
 
 
 # -- the agent ------------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.transfer import TransferConfig
 
 from .fakes.hubserver import HubServer, make_model_dir
-from .support import HUB_TOKEN, REPO_ROOT, run_cli, server_files, upload
+from .support import HUB_TOKEN, REPO_ROOT, kill_9_when, run_cli, server_files, upload
 
 MiB = 1024 * 1024
 REPO = "acme/mirrored"
@@ -444,20 +443,9 @@ def test_kill_9_mid_mirror_then_resume_reuses_the_uploaded_parts(
                 "--concurrency", "2"]  # fmt: skip
         proc = subprocess.Popen(args, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE)  # fmt: skip
-        try:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and uploaded_bytes(s3_client, bucket) < total // 3:
-                time.sleep(0.05)
-            assert proc.poll() is None, f"the mirror ended before it could be killed: {proc.poll()}"
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-            assert proc.stdout is not None and proc.stderr is not None
-            proc.stdout.close()
-            proc.stderr.close()
+        kill_9_when(
+            proc, lambda: uploaded_bytes(s3_client, bucket) >= total // 3, "mirror", interval=0.05
+        )
         hub.faults.clear()
         left = {u["Key"] for u in uploads_in_progress(s3_client, bucket)}
         assert left, "the killed mirror left no upload to resume"

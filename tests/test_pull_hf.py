@@ -8,7 +8,6 @@ import hashlib
 import io
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -51,6 +50,7 @@ from .support import (
     clean_env,
     hf_check,
     journaled_bytes,
+    kill_9_when,
     run_cli,
     server_files,
 )
@@ -544,22 +544,8 @@ def test_resume_after_sigkill_fetches_less_than_30_percent(tmp_path: Path) -> No
         args = [sys.executable, "-m", "prefetch.cli", "pull", "hf://acme/big", str(home),
                 "--json", "--concurrency", "2", "--chunk-size", "4MiB"]  # fmt: skip
         proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        try:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                if on_disk(hub, "acme/big", home) >= 0.8 * total_dir:
-                    break
-                time.sleep(0.002)
-            assert proc.poll() is None, f"the pull ended before it could be killed: {proc.poll()}"
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-            assert proc.stdout is not None and proc.stderr is not None
-            proc.stdout.close()
-            proc.stderr.close()
+        almost = 0.8 * total_dir
+        kill_9_when(proc, lambda: on_disk(hub, "acme/big", home) >= almost, "pull", interval=0.002)
         hub.faults.clear()
         second = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
         assert second.returncode == 0, second.stderr

@@ -308,18 +308,7 @@ class NodeGate:
         """
         body = {"metadata": {"annotations": {key: value}}}
         try:
-            resp = self._api.patch_node(
-                self.node_name,
-                body,
-                field_manager=FIELD_MANAGER,
-                _content_type=_MERGE_PATCH,
-                _preload_content=False,
-                _request_timeout=self._timeout,
-            )
-            try:
-                resp.drain_conn()
-            finally:
-                resp.release_conn()
+            self._send_patch(body, _MERGE_PATCH)
         except ApiException as exc:
             raise self._fatal(exc, "patch", _describe(exc)) from exc
         except (urllib3.exceptions.HTTPError, OSError) as exc:
@@ -357,11 +346,15 @@ class NodeGate:
         return node
 
     def _patch(self, plan: _Plan) -> None:
+        self._send_patch(plan.patch(), _JSON_PATCH)
+
+    def _send_patch(self, body: Any, content_type: str) -> None:
+        """PATCH the node; the answer is read and the connection goes back to the pool."""
         resp = self._api.patch_node(
             self.node_name,
-            plan.patch(),
+            body,
             field_manager=FIELD_MANAGER,
-            _content_type=_JSON_PATCH,
+            _content_type=content_type,
             _preload_content=False,
             _request_timeout=self._timeout,
         )

@@ -31,6 +31,7 @@ import threading
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from prefetch import verify
@@ -38,7 +39,6 @@ from prefetch.errors import (
     ChecksumMismatchError,
     ConfigError,
     DeadlineExceededError,
-    PrefetchError,
     SourceError,
     TransientSourceError,
 )
@@ -54,7 +54,15 @@ from prefetch.mirror.upload import (
 from prefetch.progress import NullProgress, ProgressSink
 from prefetch.snapshot import Checksum, RemoteFile
 from prefetch.sources.base import Source
-from prefetch.transfer import Cancelled, TransferConfig, Watchdog, read_slice
+from prefetch.transfer import (
+    Cancelled,
+    Filled,
+    TransferConfig,
+    Watchdog,
+    connection_closed,
+    fill_watched,
+    read_slice,
+)
 
 log = logging.getLogger(__name__)
 MiB = 1024 * 1024
@@ -166,11 +174,6 @@ class _Job:
     @property
     def path(self) -> str:
         return self.blob.file.path
-
-
-@dataclass
-class _Pos:
-    pos: int = 0
 
 
 Futures = dict[Future[Any], tuple[str, Any]]
@@ -471,7 +474,7 @@ class PartStreamer:
         """Fill ``view`` with the file's bytes from ``start``, retrying transient failures from
         the last byte received, as the pull engine does."""
         policy = self._config.transfer.retry
-        at = _Pos()
+        at = Filled()
         attempt = 1
         while True:
             if self._stop.is_set():
@@ -494,31 +497,23 @@ class PartStreamer:
                     raise Cancelled("stopped") from exc
                 attempt += 1
 
-    def _read_once(self, file: RemoteFile, start: int, view: memoryview, at: _Pos) -> None:
+    def _read_once(self, file: RemoteFile, start: int, view: memoryview, at: Filled) -> None:
         end = start + len(view)
         reader = self._source.open_range(file, start + at.pos, end)
         watch = self._watchdog.watch(reader, f"{file.path} bytes {start + at.pos}-{end - 1}")
         try:
-            while at.pos < len(view):
-                if self._stop.is_set():
-                    raise Cancelled("stopped")
-                try:
-                    n = reader.readinto(view[at.pos : min(len(view), at.pos + self._slice)])
-                except PrefetchError:
-                    watch.raise_if_aborted()
-                    raise
-                watch.raise_if_aborted()
-                if n <= 0:
-                    raise TransientSourceError(
-                        f"{file.path}: connection closed at byte {start + at.pos} of {file.size}"
-                    )
-                at.pos += n
-                watch.received += n
-                self.stats.add(bytes_read=n)
-                self._progress.advance(n)
+            fill_watched(
+                reader, watch, view, at, slice_size=self._slice, stop=self._stop,
+                closed=partial(connection_closed, file, start),
+                on_bytes=self._received,
+            )  # fmt: skip
         finally:
             self._watchdog.unwatch(watch)
             reader.close()
+
+    def _received(self, n: int) -> None:
+        self.stats.add(bytes_read=n)
+        self._progress.advance(n)
 
 
 def _same_bytes(part: UploadedPart, data: memoryview, crc: int) -> bool:
