@@ -611,31 +611,21 @@ class Transfer:
         """Fetch the consecutive chunks ``indices`` with one ranged request (more on retry)."""
         end = job.chunks[indices[-1]][1]
         view = self._buffer()
-        policy = self._config.retry
         cursor = _Cursor(job.chunks[indices[0]][0], indices)
         cursor.hasher = verify.ChunkHasher(job.checksum, *job.chunks[indices[0]], job.file.size)
-        attempt = 1
-        while True:
-            if self._stop.is_set():
-                raise Cancelled("stopped")
-            try:
-                self._read_range(job, cursor, end, view)
-                break
-            except TransientSourceError as exc:
-                if attempt >= policy.attempts:
-                    raise TransientSourceError(
-                        f"{job.file.path}: giving up after {attempt} attempts: {exc}"
-                    ) from exc
-                self.stats.retries += 1
-                self._progress.retry(str(exc))
-                delay = policy.delay(attempt, exc.retry_after)
-                log.info(
-                    "retrying %s at byte %d in %.2fs: %s", job.file.path, cursor.pos, delay, exc
-                )
-                if self._stop.wait(delay):
-                    raise Cancelled("stopped") from exc
-                attempt += 1
-                # the hasher has seen exactly [chunk start, cursor.pos): the retry continues there
+        retry_read(
+            lambda: self._read_range(job, cursor, end, view),
+            policy=self._config.retry,
+            stop=self._stop,
+            what=job.file.path,
+            position=lambda: cursor.pos,
+            on_retry=self._count_retry,
+        )
+        # on a retry the hasher has seen exactly [chunk start, cursor.pos): it continues there
+
+    def _count_retry(self, exc: TransientSourceError) -> None:
+        self.stats.retries += 1
+        self._progress.retry(str(exc))
 
     def _read_range(self, job: _FileJob, cursor: _Cursor, end: int, view: memoryview) -> None:
         """Read [cursor.pos, end) into the file; cursor.pos always marks what is written and
@@ -727,6 +717,40 @@ class Filled:
     so the caller keeps what arrived and a retry starts after it."""
 
     pos: int = 0
+
+
+def retry_read(
+    read: Callable[[], None],
+    *,
+    policy: RetryPolicy,
+    stop: threading.Event,
+    what: str,
+    position: Callable[[], int],
+    on_retry: Callable[[TransientSourceError], None],
+) -> None:
+    """Run ``read`` (one ranged request that resumes from ``position()`` when called again)
+    until it succeeds, retrying transient failures with the policy's backoff. The one retry loop
+    of every driver of ranged reads (the pull engine, the mirror); unlike
+    :func:`prefetch.retry.call_with_retries` a stop during the wait is :class:`Cancelled` (the
+    pull or mirror is resumable), not the transient error."""
+    attempt = 1
+    while True:
+        if stop.is_set():
+            raise Cancelled("stopped")
+        try:
+            read()
+            return
+        except TransientSourceError as exc:
+            if attempt >= policy.attempts:
+                raise TransientSourceError(
+                    f"{what}: giving up after {attempt} attempts: {exc}"
+                ) from exc
+            on_retry(exc)
+            delay = policy.delay(attempt, exc.retry_after)
+            log.info("retrying %s at byte %d in %.2fs: %s", what, position(), delay, exc)
+            if stop.wait(delay):
+                raise Cancelled("stopped") from exc
+            attempt += 1
 
 
 def connection_closed(file: RemoteFile, start: int, filled: int) -> str:
@@ -942,4 +966,5 @@ __all__ = [
     "group_chunks",
     "plan_chunks",
     "read_slice",
+    "retry_read",
 ]

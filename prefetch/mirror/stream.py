@@ -62,6 +62,7 @@ from prefetch.transfer import (
     connection_closed,
     fill_watched,
     read_slice,
+    retry_read,
 )
 
 log = logging.getLogger(__name__)
@@ -473,29 +474,19 @@ class PartStreamer:
     def _read(self, file: RemoteFile, start: int, view: memoryview) -> None:
         """Fill ``view`` with the file's bytes from ``start``, retrying transient failures from
         the last byte received, as the pull engine does."""
-        policy = self._config.transfer.retry
         at = Filled()
-        attempt = 1
-        while True:
-            if self._stop.is_set():
-                raise Cancelled("stopped")
-            try:
-                self._read_once(file, start, view, at)
-                return
-            except TransientSourceError as exc:
-                if attempt >= policy.attempts:
-                    raise TransientSourceError(
-                        f"{file.path}: giving up after {attempt} attempts: {exc}"
-                    ) from exc
-                self.stats.add(retries=1)
-                self._progress.retry(str(exc))
-                delay = policy.delay(attempt, exc.retry_after)
-                log.info(
-                    "retrying %s at byte %d in %.2fs: %s", file.path, start + at.pos, delay, exc
-                )
-                if self._stop.wait(delay):
-                    raise Cancelled("stopped") from exc
-                attempt += 1
+        retry_read(
+            lambda: self._read_once(file, start, view, at),
+            policy=self._config.transfer.retry,
+            stop=self._stop,
+            what=file.path,
+            position=lambda: start + at.pos,
+            on_retry=self._count_retry,
+        )
+
+    def _count_retry(self, exc: TransientSourceError) -> None:
+        self.stats.add(retries=1)
+        self._progress.retry(str(exc))
 
     def _read_once(self, file: RemoteFile, start: int, view: memoryview, at: Filled) -> None:
         end = start + len(view)
