@@ -18,8 +18,11 @@ sha256 of 256 MiB (OpenSSL, GIL released) read 0%: about +2-5 points. Needs root
 rights on the worker; SCHED_FIFO) and CPython 3.11.
 
 Modes, each a fresh subprocess, alternated over ``--runs`` rounds against one local SeaweedFS:
-  prefetch            the engine in-process (sync of an S3 prefix, verify on, defaults): the lean
-                      signed GETs (prefetch/sources/s3_lean.py)
+  prefetch            the engine in-process (sync of an S3 prefix, verify on, defaults) with the
+                      client the CLI makes (a LazyS3Client): with static keys, as here, every
+                      request is signed and sent without botocore (prefetch/sources/s3_direct.py)
+  prefetch-lean       the same on a boto3 client (as with IRSA or a profile): botocore's
+                      credentials and signer, the request on its HTTP session (s3_lean.py)
   prefetch-botocore   the same with every request through botocore (S3Source.lean_requests=False)
   awscrt              awscrt.s3.S3Client, one GET_OBJECT per object straight to a file
                       (recv_filepath: parts, parallelism and writes all native), part 8 MiB,
@@ -51,7 +54,7 @@ sys.path.insert(0, str(REPO))
 
 GB = 1e9
 BUCKET, PREFIX = "gil", "model"
-MODES = ("prefetch", "prefetch-botocore", "awscrt")
+MODES = ("prefetch", "prefetch-lean", "prefetch-botocore", "awscrt")
 #: A node of the issue's projection: 64 cores, 100 Gbit/s.
 NODE_GB_S = 100e9 / 8 / GB
 
@@ -128,18 +131,25 @@ def sample(pid: int, address: int, period: float) -> None:
 # ---- the workloads -----------------------------------------------------------------------------
 
 
-def prepare_prefetch(endpoint: str, dest: Path, *, lean: bool) -> Callable[[], int]:
+def prepare_prefetch(endpoint: str, dest: Path, *, mode: str) -> Callable[[], int]:
     from prefetch.layout import PlainLayout
-    from prefetch.locals3 import SeaweedS3
-    from prefetch.sources.s3 import S3Source
+    from prefetch.locals3 import REGION, SeaweedS3
+    from prefetch.sources.s3 import S3Source, lazy_s3_client
     from prefetch.spec import ModelSpec, parse_source_uri
     from prefetch.sync import sync
     from prefetch.transfer import TransferConfig
 
     server = SeaweedS3(endpoint=endpoint)
     spec = ModelSpec(source=parse_source_uri(f"s3://{BUCKET}/{PREFIX}/"))
-    source = S3Source(server.client(max_pool_connections=24), spec.source)
-    source.lean_requests = lean
+    if mode == "prefetch":
+        client: Any = lazy_s3_client(
+            endpoint_url=server.endpoint, access_key=server.access_key,
+            secret_key=server.secret_key, region=REGION, max_pool_connections=24,
+        )  # fmt: skip
+    else:
+        client = server.client(max_pool_connections=24)
+    source = S3Source(client, spec.source)
+    source.lean_requests = mode != "prefetch-botocore"
 
     def go() -> int:
         return sync(spec, source, PlainLayout(dest), TransferConfig()).bytes_downloaded
@@ -193,7 +203,7 @@ def worker(mode: str, endpoint: str, dest: Path, period: float) -> None:
     if mode == "awscrt":
         go = prepare_awscrt(endpoint, dest)
     else:
-        go = prepare_prefetch(endpoint, dest, lean=mode == "prefetch")
+        go = prepare_prefetch(endpoint, dest, mode=mode)
     address = gil_locked_address()
     sampler = subprocess.Popen(
         [sys.executable, __file__, "--sample", str(os.getpid()), str(address), str(period)],

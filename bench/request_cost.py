@@ -1,10 +1,11 @@
-"""CPU per S3 object request: botocore's ``get_object`` against the S3 source's lean path.
+"""CPU per S3 object request: botocore's ``get_object`` against the S3 source's two lean paths.
 
 One local SeaweedFS, ``--objects`` objects of ``--size`` bytes; ``--requests`` whole-object
 GETs on 16 threads per mode, the modes alternated ``--rounds`` times in one process; the CPU
-time of the process (user+sys) per request is reported, body read included. The lean path is
-the one the S3 source uses (prefetch/sources/s3_lean.py), set up from a listing as the source
-sets it up.
+time of the process (user+sys) per request is reported, body read included. ``lean`` is the
+path the S3 source takes with botocore's credentials (prefetch/sources/s3_lean.py), set up from
+a listing as the source sets it up; ``direct`` the one it takes with static keys
+(prefetch/sources/s3_direct.py: signed here, no botocore).
 
     python bench/request_cost.py --rounds 3
 """
@@ -26,8 +27,9 @@ sys.path.insert(0, str(REPO))
 BUCKET = "cost"
 
 
-def modes(client: Any) -> dict[str, Callable[[str], None]]:
+def modes(client: Any, server: Any) -> dict[str, Callable[[str], None]]:
     """mode name -> one whole-object GET of a key, body read to the end."""
+    from prefetch.sources.s3 import lazy_s3_client
     from prefetch.sources.s3_lean import capture_listing_requests, lean_requests_for
 
     with capture_listing_requests(client) as sent:
@@ -40,12 +42,23 @@ def modes(client: Any) -> dict[str, Callable[[str], None]]:
         body.read()
         body.close()
 
+    direct = lazy_s3_client(
+        endpoint_url=server.endpoint, access_key=server.access_key,
+        secret_key=server.secret_key, region="us-east-1", max_pool_connections=32,
+    ).direct_bucket(BUCKET)  # fmt: skip
+    assert direct is not None, "the direct path cannot be set up for these settings"
+
     def lean_get(key: str) -> None:
         answer = lean.send("GET", key, headers={"x-amz-checksum-mode": "ENABLED"})
         answer.raw.read()
         answer.release()
 
-    return {"botocore": botocore_get, "lean": lean_get}
+    def direct_get(key: str) -> None:
+        answer = direct.send("GET", key, headers={"x-amz-checksum-mode": "ENABLED"})
+        answer.raw.read()
+        answer.release()
+
+    return {"botocore": botocore_get, "lean": lean_get, "direct": direct_get}
 
 
 def main() -> None:
@@ -70,7 +83,7 @@ def main() -> None:
         per_request: dict[str, list[float]] = {}
         with ThreadPoolExecutor(args.threads) as pool:
             for round_no in range(1, args.rounds + 1):
-                for name, get in modes(client).items():
+                for name, get in modes(client, server).items():
                     list(pool.map(get, work[:50]))  # connections open, code warm
                     c0, t0 = time.process_time(), time.monotonic()
                     list(pool.map(get, work))

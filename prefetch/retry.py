@@ -65,11 +65,11 @@ def call_with_deadline(fn: Callable[[], T], seconds: float, *, what: str) -> T:
     """Run ``fn`` in a daemon thread and wait for it at most ``seconds``; past that, raise
     TransientSourceError (and leave the thread to finish or stay blocked on its own).
 
-    For library calls that cannot be given a timeout: huggingface_hub's ``list_repo_tree`` sends
-    its requests with ``timeout=None`` whatever its shared client says, so a Hub that accepts the
-    connection and never answers would hang a resolve, and the agent's sync of that model, for
-    ever. A thread is the only bound that needs no private API of the library; the price, one
-    parked thread per call that really hangs, is paid only when the Hub misbehaves.
+    For calls made of several requests that must end in bounded time as a whole (the Hub's
+    metadata: redirects, then every page of a listing): a socket timeout bounds each wait, not
+    the sum, so a server that answers slowly page after page, or trickles a body, would hang a
+    resolve and the agent's sync of that model. The price, one parked thread per call that
+    really hangs (until its socket times out), is paid only when the server misbehaves.
     """
     result: dict[str, Any] = {}
     done = threading.Event()

@@ -7,7 +7,7 @@ now. A value that cannot be meant raises :class:`~prefetch.errors.ConfigError` n
 Not here: the variables the CLI's options read through click (``envvar=`` beside each option:
 ``PREFETCH_CONCURRENCY``, ``PREFETCH_CHUNK_SIZE``, ``PREFETCH_CONFIG``, ``NODE_NAME``...), which
 click parses and reports with the option, and those huggingface_hub, boto3 and the Kubernetes
-client read for themselves (``HF_TOKEN``, ``HF_HOME``, ``AWS_PROFILE``...).
+client read for themselves (``HF_OIDC_ID_TOKEN``, ``AWS_PROFILE``...).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from prefetch.errors import ConfigError
@@ -54,6 +55,31 @@ def debug(environ: Mapping[str, str] | None = None) -> bool:
 def hf_endpoint(environ: Mapping[str, str] | None = None) -> str | None:
     """``HF_ENDPOINT``: the Hub or a mirror (None: the caller's default, https://huggingface.co)."""
     return _http_url("HF_ENDPOINT", environ)
+
+
+def hf_token(environ: Mapping[str, str] | None = None) -> str | None:
+    """``HF_TOKEN``, else its old name ``HUGGING_FACE_HUB_TOKEN``, as set (None: neither is);
+    huggingface_hub's order. Blank means none (the caller cleans it as the library does)."""
+    env = _environ(environ)
+    return env.get("HF_TOKEN") or env.get("HUGGING_FACE_HUB_TOKEN") or None
+
+
+def hf_token_path(environ: Mapping[str, str] | None = None) -> Path:
+    """The token file `hf auth login` writes, where huggingface_hub looks for it:
+    ``HF_TOKEN_PATH``, else ``HF_HOME/token``, ``HF_HOME`` defaulting to
+    ``$XDG_CACHE_HOME/huggingface`` (``~/.cache/huggingface``); ``~`` and ``$VARS`` expanded
+    (from ``os.environ``, as the library expands them)."""
+    env = _environ(environ)
+    cache = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    home = os.path.expandvars(os.path.expanduser(env.get("HF_HOME") or f"{cache}/huggingface"))
+    path = env.get("HF_TOKEN_PATH") or os.path.join(home, "token")
+    return Path(os.path.expandvars(os.path.expanduser(path)))
+
+
+def hf_oidc_resource(environ: Mapping[str, str] | None = None) -> str | None:
+    """``HF_OIDC_RESOURCE``: the Hub token is to be exchanged for a CI job's OIDC identity
+    (Trusted Publishers), which only huggingface_hub knows how to do."""
+    return _environ(environ).get("HF_OIDC_RESOURCE") or None
 
 
 def aws_endpoint_url(environ: Mapping[str, str] | None = None) -> str | None:
@@ -173,6 +199,9 @@ __all__ = [
     "aws_endpoint_url",
     "debug",
     "hf_endpoint",
+    "hf_oidc_resource",
+    "hf_token",
+    "hf_token_path",
     "in_kubernetes",
     "no_proxy_matches",
     "parse_proxy",

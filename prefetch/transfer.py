@@ -5,7 +5,8 @@ For each file to fetch: describe it (S3: HEAD for checksums and part layout), pl
 run every missing chunk on a shared pool of ``concurrency`` threads (each ``readinto`` a reusable
 buffer, ``os.pwrite``, hash inline, journal), then verify and let the layout publish it. A file
 of one chunk below the O_DIRECT size (most small files) skips the preallocation and the journal:
-one io task creates it, writes and hashes the one read, fsyncs it (``Transfer._fetch_whole``).
+the io task that described it goes on to create it, write and hash the one read and fsync it
+(``Transfer._describe_task``), so the coordinator sees it once, to check and publish it.
 
 Chunks are the unit of resume (at most ``piece_size``, so a crash loses little); one ranged request
 covers a run of consecutive missing chunks up to ``chunk_size``, journaling each as it completes.
@@ -182,6 +183,7 @@ class _FileJob:
     discard: bool = False
     seq: _SeqHash | None = None  # a large file's sequential checksum, computed as chunks land
     whole: bool = False  # fetched, written and sealed by one worker task (_fetch_whole)
+    unverified: bool = False  # verification is on but the source states no checksum for it
 
 
 @dataclass
@@ -312,8 +314,8 @@ class Transfer:
                     continue
                 if kind == "describe":
                     self._describing -= 1
-                    self._start_file(result, futures)
-                    self._describe_more(futures)
+                    job, actuals = result
+                    self._described(job, actuals, futures)
                 elif kind == "chunk":
                     job = item[0]
                     job.pending -= 1
@@ -337,32 +339,55 @@ class Transfer:
 
     def _describe_more(self, futures: dict[Future[Any], tuple[str, Any]]) -> None:
         """Keep at most ``concurrency`` describes queued or running: a describe may hold a small
-        object's body in memory until its download task runs, and a window (instead of every file
-        queued up front) lets each file's download start right behind its describe."""
+        object's body in memory (S3) until it is written, by the same task for a file that fits
+        one write (:meth:`_describe_task`), by a chunk task otherwise; and a window (instead of
+        every file queued up front) lets each large file's download start right behind its
+        describe. (A window of twice as many saved no CPU on 1000 small files.)"""
         while self._to_describe and self._describing < self._config.concurrency:
             f = self._to_describe.popleft()
-            futures[self._io.submit(self._source.describe, f)] = ("describe", f)
+            futures[self._io.submit(self._describe_task, f)] = ("describe", f)
             self._describing += 1
 
-    def _start_file(self, file: RemoteFile, futures: dict[Future[Any], tuple[str, Any]]) -> None:
+    def _described(
+        self,
+        job: _FileJob,
+        actuals: list[str] | None,
+        futures: dict[Future[Any], tuple[str, Any]],
+    ) -> None:
+        """A describe task's result: a small file already fetched and sealed (``actuals``, the
+        value of each check) is checked and published; any other file starts its chunks."""
+        self._jobs.append(job)
+        if job.unverified:
+            self.stats.unverified.append(job.file.path)
+        if actuals is None:
+            self._start_file(job, futures)
+            self._describe_more(futures)
+        else:
+            self._describe_more(futures)  # the next describe runs while this file publishes
+            self._finish_verified(job, actuals, futures)
+
+    def _plan(self, file: RemoteFile) -> _FileJob:
+        """How a described file is fetched and checked: every check it must pass, the one
+        computed per range, its chunks. Raises MissingChecksumError when a checksum is required
+        and the source states none."""
         checks = verify.checks_for(file.checksums) if self._config.verify else ()
         checksum = verify.inline_check(checks)
-        if checksum is None and self._config.verify:
-            if self._config.require_checksum:
-                raise MissingChecksumError(
-                    f"{file.path}: the source states no checksum for it and "
-                    "--require-checksum is set",
-                    hint="upload with a checksum algorithm (e.g. CRC64NVME) or add a SHA256SUMS "
-                    "sidecar next to the model",
-                )
-            self.stats.unverified.append(file.path)
+        unverified = checksum is None and self._config.verify
+        if unverified and self._config.require_checksum:
+            raise MissingChecksumError(
+                f"{file.path}: the source states no checksum for it and --require-checksum is set",
+                hint="upload with a checksum algorithm (e.g. CRC64NVME) or add a SHA256SUMS "
+                "sidecar next to the model",
+            )
         staged = self._staging / staged_name(file)
         piece = min(self._config.piece_size, self._config.chunk_size)
-        job = _FileJob(file, staged, checksum, plan_chunks(file.size, piece, checksum), checks)
-        self._jobs.append(job)
-        if _fits_one_write(job):
-            self._submit_whole(job, futures)
-            return
+        chunks = plan_chunks(file.size, piece, checksum)
+        return _FileJob(file, staged, checksum, chunks, checks, unverified=unverified)
+
+    def _start_file(self, job: _FileJob, futures: dict[Future[Any], tuple[str, Any]]) -> None:
+        """A file of several chunks (or too large for one buffered write): open its partial and
+        journal (resuming what an earlier run finished) and queue its missing chunks."""
+        file = job.file
         self._open_job(job)
         todo = [i for i in range(len(job.chunks)) if i not in job.journal.done]  # type: ignore[union-attr]
         resumed = sum(e - s for i, (s, e) in enumerate(job.chunks) if i not in todo)
@@ -385,16 +410,9 @@ class Transfer:
             futures[self._io.submit(self._run_chunk, job, indices)] = ("chunk", (job, indices))
 
     def _submit_whole(self, job: _FileJob, futures: dict[Future[Any], tuple[str, Any]]) -> None:
-        """A small file's one task: an io worker fetches, writes, fsyncs and hashes it
-        (:meth:`_fetch_whole`) and the coordinator only checks and publishes the result. A file
-        of one chunk has nothing to resume, so it needs no journal on disk and no preallocation,
-        and every system call it costs runs on a worker, in parallel: on the coordinator each
-        one also waits for the GIL behind the workers (1000 x 100 KiB: the coordinator's
-        open, ``posix_fallocate`` and two ``stat``s per file were ~3 of the pull's ~6 s)."""
-        job.whole = True
-        job.journal = Journal(_journal_path(job), _journal_header(job))  # in memory only
-        job.seq = None
-        job.pending = 1
+        """A small file fetched again (its first copy failed a check): one io task fetches,
+        writes, fsyncs and hashes it (:meth:`_fetch_whole`), as its describe task did."""
+        _prepare_whole(job)
         futures[self._io.submit(self._fetch_whole, job)] = ("whole", job)
 
     def _open_job(self, job: _FileJob) -> None:
@@ -588,6 +606,30 @@ class Transfer:
             view = memoryview(mmap.mmap(-1, self._config.buffer_size))
             self._local.view = view
         return view
+
+    def _describe_task(self, file: RemoteFile) -> tuple[_FileJob, list[str] | None]:
+        """An io task: describe and plan a file and, when it fits one write, fetch it too
+        (:meth:`_fetch_whole`), so the coordinator sees a small file once, ready to check and
+        publish. A small file's describe often is its whole download (S3 keeps the body of a
+        small object's GET in memory for the read that follows); handing the file back to the
+        coordinator in between cost each small file a second round trip through it, behind the
+        io threads for the GIL. Returns the job and, for a file fetched here, what ``_seal``
+        returns (None: the coordinator starts the file's chunks)."""
+        job = self._plan(self._source.describe(file))
+        if not _fits_one_write(job):
+            return job, None
+        _prepare_whole(job)
+        try:
+            return job, self._fetch_whole(job)
+        except BaseException as exc:
+            # the coordinator never sees this job: close (or, if its bytes cannot be trusted,
+            # delete) what it left; no other thread uses a whole file's descriptor
+            self._abort_file(job, exc)
+            if job.discard:
+                self._discard(job)
+            else:
+                self._close(job)
+            raise
 
     def _fetch_whole(self, job: _FileJob) -> list[str]:
         """Everything a small file needs before it can be published, on one io worker: the
@@ -879,8 +921,20 @@ class _Watchdog:
 
 def _fits_one_write(job: _FileJob) -> bool:
     """A file of at most one chunk, below the O_DIRECT size: fetched whole by one worker task
-    (``Transfer._submit_whole``)."""
+    (``Transfer._describe_task``)."""
     return len(job.chunks) <= 1 and job.file.size < DIRECT_MIN_SIZE
+
+
+def _prepare_whole(job: _FileJob) -> None:
+    """Set a small file up to be fetched by one io task (:meth:`Transfer._fetch_whole`): a file
+    of one chunk has nothing to resume, so it needs no journal on disk and no preallocation, and
+    every system call it costs runs on a worker, in parallel: on the coordinator each one also
+    waits for the GIL behind the workers (1000 x 100 KiB: the coordinator's open,
+    ``posix_fallocate`` and two ``stat``s per file were ~3 of the pull's ~6 s)."""
+    job.whole = True
+    job.journal = Journal(_journal_path(job), _journal_header(job))  # in memory only
+    job.seq = None
+    job.pending = 1
 
 
 def _journal_path(job: _FileJob) -> Path:

@@ -44,10 +44,8 @@ def _third_party_imports() -> set[str]:
 def test_runtime_dependencies_are_exactly_what_the_package_imports() -> None:
     declared = {_canonical(Requirement(r).name) for r in PYPROJECT["project"]["dependencies"]}
     distributions = packages_distributions()
-    # imported only to recognise huggingface_hub's transport errors, if present; never required
-    optional = {"requests", "httpx", "httpx2"}
     imported: set[str] = set()
-    for module in _third_party_imports() - optional:
+    for module in _third_party_imports():
         assert module in distributions, f"prefetch/ imports {module!r}, which nothing provides"
         imported.update(_canonical(d) for d in distributions[module])
     assert imported <= declared, f"imported but not declared: {sorted(imported - declared)}"

@@ -429,7 +429,7 @@ def test_429_with_retry_after_is_retried_and_honoured(hub: HubServer, tmp_path: 
 
 
 def test_a_stalled_metadata_call_times_out_and_is_retried(hub: HubServer) -> None:
-    # list_repo_tree sends its requests with no timeout: the call is bounded by a deadline
+    # a server that never answers the tree call: the call is bounded by a deadline, retried
     stall = hub.faults.delay(30, count=None, path="/tree/")
     spec = ModelSpec(source=parse_source_uri(f"hf://{REPO}"))
     pool = urllib3.PoolManager(maxsize=4, retries=False)
@@ -627,8 +627,7 @@ class CannedHttp:
 def canned_source(
     http: CannedHttp, token: str | None = "hf_secret"
 ) -> tuple[HubSource, RemoteFile]:
-    source = HubSource(parse_source_uri("hf://acme/x"), endpoint=ENDPOINT, token=token, http=http,
-                       api=object())  # fmt: skip
+    source = HubSource(parse_source_uri("hf://acme/x"), endpoint=ENDPOINT, token=token, http=http)
     file = RemoteFile(
         path="w.bin", size=len(DATA), version=BLOB, checksums=(Checksum("sha256", BLOB),),
         blob_id=BLOB, locator=f"{ENDPOINT}/acme/x/resolve/{COMMIT}/w.bin", described=True,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import http.server
+import io
 import re
 import subprocess
 import sys
@@ -20,11 +21,12 @@ import pytest
 from prefetch.errors import AccessDeniedError, BucketNotFoundError
 from prefetch.sources.s3 import LazyS3Client, S3Source, lazy_s3_client
 from prefetch.sources.s3_direct import (
-    DirectLister,
+    DirectBucket,
     StaticCredentials,
     canonical_query,
     direct_settings,
     parse_list_page,
+    sends_as_signed,
     sign_v4,
 )
 from prefetch.spec import ModelSpec, parse_source_uri
@@ -76,6 +78,32 @@ def test_the_signature_is_the_one_botocore_computes(monkeypatch, url, token):
     assert mine["x-amz-date"] == request.headers["X-Amz-Date"]
 
 
+@pytest.mark.parametrize("token", [None, "FQoGZXIvYXdzEXAMPLETOKEN"])
+def test_an_object_requests_headers_are_signed_as_botocore_signs_them(monkeypatch, token):
+    """A ranged, pinned GET with the checksum header (what a download sends) and a part HEAD:
+    every header is signed, and the signature is botocore's for the same request."""
+    import botocore.auth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda: WHEN.replace(tzinfo=None))
+    creds = StaticCredentials(KEYS.access_key, KEYS.secret_key, token)
+    cases = [
+        ("GET", "http://127.0.0.1:8333/bkt/m/a%20b%2Bc/%C3%BC~.bin",
+         {"Range": "bytes=0-1048575", "If-Match": '"0123abc"', "x-amz-checksum-mode": "ENABLED"}),
+        ("HEAD", "https://bkt.s3.eu-west-1.amazonaws.com/m/w.safetensors?partNumber=1", {}),
+    ]  # fmt: skip
+    for method, url, headers in cases:
+        mine = sign_v4(method, url, creds, "eu-west-1", now=WHEN, headers=headers)
+        request = AWSRequest(method, url, headers=dict(headers))
+        request.context["payload_signing_enabled"] = True
+        botocore.auth.S3SigV4Auth(
+            Credentials(KEYS.access_key, KEYS.secret_key, token), "s3", "eu-west-1"
+        ).add_auth(request)
+        assert mine["authorization"] == request.headers["Authorization"], (method, url)
+        assert {k: mine[k.lower()] for k in headers} == headers  # sent as signed
+
+
 # -- listing against the local server --------------------------------------------------------
 
 
@@ -92,7 +120,7 @@ def _botocore_keys(s3_client: Any, bucket: str, prefix: str) -> list[tuple[str, 
     return out
 
 
-def _direct_keys(lister: DirectLister, bucket: str, prefix: str) -> tuple[list[Any], int]:
+def _direct_keys(lister: DirectBucket, bucket: str, prefix: str) -> tuple[list[Any], int]:
     out, token, pages = [], None, 0
     while True:
         page = lister.list_objects_v2(Bucket=bucket, Prefix=prefix, ContinuationToken=token)
@@ -112,7 +140,7 @@ def test_the_direct_listing_lists_what_botocore_lists_odd_keys_and_continuations
         put(s3_client, bucket, key, key.encode())
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda n: put(s3_client, bucket, f"m/many/{n:05d}", b"x"), range(1003)))
-    lister = _local_client(s3_server).direct_lister(bucket)
+    lister = _local_client(s3_server).direct_bucket(bucket)
     assert lister is not None
     mine, pages = _direct_keys(lister, bucket, "m/")
     assert pages >= 2
@@ -120,18 +148,48 @@ def test_the_direct_listing_lists_what_botocore_lists_odd_keys_and_continuations
     assert {k for k, _, _ in mine} >= set(ODD_KEYS)
 
 
-def test_a_no_op_pull_through_the_lazy_client_never_creates_a_botocore_client(
+def test_a_pull_with_static_keys_never_creates_a_botocore_client(
     s3_server, s3_client, bucket, tmp_path
 ):
+    """Listing, describing (whole-object GET of a small file, HEAD and the part layout's HEAD
+    of a multipart one) and the ranged GETs are all signed without botocore; so is the no-op
+    pull after it. The bytes arrive verified."""
+    from boto3.s3.transfer import TransferConfig
+
+    big = bytes(range(256)) * (3 * 1024 * 1024 // 256 + 7)  # > SMALL_OBJECT, 2 parts
     put(s3_client, bucket, "m/config.json", b"{}")
     put(s3_client, bucket, "m/w.bin", b"w" * 70_000)
+    s3_client.upload_fileobj(
+        io.BytesIO(big),
+        bucket,
+        "m/big.bin",
+        Config=TransferConfig(
+            multipart_threshold=2 * 1024 * 1024, multipart_chunksize=2 * 1024 * 1024
+        ),
+    )  # fmt: skip  (no additional checksum: the multipart ETag needs the part layout)
     first = _local_client(s3_server)
-    assert pull_s3(first, f"s3://{bucket}/m", tmp_path / "d").files_downloaded == 2
-    assert first.created  # the objects' reads needed it
+    result = pull_s3(first, f"s3://{bucket}/m", tmp_path / "d")
+    assert result.files_downloaded == 3 and result.files_verified == 3
+    assert (tmp_path / "d" / "big.bin").read_bytes() == big
+    assert not first.created
     again = _local_client(s3_server)
     result = pull_s3(again, f"s3://{bucket}/m", tmp_path / "d")
-    assert result.up_to_date and result.files == 2
+    assert result.up_to_date and result.files == 3
     assert not again.created
+
+
+def test_a_key_with_a_dot_segment_is_read_through_botocore(s3_server, s3_client, bucket, tmp_path):
+    """URL parsing would drop a "." segment from the path the direct request signed: such a
+    key stays on botocore, which sends it as it is."""
+    assert not sends_as_signed("m/./w.bin") and not sends_as_signed("m/../w.bin")
+    assert sends_as_signed("m/.hidden/w..bin") and sends_as_signed("m//w.bin")
+    client = _local_client(s3_server)
+    spec = ModelSpec(source=parse_source_uri(f"s3://{bucket}/m"))
+    source = S3Source(client, spec.source)
+    put(s3_client, bucket, "m/w.bin", b"w" * 70_000)
+    source.resolve(spec)  # sets up the direct object path
+    dotted = source._lean_for("m/./w.bin")
+    assert dotted is None and source._lean_for("m/w.bin") is not None
 
 
 def test_a_pull_after_a_direct_listing_reads_objects_on_the_lean_path(
@@ -249,7 +307,7 @@ def test_a_bucket_in_another_region_is_listed_again_signed_for_its_region(region
     client = lazy_s3_client(
         endpoint_url=endpoint, access_key="a", secret_key="b", region="us-east-1"
     )
-    lister = client.direct_lister("bkt")
+    lister = client.direct_bucket("bkt")
     assert lister is not None
     page = lister.list_objects_v2(Bucket="bkt", Prefix="m/")
     assert [o["Key"] for o in page["Contents"]] == ["m/a b"]
@@ -309,15 +367,19 @@ def test_a_client_with_a_profile_lists_through_botocore(s3_server, s3_client, bu
     put(s3_client, bucket, "m/config.json", b"{}")
     client = _local_client(s3_server)
     client.settings["profile"] = "p"
-    assert client.direct_lister(bucket) is None
+    assert client.direct_bucket(bucket) is None
 
 
 # -- the mirror source's blob reads ----------------------------------------------------------
 
 
-def test_a_pull_through_a_mirror_reads_its_blobs_on_the_lean_path(s3_client, bucket, tmp_path):
-    """The mirror source lists nothing of the model, yet its blob HEADs and GETs skip botocore
-    (only the ref and the commit's metadata are read through it)."""
+@pytest.mark.parametrize("client_kind", ["botocore", "static keys"])
+def test_a_pull_through_a_mirror_reads_everything_but_a_listing_on_the_lean_path(
+    s3_server, s3_client, bucket, tmp_path, client_kind
+):
+    """The mirror source lists nothing of the model, yet its ref, commit metadata, blob HEADs
+    and GETs skip botocore: with a botocore client only a listing goes through it (to learn
+    where and how to sign), and with the static keys no botocore client is even created."""
     import urllib3
 
     from prefetch.layout.hf import HfCacheLayout
@@ -339,13 +401,17 @@ def test_a_pull_through_a_mirror_reads_its_blobs_on_the_lean_path(s3_client, buc
         s3_client.meta.events.register(
             "before-send.s3", lambda request, **_: through_botocore.append(request.url)
         )
+        client = s3_client if client_kind == "botocore" else _local_client(s3_server)
         spec = ModelSpec(
             source=parse_source_uri(f"hf://{HUB_REPO}"),
             mirrors=(parse_source_uri(f"s3://{bucket}/hf/acme/tiny/"),),
         )
         pool = urllib3.PoolManager(maxsize=4, retries=False)
         options = HubOptions(endpoint=hub.endpoint, token=False, http=pool, retry=FAST.retry)
-        source = open_source(spec, s3_client=s3_client, hub=options)
+        source = open_source(spec, s3_client=client, hub=options)
         result = sync(spec, source, HfCacheLayout(tmp_path / "cache", HUB_REPO), FAST)
     assert result.files_downloaded == 2 and result.served_by.startswith("s3://")
-    assert through_botocore and not [u for u in through_botocore if "/blobs/" in u]
+    if client_kind == "botocore":
+        assert through_botocore and all("list-type=2" in u for u in through_botocore)
+    else:
+        assert not through_botocore and not client.created

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from prefetch import verify
-from prefetch.errors import ChecksumMismatchError, SourceError
+from prefetch.errors import ChecksumMismatchError, SourceChangedError, SourceError
 from prefetch.retry import RetryPolicy
 from prefetch.snapshot import Checksum, RemoteFile
 from prefetch.transfer import Transfer, TransferConfig, group_chunks, plan_chunks
-from tests.fakes.memory import MemorySource, crc32_file, sha256_file
+from tests.fakes.memory import MemoryReader, MemorySource, crc32_file, sha256_file
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -415,3 +415,77 @@ def test_a_journal_left_by_an_earlier_plan_goes_when_the_file_now_fits_one_write
     run(MemorySource({file.path: data}), [file], staging, tmp_path / "out")
     assert (tmp_path / "out" / "w.bin").read_bytes() == data
     assert list(staging.iterdir()) == []
+
+
+class _HeldCoordinatorSource(MemorySource):
+    """Describes ``later`` only once the coordinator is inside ``first``'s publish."""
+
+    def __init__(self, objects: dict[str, bytes], later: str, publishing: threading.Event) -> None:
+        super().__init__(objects)
+        self.later, self.publishing = later, publishing
+        self.later_opened = threading.Event()
+
+    def describe(self, file: RemoteFile) -> RemoteFile:
+        if file.path == self.later:
+            assert self.publishing.wait(10), "the first file was never published"
+        return super().describe(file)
+
+    def open_range(self, file: RemoteFile, start: int, end: int) -> MemoryReader:
+        reader = super().open_range(file, start, end)
+        if file.path == self.later:
+            self.later_opened.set()
+        return reader
+
+
+def test_a_small_file_is_downloaded_by_the_task_that_described_it_not_queued_by_the_coordinator(
+    tmp_path: Path,
+) -> None:
+    """A small file's describe and download are one io task: the coordinator (one thread that
+    checks and publishes every file) sees the file once, ready to publish, instead of once
+    between describe and download. Here the coordinator is held inside the first file's publish
+    until the second file's download has started; had the coordinator to queue that download
+    after the describe, it would never start."""
+    objects = {"a.json": os.urandom(1000), "b.json": os.urandom(2000)}  # a is described first
+    publishing = threading.Event()
+    source = _HeldCoordinatorSource(objects, "b.json", publishing)
+    dest = tmp_path / "out"
+    waited: list[bool] = []
+
+    def publish(file: RemoteFile, staged: Path, checks: tuple[Checksum, ...]) -> None:
+        if file.path == "a.json":
+            publishing.set()
+            waited.append(source.later_opened.wait(10))
+        dest.mkdir(exist_ok=True)
+        os.replace(staged, dest / file.path)
+
+    cfg = TransferConfig(concurrency=2, buffer_size=256 * KiB, retry=NO_RETRY)
+    files = [sha256_file(p, d) for p, d in objects.items()]
+    Transfer(source, tmp_path / "st", publish, cfg).run(files)
+    assert waited == [True], "b.json was downloaded only after the coordinator published a.json"
+    assert {p: (dest / p).read_bytes() for p in objects} == objects
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="lists descriptors in /proc")
+def test_a_small_file_that_fails_to_download_leaves_no_descriptor_open(tmp_path: Path) -> None:
+    data = os.urandom(100 * KiB)
+    file = sha256_file("small.bin", data)
+    before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(SourceError, match="failed on purpose"):
+        run(MemorySource({file.path: data}, fail_after=10 * KiB), [file], tmp_path / "st", tmp_path)
+    assert set(os.listdir("/proc/self/fd")) <= before
+
+
+class _ChangingSource(MemorySource):
+    """Every read finds the object changed (as a 412 on the pinned ETag would say)."""
+
+    def open_range(self, file: RemoteFile, start: int, end: int) -> MemoryReader:
+        raise SourceChangedError(f"{file.path}: changed while downloading")
+
+
+def test_a_small_file_that_changed_mid_download_leaves_nothing_resumable(tmp_path: Path) -> None:
+    data = os.urandom(100 * KiB)
+    file = sha256_file("small.bin", data)
+    with pytest.raises(SourceChangedError, match=r"small\.bin"):
+        run(_ChangingSource({file.path: data}), [file], tmp_path / "st", tmp_path / "out")
+    assert list((tmp_path / "st").iterdir()) == []
+    assert not (tmp_path / "out").exists()

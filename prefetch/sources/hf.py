@@ -1,10 +1,14 @@
-"""Hugging Face Hub source: metadata through huggingface_hub, bytes through our own ranged GETs.
+"""Hugging Face Hub source: metadata and bytes through our own HTTP layer, no huggingface_hub.
 
-* ``resolve``: ``HfApi.model_info`` turns a branch or tag into its commit sha (skipped for a
-  40-hex revision), then ``HfApi.list_repo_tree(recursive=True)`` at that commit gives every
-  file's size, git blob id and, for LFS files, the sha256. A file's ``version`` and ``blob_id`` are
-  the name huggingface_hub gives its blob (sha256 for LFS files, git blob sha1 otherwise) and its
+* ``resolve``: ``GET {endpoint}/api/models/{repo}/revision/{ref}`` turns a branch or tag into
+  its commit sha (skipped for a 40-hex revision), then ``GET .../tree/{commit}?recursive=true``
+  (followed through its ``Link: <...>; rel="next"`` pages) gives every file's size, git blob id
+  and, for LFS files, the sha256. A file's ``version`` and ``blob_id`` are the name
+  huggingface_hub gives its blob (sha256 for LFS files, git blob sha1 otherwise) and its
   checksum is that same id (``sha256`` or ``git-sha1``), so every published blob is verified.
+  Each metadata call (its redirects and pages included) is bounded to ``metadata_timeout`` and
+  retried per the RetryPolicy; an answer that is not the JSON the Hub sends is refused, naming
+  the URL. huggingface_hub is not imported: it costs ~0.3 s of CPU, most of a no-op pull.
 * ``open_range``: ``GET {endpoint}/{repo}/resolve/{commit}/{path}`` with ``Range``, redirects
   followed here rather than by the HTTP client, so that the token (``Authorization: Bearer``) goes
   only to the endpoint's own origin (scheme, host, port) and never to a CDN. The final location of
@@ -14,23 +18,26 @@
   everywhere ``Content-Range`` (and ``Content-Length``) must be exactly the range asked for out of
   the size the listing stated, and ranged requests must get 206.
 
-Bodies are read with ``readinto`` straight into the engine's buffer (one copy from the socket).
-huggingface_hub reads its environment at import, so the endpoint and token are always passed to it
-explicitly. Errors are translated to :mod:`prefetch.errors`; the token never appears in a message,
-and neither do the signed query strings of CDN URLs.
+Both go through one pool (:mod:`prefetch.sources._http`), so the proxy rule is the same for the
+listing as for the bytes, and the token rule too (a next page or redirect off the endpoint's
+origin gets no token). Bodies are read with ``readinto`` straight into the engine's buffer (one
+copy from the socket). The token is found as huggingface_hub finds it (:func:`hub_token`).
+Errors are translated to :mod:`prefetch.errors` by one table (:func:`hub_error`); the token never
+appears in a message, and neither do the signed query strings of CDN URLs.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import functools
+import json
 import logging
 import re
+import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, quote, urljoin, urlsplit
 
@@ -39,10 +46,10 @@ import urllib3
 from prefetch import __version__, settings
 from prefetch.errors import (
     AccessDeniedError,
+    ConfigError,
     InvalidListingError,
     NoMatchingFilesError,
     NotFoundError,
-    PrefetchError,
     RepoNotFoundError,
     RevisionNotFoundError,
     SourceChangedError,
@@ -75,6 +82,11 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _REDIRECTS = (301, 302, 303, 307, 308)
 _MAX_REDIRECTS = 5
 _TOKEN_HINT = "pass --token, set HF_TOKEN, or log in with `hf auth login` (token file in HF_HOME)"
+#: The headers of a metadata call (the token is added per request, on the endpoint's origin only).
+_API_HEADERS = {"User-Agent": USER_AGENT, "Accept": "application/json", "Accept-Encoding": "gzip"}
+#: A metadata answer larger than this is refused (a page of the tree is ~0.3 MB for 1000 files).
+_MAX_API_BODY = 64 * 1024 * 1024
+_NEXT_LINK = re.compile(r'<([^>]*)>\s*;[^,]*?\brel\s*=\s*"?next"?', re.IGNORECASE)
 
 
 @dataclass
@@ -104,26 +116,26 @@ def open_hub_source(spec: ModelSpec, hub: HubOptions | None = None) -> HubSource
     """The HubSource for ``spec`` (an ``hf://`` URI), filling defaults from the environment."""
     options = hub or HubOptions()
     endpoint = (options.endpoint or settings.hf_endpoint() or DEFAULT_ENDPOINT).rstrip("/")
-    token: str | None
-    if options.token is None or options.token is True:
-        from huggingface_hub import get_token
-
-        token = get_token()
-    else:
-        token = options.token or None
     proxies = settings.proxies(override=spec.proxy)
     http = options.http or shared_http_pool(options.pool_size, proxies)
     return HubSource(
         spec.source,
         endpoint=endpoint,
-        token=token,
+        token=_token_of(options.token),
         http=http,
-        proxies=proxies,
         retry=options.retry,
         timeout=urllib3.Timeout(connect=options.connect_timeout, read=options.read_timeout),
         redirect_ttl=options.redirect_ttl,
         metadata_timeout=options.metadata_timeout,
     )
+
+
+def _token_of(option: str | bool | None) -> str | None:
+    """The token :attr:`HubOptions.token` asks for: a string is one (empty: none), False is
+    none, None or True the one huggingface_hub would find (:func:`hub_token`)."""
+    if isinstance(option, str):
+        return option or None
+    return None if option is False else hub_token()
 
 
 def _origin(url: str) -> tuple[str, str, int]:
@@ -139,37 +151,65 @@ def _normalize_etag(value: str | None) -> str | None:
     return value.strip().removeprefix("W/").strip('"').lower() or None
 
 
-# ---- errors ------------------------------------------------------------------------------------
+# ---- the token ---------------------------------------------------------------------------------
 
 
-@functools.cache
-def _transport_errors() -> tuple[type[BaseException], ...]:
-    """The HTTP library errors of huggingface_hub worth retrying (httpx2 in 2.x, httpx in 1.x,
-    requests before). Looked up on the first error, not at import: importing requests alone
-    costs 40 ms of every pull's start-up."""
-    found: list[type[BaseException]] = []
-    for name in ("httpx2", "httpx"):
-        try:
-            module = __import__(name)
-        except ImportError:
-            continue
-        found += [module.TimeoutException, module.NetworkError, module.RemoteProtocolError]
+def hub_token() -> str | None:
+    """The token huggingface_hub's ``get_token`` finds, read without importing huggingface_hub
+    (~0.3 s of CPU): ``HF_TOKEN`` (else ``HUGGING_FACE_HUB_TOKEN``), then the token file that
+    `hf auth login` writes (``HF_TOKEN_PATH``, else ``$HF_HOME/token``); None when neither has one.
+
+    The library is asked only for what it alone does: an OIDC exchange (``HF_OIDC_RESOURCE``),
+    a Colab secret, and refreshing the token of a browser (OAuth) login, which it records with a
+    ``refresh_token`` in the ``stored_tokens`` file beside the token file.
+    """
+    if settings.hf_oidc_resource() or "google.colab" in sys.modules:
+        return _library_token()
+    token = _clean_token(settings.hf_token())
+    if token is not None:
+        return token
+    path = settings.hf_token_path()
+    token = _clean_token(_read_token_file(path))
+    if token is not None and _may_need_refresh(path):
+        return _library_token()
+    return token
+
+
+def _library_token() -> str | None:
+    from huggingface_hub import get_token
+
+    return get_token()
+
+
+def _clean_token(text: str | None) -> str | None:
+    """A token as huggingface_hub keeps it: no line breaks, no surrounding blanks; None if empty."""
+    if text is None:
+        return None
+    return text.replace("\r", "").replace("\n", "").strip() or None
+
+
+def _read_token_file(path: Path) -> str | None:
     try:
-        import requests
-    except ImportError:
-        pass
-    else:
-        found += [requests.ConnectionError, requests.Timeout]
-    return tuple(found)
+        return path.read_text()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(
+            f"the Hub token file {path} cannot be read: {getattr(exc, 'strerror', None) or exc}",
+            hint="fix its permissions, or pass --token / set HF_TOKEN",
+        ) from exc
 
 
-#: huggingface_hub's exceptions for the Hub's ``X-Error-Code`` values (gated first: it is a
-#: subclass of RepositoryNotFoundError).
-_API_ERROR_CODES = (
-    ("GatedRepoError", "GatedRepo"),
-    ("RepositoryNotFoundError", "RepoNotFound"),
-    ("RevisionNotFoundError", "RevisionNotFound"),
-)
+def _may_need_refresh(token_path: Path) -> bool:
+    """Was the token file written by a browser (OAuth) login, whose token expires and is
+    refreshed by huggingface_hub? Such a login leaves a ``refresh_token`` in ``stored_tokens``."""
+    try:
+        return "refresh_token" in (token_path.parent / "stored_tokens").read_text(errors="replace")
+    except OSError:
+        return False
+
+
+# ---- errors ------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -269,117 +309,19 @@ def _access_denied_wording(r: HubRefusal, detail: str) -> tuple[str, str | None]
     )
 
 
-def translate_api_error(
-    exc: BaseException, what: str, *, repo: str, revision: str, has_token: bool
-) -> Exception:
-    """A huggingface_hub exception as the package's error (raise it ``from exc``)."""
-    from huggingface_hub import errors as hf
-
-    if isinstance(exc, hf.OfflineModeIsEnabled):
-        return SourceError(
-            f"{what}: HF_HUB_OFFLINE is set, so huggingface_hub refuses to reach the Hub",
-            hint="unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE) for prefetch; "
-            "vLLM keeps it to read the warmed cache",
-        )
-    code = next((c for name, c in _API_ERROR_CODES if isinstance(exc, getattr(hf, name))), "")
-    status = _status_of(exc)
-    if code or (isinstance(exc, hf.HfHubHTTPError) and status is not None):
-        response = getattr(exc, "response", None)
-        headers: Mapping[str, str] = getattr(response, "headers", None) or {}
-        return hub_error(
-            HubRefusal(
-                what,
-                status or 0,
-                repo=repo,
-                revision=revision,
-                has_token=has_token,
-                error_code=code,
-                server_message=(headers.get("X-Error-Message") or "").strip()[:200],
-                retry_after=headers.get("Retry-After"),
-            )
-        )
-    if isinstance(exc, _transport_errors()):
-        return TransientSourceError(f"{what}: {type(exc).__name__}: {exc}")
-    if isinstance(exc, ConnectionError | TimeoutError):
-        return TransientSourceError(f"{what}: {type(exc).__name__}: {exc}")
-    return SourceError(f"{what}: {type(exc).__name__}: {exc}")
-
-
-def _status_of(exc: BaseException) -> int | None:
-    response = getattr(exc, "response", None)
-    status = getattr(response, "status_code", None)
-    return int(status) if status is not None else None
-
-
-# ---- metadata requests: the same proxy rule as the bytes ----------------------------------------
-
-#: The proxy settings of the source whose metadata call runs in this context (None: the
-#: environment's); set around each huggingface_hub call, in the thread that makes it.
-_METADATA_PROXIES: contextvars.ContextVar[settings.Proxies | None] = contextvars.ContextVar(
-    "prefetch_hub_metadata_proxies", default=None
-)
-
-
-_ROUTING_LOCK = threading.Lock()
-
-
-def route_metadata_through_proxy_rule() -> bool:
-    """Install :func:`_install_proxy_rule_client` once per process (sources may be opened from
-    several threads at once; a second install would close the session the first one made)."""
-    with _ROUTING_LOCK:
-        return _install_proxy_rule_client()
-
-
-@functools.cache
-def _install_proxy_rule_client() -> bool:
-    """Make huggingface_hub's shared client route each request by our proxy rule.
-
-    huggingface_hub sends its metadata calls (revision lookup, file listing) through one
-    process-wide httpx client that reads the environment's proxies its own way and knows no
-    per-source setting. Its client factory is replaced (once) by one whose transport asks
-    :meth:`prefetch.settings.Proxies.proxy_for` per request, with the calling source's settings
-    (``_METADATA_PROXIES``), so a model's ``proxy`` and NO_PROXY mean the same for its listing
-    as for its bytes. False when this huggingface_hub has no client factory (before 1.0,
-    requests reads the environment itself; a per-source proxy then covers the bytes only)."""
-    import huggingface_hub
-
-    set_factory = getattr(huggingface_hub, "set_client_factory", None)
-    httpx: Any = None
-    for name in ("httpx2", "httpx"):
-        with contextlib.suppress(ImportError):
-            httpx = __import__(name)
-            break
-    if set_factory is None or httpx is None:
-        return False
-    from huggingface_hub.utils import _http as hf_http
-
-    hook = getattr(hf_http, "hf_request_event_hook", None)
-    transports: dict[str | None, Any] = {}
-    lock = threading.Lock()
-
-    class ProxyRuleTransport(httpx.BaseTransport):  # type: ignore[misc]
-        def handle_request(self, request: Any) -> Any:
-            proxies = _METADATA_PROXIES.get() or settings.proxies()
-            proxy = proxies.proxy_for(str(request.url))
-            with lock:
-                transport = transports.get(proxy)
-                if transport is None:
-                    transport = transports[proxy] = httpx.HTTPTransport(proxy=proxy)
-            return transport.handle_request(request)
-
-    def client() -> Any:
-        return httpx.Client(
-            event_hooks={"request": [hook]} if hook else {},
-            follow_redirects=True,
-            timeout=None,
-            transport=ProxyRuleTransport(),
-        )
-
-    set_factory(client)
-    return True
-
-
 # ---- the source --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _TreeFile:
+    """One file entry of the Hub's tree listing, its values as sent (checked by _remote_file)."""
+
+    path: str
+    size: object
+    blob_id: object
+    lfs_sha256: object = None
+    lfs_size: object = None
+    lfs: bool = False
 
 
 class HubSource:
@@ -396,15 +338,9 @@ class HubSource:
         timeout: urllib3.Timeout | None = None,
         redirect_ttl: float = 600.0,
         metadata_timeout: float = 120.0,
-        api: Any = None,
-        proxies: settings.Proxies | None = None,
     ) -> None:
         if uri.scheme != "hf":
             raise ValueError(f"not a Hub URI: {uri}")
-        #: The proxy rule for huggingface_hub's metadata requests (None: the environment's);
-        #: the bytes go through ``http``, built for the same rule by open_hub_source.
-        self._proxies = proxies
-        route_metadata_through_proxy_rule()
         self._uri = uri
         self._repo = uri.location
         self._endpoint = endpoint.rstrip("/")
@@ -418,64 +354,23 @@ class HubSource:
         self._locations: dict[str, tuple[str, float]] = {}
         self._resolve_locks: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
-        if api is None:
-            from huggingface_hub import HfApi
-
-            api = HfApi(
-                endpoint=self._endpoint,
-                token=token or False,
-                library_name="model-prefetch",
-                library_version=__version__,
-            )
-        self._api = api
+        self._api_root = f"{self._endpoint}/api/models/{quote(self._repo, safe='/')}"
         self._resolve_prefix = f"{self._endpoint}/{self._repo}/resolve/"
 
     # -- resolve -----------------------------------------------------------------------------
 
-    def _call(self, what: str, revision: str, fn: Callable[[], T]) -> T:
-        def translated() -> T:
-            proxied = _METADATA_PROXIES.set(self._proxies)
-            try:
-                return fn()
-            except PrefetchError:
-                raise  # already ours (a malformed listing): not an API error to translate
-            except Exception as exc:
-                raise translate_api_error(
-                    exc, what, repo=self._repo, revision=revision, has_token=bool(self._token)
-                ) from exc
-            finally:
-                _METADATA_PROXIES.reset(proxied)
-
-        def once() -> T:
-            # list_repo_tree takes no timeout (see call_with_deadline)
-            return call_with_deadline(translated, self._metadata_timeout, what=what)
-
-        return call_with_retries(once, self._retry, what=what)
-
     def resolve(self, spec: ModelSpec) -> Snapshot:
-        from huggingface_hub.hf_api import RepoFile
-
         repo = self._repo
         revision = spec.revision or "main"
-        if _COMMIT.match(revision):
-            commit = revision  # immutable: nothing to resolve (the listing checks it exists)
-        else:
-            info = self._call(
-                f"resolving {repo}@{revision}",
-                revision,
-                lambda: self._api.model_info(
-                    repo, revision=revision, expand=["sha"], timeout=self._timeout.read_timeout
-                ),
-            )
-            commit = str(getattr(info, "sha", "") or "")
-            if not _COMMIT.match(commit):
-                raise SourceError(f"resolving {repo}@{revision}: the Hub gave no commit sha")
+        # a commit is immutable: nothing to resolve (the listing checks that it exists)
+        commit = revision if _COMMIT.match(revision) else self._commit_of_ref(revision)
         listing = f"listing {repo}@{commit[:12]}"
-        entries = self._call(listing, revision, lambda: self._list_tree(commit, listing))
-        repo_files = [e for e in entries if isinstance(e, RepoFile)]
-        if not repo_files:
+        entries = self._metadata_call(
+            listing, lambda deadline: self._list_tree(commit, revision, listing, deadline)
+        )
+        if not entries:
             raise NoMatchingFilesError(f"{repo}@{commit[:12]} has no files")
-        files = [self._remote_file(e, commit) for e in repo_files if spec.wants(e.path)]
+        files = [self._remote_file(e, commit) for e in entries if spec.wants(e.path)]
         if not files:
             raise NoMatchingFilesError(
                 f"no file of {repo}@{commit[:12]} matches the include/exclude patterns",
@@ -490,35 +385,97 @@ class HubSource:
             repo_id=repo,
         )
 
-    def _list_tree(self, commit: str, what: str) -> list[Any]:
-        """Every entry of the repo at ``commit``. huggingface_hub builds each entry as the pages
-        arrive; one it cannot build (no ``oid``, an ``lfs`` block without its fields) is the
-        server's error: refused at once, not retried, with what was wrong."""
-        try:
-            return list(self._api.list_repo_tree(self._repo, recursive=True, revision=commit))
-        except (KeyError, TypeError, AttributeError) as exc:
-            raise InvalidListingError(
-                f"{what}: the Hub sent a malformed tree entry ({type(exc).__name__}: {exc})"
-            ) from exc
+    def _commit_of_ref(self, revision: str) -> str:
+        """The commit a branch or tag names now (``GET .../revision/{ref}``, its ``sha``)."""
+        what = f"resolving {self._repo}@{revision}"
+        url = f"{self._api_root}/revision/{quote(revision, safe='')}?expand=sha"
+        info, _ = self._metadata_call(
+            what, lambda deadline: self._get_json(url, what, revision, deadline)
+        )
+        commit = info.get("sha") if isinstance(info, dict) else None
+        if not isinstance(commit, str) or not _COMMIT.match(commit):
+            raise SourceError(f"{what}: the Hub gave no commit sha")
+        return commit
 
-    def _remote_file(self, entry: Any, commit: str) -> RemoteFile:
-        path, size = str(entry.path), entry.size
+    def _metadata_call(self, what: str, fn: Callable[[float], T]) -> T:
+        """``fn(deadline)``, bounded to ``metadata_timeout`` seconds in all (redirects and pages
+        included: a Hub that accepts the connection and never answers must not hang a resolve),
+        retried per the policy. ``fn`` checks the deadline between requests, so a call given up
+        on stops at its next request instead of paging on in the background."""
+
+        def once() -> T:
+            deadline = time.monotonic() + self._metadata_timeout
+            return call_with_deadline(lambda: fn(deadline), self._metadata_timeout, what=what)
+
+        return call_with_retries(once, self._retry, what=what)
+
+    def _list_tree(self, commit: str, revision: str, what: str, deadline: float) -> list[_TreeFile]:
+        """Every file of the repo at ``commit``, following the listing's pages. A page that is
+        not a list of entries, or an entry no file can have, is the server's error: refused at
+        once, not retried, with what was wrong."""
+        url: str | None = (
+            f"{self._api_root}/tree/{quote(commit, safe='')}?recursive=true&expand=false"
+        )
+        seen: set[str] = set()
+        files: list[_TreeFile] = []
+        while url is not None:
+            if url in seen:
+                raise SourceError(f"{what}: the listing's pages loop back to {redact_url(url)}")
+            seen.add(url)
+            page, next_url = self._get_json(url, what, revision, deadline)
+            if not isinstance(page, list):
+                raise SourceError(
+                    f"{what}: {redact_url(url)} answered {type(page).__name__} JSON, not a list of "
+                    "tree entries"
+                )
+            files += [f for f in (_tree_file(entry, what) for entry in page) if f is not None]
+            url = next_url
+        return files
+
+    def _get_json(
+        self, url: str, what: str, revision: str, deadline: float
+    ) -> tuple[Any, str | None]:
+        """The JSON answer of a metadata GET (redirects followed, the token only on the
+        endpoint's origin) and the URL of its next page, if its ``Link`` header names one."""
+        for _ in range(_MAX_REDIRECTS + 1):
+            if time.monotonic() >= deadline:
+                raise TransientSourceError(f"{what}: no answer within {self._metadata_timeout:g} s")
+            resp = self._get(url, _API_HEADERS, what, decode=True)
+            if resp.status not in _REDIRECTS:
+                break
+            url = self._redirect_target(url, resp, what)
+        else:
+            raise SourceError(f"{what}: more than {_MAX_REDIRECTS} redirects")
+        if resp.status != 200:
+            error = self._refusal(resp, url, what, revision=revision)
+            discard(resp)
+            raise error
+        body = _read_api_body(resp, url, what)
+        try:
+            value = json.loads(body)
+        except ValueError as exc:
+            raise SourceError(
+                f"{what}: the answer of {redact_url(url)} is not JSON ({exc})"
+            ) from exc
+        return value, _next_page(resp.headers.get("Link"), url, what)
+
+    def _remote_file(self, entry: _TreeFile, commit: str) -> RemoteFile:
+        path, size = entry.path, entry.size
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise InvalidListingError(
                 f"{self._repo}: {path!r}: the Hub gave an invalid size {size!r}"
             )
-        lfs = entry.lfs
-        if lfs is not None:
-            blob = str(lfs.sha256 if hasattr(lfs, "sha256") else lfs["sha256"]).lower()
+        if entry.lfs:
+            blob = str(entry.lfs_sha256).lower()
             algorithm = "sha256"
             if not _SHA256.match(blob):
                 raise InvalidListingError(
                     f"{self._repo}: {path!r}: the Hub gave a malformed sha256 {blob!r}"
                 )
-            lfs_size = lfs.size if hasattr(lfs, "size") else lfs.get("size")
-            if lfs_size != size:
+            if entry.lfs_size != size:
                 raise InvalidListingError(
-                    f"{self._repo}: {path!r}: the Hub gave two sizes, {size!r} and {lfs_size!r}"
+                    f"{self._repo}: {path!r}: the Hub gave two sizes, {size!r} and "
+                    f"{entry.lfs_size!r}"
                 )
         else:
             blob = str(entry.blob_id).lower()
@@ -576,15 +533,7 @@ class HubSource:
             if resp.status not in _REDIRECTS:
                 break
             self._check_pins(file, resp, url, what)
-            location = resp.headers.get("Location")
-            release_small_body(resp)
-            if not location:
-                raise SourceError(f"{what}: redirect without a Location from {redact_url(url)}")
-            url = urljoin(url, location)
-            if urlsplit(url).scheme.lower() not in ("http", "https"):
-                raise SourceError(
-                    f"{what}: refusing a redirect to {redact_url(url)!r}: not an HTTP(S) location"
-                )
+            url = self._redirect_target(url, resp, what)
         else:
             raise SourceError(f"{what}: more than {_MAX_REDIRECTS} redirects")
         reader = self._reader(file, resp, url, start, end, what)
@@ -592,7 +541,17 @@ class HubSource:
             self._remember_location(file, url)
         return reader
 
-    def _get(self, url: str, headers: dict[str, str], what: str) -> Any:
+    def _redirect_target(self, url: str, resp: Any, what: str) -> str:
+        """Where a redirect from ``url`` points (its body released): an HTTP(S) URL only."""
+        location = resp.headers.get("Location")
+        release_small_body(resp)
+        if not location:
+            raise SourceError(f"{what}: redirect without a Location from {redact_url(url)}")
+        return _http_target(url, str(location), what, "a redirect")
+
+    def _get(self, url: str, headers: dict[str, str], what: str, *, decode: bool = False) -> Any:
+        """GET ``url`` on the pool (no redirects, no urllib3 retries, the body left unread), the
+        token added only on the endpoint's origin; ``decode``: undo a gzip Content-Encoding."""
         if self._token and _origin(url) == self._origin:
             headers = {**headers, "Authorization": f"Bearer {self._token}"}
         try:
@@ -603,7 +562,7 @@ class HubSource:
                 redirect=False,
                 retries=False,
                 preload_content=False,
-                decode_content=False,
+                decode_content=decode,
                 timeout=self._timeout,
             )
         except Exception as exc:
@@ -666,21 +625,27 @@ class HubSource:
         return _body_reader(resp, what, end - start, length_known=length is not None)
 
     def _status_error(self, file: RemoteFile, resp: Any, url: str, what: str) -> SourceError:
+        return self._refusal(resp, url, what, revision=self._commit_of(file), file=file)
+
+    def _refusal(
+        self, resp: Any, url: str, what: str, *, revision: str, file: RemoteFile | None = None
+    ) -> SourceError:
+        """The error for an answer that is not what was asked: to a metadata call, or to a
+        ranged read of ``file``."""
         h = resp.headers
-        hub = _origin(url) == self._origin
         return hub_error(
             HubRefusal(
                 what,
                 resp.status,
                 repo=self._repo,
-                revision=self._commit_of(file),
+                revision=revision,
                 has_token=bool(self._token),
-                where="the Hub" if hub else redact_url(url),
+                where="the Hub" if _origin(url) == self._origin else redact_url(url),
                 error_code=(h.get("X-Error-Code") or "").strip(),
                 server_message=(h.get("X-Error-Message") or "").strip()[:200],
                 retry_after=h.get("Retry-After"),
-                reading=True,
-                size=file.size,
+                reading=file is not None,
+                size=file.size if file is not None else None,
             )
         )
 
@@ -718,6 +683,76 @@ class HubSource:
             return self._resolve_locks.setdefault(file.locator, threading.Lock())
 
 
+def _tree_file(entry: object, what: str) -> _TreeFile | None:
+    """The file an entry of the tree listing describes; None for a directory (or any other kind
+    of entry). InvalidListingError for an entry without the fields every file has."""
+
+    def malformed(problem: str) -> InvalidListingError:
+        return InvalidListingError(f"{what}: the Hub sent a malformed tree entry ({problem})")
+
+    if not isinstance(entry, dict):
+        raise malformed(f"a {type(entry).__name__}, not an object")
+    kind = entry.get("type")
+    if not isinstance(kind, str):
+        raise malformed(f"no 'type' in {sorted(entry)}")
+    if kind != "file":
+        return None
+    path = entry.get("path")
+    if not isinstance(path, str):
+        raise malformed(f"a file without a 'path' string: {path!r}")
+    for key in ("size", "oid"):
+        if key not in entry:
+            raise malformed(f"{path!r} has no {key!r}")
+    lfs = entry.get("lfs")
+    if lfs is None:
+        return _TreeFile(path, entry["size"], entry["oid"])
+    if not isinstance(lfs, dict) or "oid" not in lfs or "size" not in lfs:
+        raise malformed(f"{path!r} has an 'lfs' block without 'oid' and 'size': {lfs!r}")
+    return _TreeFile(path, entry["size"], entry["oid"], lfs["oid"], lfs["size"], lfs=True)
+
+
+def _read_api_body(resp: Any, url: str, what: str) -> bytes:
+    """The whole body of a metadata answer (decoded), at most _MAX_API_BODY bytes."""
+    try:
+        body = resp.read(_MAX_API_BODY + 1)
+    except Exception as exc:
+        discard(resp)
+        raise transport_error(exc, what) from exc
+    if len(body) > _MAX_API_BODY:
+        discard(resp)
+        raise SourceError(
+            f"{what}: the answer of {redact_url(url)} is larger than {_MAX_API_BODY >> 20} MiB"
+        )
+    resp.release_conn()
+    return bytes(body)
+
+
+def _next_page(link: str | None, url: str, what: str) -> str | None:
+    """The ``rel="next"`` URL of a ``Link`` header (relative to ``url``), if there is one."""
+    found = _NEXT_LINK.search(link or "")
+    if found is None:
+        return None
+    return _http_target(url, str(found.group(1)).strip(), what, "a next page")
+
+
+def _http_target(base: str, reference: str, what: str, kind: str) -> str:
+    """``reference`` (a Location or a Link, maybe relative) resolved against ``base``: an
+    HTTP(S) URL we can connect to, or one clear SourceError (never a ValueError from parsing)."""
+    try:
+        target = urljoin(base, reference)
+        parts = urlsplit(target)
+        parts.port  # noqa: B018 (raises on a port that is not a number)
+    except ValueError as exc:
+        raise SourceError(
+            f"{what}: {kind} from {redact_url(base)} to a malformed URL: {exc}"
+        ) from exc
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        raise SourceError(
+            f"{what}: refusing {kind} to {redact_url(target)!r}: not an HTTP(S) location"
+        )
+    return target
+
+
 def _body_reader(resp: Any, what: str, length: int, *, length_known: bool) -> BodyReader:
     """The reader of a checked 206: its connection goes back to the pool only when the body
     was read to its end and nothing aborted it."""
@@ -745,6 +780,6 @@ __all__ = [
     "HubRefusal",
     "HubSource",
     "hub_error",
+    "hub_token",
     "open_hub_source",
-    "translate_api_error",
 ]

@@ -21,10 +21,10 @@ import threading
 from typing import Any
 
 from prefetch.errors import (
+    AccessDeniedError,
     ChecksumMismatchError,
     ConfigError,
     NoMatchingFilesError,
-    PrefetchError,
     RevisionNotFoundError,
     SourceError,
     TransientSourceError,
@@ -41,10 +41,10 @@ from prefetch.mirror_format import (
     snapshot_key,
     snapshots_prefix,
 )
-from prefetch.retry import RetryPolicy, call_with_retries
+from prefetch.retry import RetryPolicy
 from prefetch.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.sources.base import RangeReader
-from prefetch.sources.s3 import S3Source, translate
+from prefetch.sources.s3 import S3Source
 from prefetch.spec import ModelSpec, SourceURI
 
 log = logging.getLogger(__name__)
@@ -179,39 +179,11 @@ class MirrorSource:
         """One small object's body, retried like every S3 call; ``missing`` is the message of
         the RevisionNotFoundError raised when it does not exist."""
         what = f"reading {self._where(key)}"
-
-        def read() -> bytes:
-            import botocore.exceptions as bce  # loaded with the client this read creates
-
-            try:
-                resp = self._client.get_object(Bucket=self._uri.location, Key=key)
-            except bce.ClientError as exc:
-                code = str(exc.response.get("Error", {}).get("Code", ""))
-                if code in ("NoSuchKey", "404", "NotFound"):
-                    raise RevisionNotFoundError(missing) from None
-                raise
-            body = resp["Body"]
-            try:
-                data: bytes = body.read(MAX_METADATA_BYTES + 1)
-            finally:
-                body.close()
-            if len(data) > MAX_METADATA_BYTES:
-                raise SourceError(f"{what}: larger than {MAX_METADATA_BYTES} bytes")
-            return data
-
-        data: bytes = self._call(what, read)
+        self._prepare_lean_path()  # static keys: read without creating a botocore client
+        data = self._objects.read_object(key, what, limit=MAX_METADATA_BYTES)
+        if data is None:
+            raise RevisionNotFoundError(missing)
         return data
-
-    def _call(self, what: str, fn: Any) -> Any:
-        def once() -> Any:
-            try:
-                return fn()
-            except PrefetchError:
-                raise
-            except Exception as exc:
-                raise translate(exc, what) from exc
-
-        return call_with_retries(once, self._retry, what=what)
 
     # -- describe and read ---------------------------------------------------------------------
 
@@ -239,15 +211,18 @@ class MirrorSource:
         return file.with_(described=True)
 
     def _prepare_lean_path(self) -> None:
-        """Blob HEADs and GETs on the S3 source's lean path (~1.5 ms of CPU less each than
-        botocore's), set up once, before the first blob is described."""
+        """Metadata and blob requests on the S3 source's lean path (~1.5 ms of CPU less each
+        than botocore's; with static keys, no botocore client at all), set up once, before the
+        first read. A listing the credentials may not make leaves the reads on botocore; any
+        other failure (no such bucket, an unreachable endpoint) is the mirror's answer, and
+        trying botocore after it would only make the caller wait twice before a fallback."""
         with self._lean_lock:  # the other describing threads wait: they would use botocore
             if self._lean_ready:
                 return
             try:
                 self._objects.ensure_lean_path()
-            except PrefetchError as exc:
-                log.debug("blob reads of %s stay on botocore: %s", self.uri, exc)
+            except AccessDeniedError as exc:
+                log.debug("reads of %s stay on botocore: %s", self.uri, exc)
             self._lean_ready = True
 
     def open_range(self, file: RemoteFile, start: int, end: int) -> RangeReader:

@@ -3,9 +3,12 @@
 The boto3 client is passed in (tests give one pointed at a local server). boto3's own retries
 are turned off by :func:`make_s3_client`: retrying lives in one place (prefetch.retry), around
 whole operations and inside the range task, so a retry resumes from the last byte written.
-The listing goes through the client; once it has, the per-object requests (HEAD, whole-object
-GET, ranged GET) are sent on the lean path of :mod:`prefetch.sources.s3_lean`, addressed and
-signed as botocore signed the listing but without its per-request cost (~1.5 ms of CPU each).
+With the static keys of the environment or the settings, the listing and every object
+request are signed and sent without botocore (:mod:`prefetch.sources.s3_direct`: no botocore
+import, no client). Otherwise the listing goes through the client; once it has, the per-object
+requests (HEAD, whole-object GET, ranged GET) are sent on the lean path of
+:mod:`prefetch.sources.s3_lean`, addressed and signed as botocore signed the listing but
+without its per-request cost (~1.5 ms of CPU each).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import heapq
 import http.client
 import logging
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -43,13 +47,16 @@ from prefetch.sources._http import (
     transport_error,
 )
 from prefetch.sources.base import range_answer_problem, shutdown_socket_of
-from prefetch.sources.s3_direct import DirectLister, StaticCredentials, direct_settings
+from prefetch.sources.s3_direct import (
+    DirectBucket,
+    StaticCredentials,
+    direct_settings,
+    sends_as_signed,
+)
 from prefetch.sources.s3_lean import (
     LeanResponse,
-    LeanS3,
-    ObjectEndpoint,
+    ObjectRequests,
     capture_listing_requests,
-    lean_requests_at,
     lean_requests_for,
 )
 from prefetch.spec import SIDECAR_MANIFEST, ModelSpec, SourceURI
@@ -81,6 +88,10 @@ _SIDECAR_LINE = re.compile(r"^([0-9a-fA-F]{64}) [ *](.+)$")
 #: file costs one request instead of two. At most _SMALL_BUDGET bytes wait at any time.
 SMALL_OBJECT = 1024 * 1024
 _SMALL_BUDGET = 64 * 1024 * 1024
+#: A SHA256SUMS sidecar is read up to this size (a line per file: ~100 bytes each).
+MAX_SIDECAR_BYTES = 64 * 1024 * 1024
+#: The error codes of a GET for a key that does not exist.
+_MISSING_KEY_CODES = ("NoSuchKey", "404", "NotFound")
 #: A small object's body must arrive within this many seconds (at least 17 KiB/s for 1 MiB).
 SMALL_GET_LIMIT = 60.0
 
@@ -142,7 +153,7 @@ class LazyS3Client:
     def __init__(self, **settings: Any) -> None:
         self.settings = settings  #: make_s3_client's keyword arguments
         self._client: Any = None
-        self._listers: dict[str, DirectLister | None] = {}
+        self._direct_buckets: dict[str, DirectBucket | None] = {}
         self._lock = threading.Lock()
 
     @property
@@ -160,15 +171,15 @@ class LazyS3Client:
             raise AttributeError(name)
         return getattr(self.client(), name)
 
-    def direct_lister(self, bucket: str) -> DirectLister | None:
+    def direct_bucket(self, bucket: str) -> DirectBucket | None:
         """The botocore-free lister of ``bucket`` (one per bucket, so the region a redirect
         taught it is kept), or None when botocore must list."""
         with self._lock:
-            if bucket not in self._listers:
-                self._listers[bucket] = self._make_lister(bucket)
-            return self._listers[bucket]
+            if bucket not in self._direct_buckets:
+                self._direct_buckets[bucket] = self._make_direct(bucket)
+            return self._direct_buckets[bucket]
 
-    def _make_lister(self, bucket: str) -> DirectLister | None:
+    def _make_direct(self, bucket: str) -> DirectBucket | None:
         opts = self.settings
         if opts.get("profile") is not None:
             return None  # a profile's own credentials or settings: botocore's to resolve
@@ -187,7 +198,7 @@ class LazyS3Client:
         timeout = urllib3.Timeout(
             connect=float(opts.get("connect_timeout", 10)), read=float(opts.get("read_timeout", 60))
         )
-        return DirectLister(
+        return DirectBucket(
             bucket, endpoint_url=found.endpoint_url, region=found.region,
             credentials=found.credentials, http=http, timeout=timeout,
             on_error=lambda what, answer: _answer_error(what, answer, has_body=True),
@@ -216,7 +227,11 @@ def s3_proxies(endpoint_url: str | None, region: str, proxy: str | None) -> dict
 
 def translate(exc: Exception, what: str) -> Exception:
     """A boto3/botocore exception as the package's error (raise it ``from exc``)."""
-    import botocore.exceptions as bce  # here: a pull that lists without botocore never loads it
+    if "botocore" not in sys.modules:
+        # nothing has loaded botocore, so this is no botocore exception: a direct request's
+        # (s3_direct) failure, translated without importing botocore (~0.2 s)
+        return _transport_or_other(exc, what)
+    import botocore.exceptions as bce
 
     if isinstance(exc, bce.ClientError):
         err = exc.response.get("Error", {})
@@ -244,10 +259,19 @@ def translate(exc: Exception, what: str) -> Exception:
         | TimeoutError,
     ):
         return TransientSourceError(f"{what}: {type(exc).__name__}: {exc}")
-    if isinstance(exc, urllib3.exceptions.HTTPError | http.client.HTTPException):
-        return TransientSourceError(f"{what}: {type(exc).__name__}: {exc}")
     if isinstance(exc, bce.ParamValidationError):
         return SourceError(f"{what}: invalid request: {exc}")
+    return _transport_or_other(exc, what)
+
+
+def _transport_or_other(exc: Exception, what: str) -> SourceError:
+    """A failure that is not botocore's: urllib3's and http.client's (and socket errors) are
+    transient, anything else a SourceError naming it."""
+    if isinstance(
+        exc,
+        urllib3.exceptions.HTTPError | http.client.HTTPException | ConnectionError | TimeoutError,
+    ):
+        return TransientSourceError(f"{what}: {type(exc).__name__}: {exc}")
     return SourceError(f"{what}: {type(exc).__name__}: {exc}")
 
 
@@ -344,13 +368,16 @@ def _lean_body_reader(answer: LeanResponse, what: str, length: int) -> BodyReade
 class _Alarms:
     """Callbacks run at deadlines by one daemon thread. The whole-object GET of every small
     object is bounded in time (see ``_read_small_body``); a ``threading.Timer`` each would
-    start and stop one OS thread per file (~7% of the CPU of 1000 small files, measured)."""
+    start and stop one OS thread per file (~7% of the CPU of 1000 small files, measured). Each
+    S3 source has its own; the thread ends after ``idle`` seconds with nothing scheduled (the
+    agent makes a source per sync) and starts again with the next alarm."""
 
-    def __init__(self) -> None:
+    def __init__(self, idle: float = 30.0) -> None:
         self._cond = threading.Condition()
         self._heap: list[tuple[float, int, list[Callable[[], None] | None]]] = []
         self._seq = 0
         self._thread: threading.Thread | None = None
+        self._idle = idle
 
     def schedule(self, delay: float, fn: Callable[[], None]) -> list[Callable[[], None] | None]:
         """Run ``fn`` in ``delay`` seconds unless the returned handle is cancelled first."""
@@ -368,6 +395,11 @@ class _Alarms:
     def cancel(handle: list[Callable[[], None] | None]) -> None:
         handle[0] = None
 
+    @property
+    def running(self) -> bool:
+        with self._cond:
+            return self._thread is not None
+
     def _run(self) -> None:
         while True:
             with self._cond:
@@ -375,16 +407,17 @@ class _Alarms:
                     if self._heap and self._heap[0][2][0] is None:
                         heapq.heappop(self._heap)  # cancelled: forget it now
                         continue
-                    wait = self._heap[0][0] - time.monotonic() if self._heap else None
-                    self._cond.wait(wait)
+                    if not self._heap:
+                        if not self._cond.wait(self._idle) and not self._heap:
+                            self._thread = None  # idle: the next schedule starts another
+                            return
+                        continue
+                    self._cond.wait(self._heap[0][0] - time.monotonic())
                 _, _, handle = heapq.heappop(self._heap)
             fn = handle[0]
             if fn is not None:
                 with contextlib.suppress(Exception):
                     fn()
-
-
-_ALARMS = _Alarms()
 
 
 class _BytesReader:
@@ -418,13 +451,12 @@ class S3Source:
         self._small_lock = threading.Lock()
         #: Seconds a whole-object GET of a small object (see SMALL_OBJECT) may take.
         self.small_get_limit = SMALL_GET_LIMIT
-        #: Object GETs and HEADs without botocore's per-request machinery (see s3_lean), set up
-        #: from the listing request botocore signed; None until then, or when it cannot be.
-        self._lean_path: LeanS3 | None = None
-        #: Where the objects are when the listing was made without botocore: the lean path is
-        #: set up from it (with the client's credentials and pools) when first needed.
-        self._lean_endpoint: ObjectEndpoint | None = None
-        self._lean_lock = threading.Lock()
+        self._alarms = _Alarms()
+        #: Object GETs and HEADs without botocore's per-request machinery: the bucket's
+        #: DirectBucket when the listing was made without botocore (s3_direct), else set up
+        #: from the listing request botocore signed (s3_lean); None until the first listing,
+        #: or when neither can be.
+        self._lean_path: ObjectRequests | None = None
         #: False: every request goes through botocore (for comparisons; see bench/).
         self.lean_requests = True
 
@@ -439,25 +471,24 @@ class S3Source:
 
         return call_with_retries(once, self._retry, what=what)
 
-    @property
-    def _lean(self) -> LeanS3 | None:
-        if self._lean_path is None and self._lean_endpoint is not None:
-            with self._lean_lock:  # creating the botocore client may take ~0.2 s
-                endpoint, self._lean_endpoint = self._lean_endpoint, None
-                if endpoint is not None:
-                    self._lean_path = lean_requests_at(self._client, endpoint)
-        return self._lean_path
+    def _lean_for(self, key: str) -> ObjectRequests | None:
+        """The lean path for requests about ``key`` (None: botocore's). A key with a dot
+        segment stays on botocore when the path is the direct one (see ``sends_as_signed``)."""
+        lean = self._lean_path
+        if isinstance(lean, DirectBucket) and not sends_as_signed(key):
+            return None
+        return lean
 
     def list_page(self, what: str, **kwargs: Any) -> dict[str, Any]:
         """One ListObjectsV2 page of the bucket (botocore's arguments but Bucket, and answer
         shape): without botocore when the client allows it (see LazyS3Client), else through
         botocore, whose signed request then sets up the lean object path."""
         bucket = self._uri.location
-        lister = self._client.direct_lister(bucket) if self._lists_directly() else None
+        lister = self._client.direct_bucket(bucket) if self._lists_directly() else None
         if lister is not None:
             page: dict[str, Any] = self._call(what, lister.list_objects_v2, Bucket=bucket, **kwargs)
             if self.lean_requests and self._lean_path is None:
-                self._lean_endpoint = ObjectEndpoint(lister.base_url, lister.region)
+                self._lean_path = lister  # its object requests need no botocore either
             return page
         with capture_listing_requests(self._client) as sent:
             page = self._call(what, self._client.list_objects_v2, Bucket=bucket, **kwargs)
@@ -469,7 +500,7 @@ class S3Source:
         """Set up the lean object path for a reader that lists nothing (the mirror source reads
         its blobs by key): a listing of at most one key under the prefix tells where the bucket
         is and how to sign, as the model's listing would."""
-        if self.lean_requests and self._lean is None:
+        if self.lean_requests and self._lean_path is None:
             where = f"s3://{self._uri.location}/{self._uri.path}"
             self.list_page(f"listing {where}", Prefix=self._uri.path, MaxKeys=1)
 
@@ -528,13 +559,60 @@ class S3Source:
             repo_id=spec.repo_id,
         )
 
+    def read_object(self, key: str, what: str, *, limit: int) -> bytes | None:
+        """The whole body of the object ``key`` of the bucket (None: there is no such object),
+        refused past ``limit`` bytes; retried like every S3 call. For metadata (a sidecar, a
+        mirror's refs and commits): on the lean path once it is set up, so a pull with static
+        keys reads them without botocore too."""
+        lean = self._lean_for(key)
+
+        def over_limit() -> SourceError:
+            return SourceError(f"{what}: larger than {limit} bytes")
+
+        def read_lean() -> bytes | None:
+            assert lean is not None
+            answer = lean.send("GET", key, headers={})
+            if answer.status >= 300:
+                if answer.status == 404:
+                    code, _ = answer.error_code_and_message(has_body=True)
+                    if code != "NoSuchBucket":
+                        return None
+                raise _answer_error(what, answer, has_body=True)
+            data: bytes = answer.raw.read(limit + 1)
+            if len(data) > limit:
+                answer.discard()
+                raise over_limit()
+            answer.release()
+            return data
+
+        def read_botocore() -> bytes | None:
+            import botocore.exceptions as bce  # loaded with the client this read creates
+
+            try:
+                resp = self._client.get_object(Bucket=self._uri.location, Key=key)
+            except bce.ClientError as exc:
+                if str(exc.response.get("Error", {}).get("Code", "")) in _MISSING_KEY_CODES:
+                    return None
+                raise
+            body = resp["Body"]
+            try:
+                data: bytes = body.read(limit + 1)
+            finally:
+                body.close()
+            if len(data) > limit:
+                raise over_limit()
+            return data
+
+        found: bytes | None = self._call(what, read_lean if lean is not None else read_botocore)
+        return found
+
     def _apply_sidecar(self, sidecar: RemoteFile, files: list[RemoteFile]) -> list[RemoteFile]:
         what = f"reading s3://{self._uri.location}/{sidecar.locator}"
-        resp = self._call(
-            what, self._client.get_object, Bucket=self._uri.location, Key=sidecar.locator
-        )
+        body = self.read_object(sidecar.locator, what, limit=MAX_SIDECAR_BYTES)
+        if body is None:
+            raise SourceChangedError(f"{what}: the object disappeared since it was listed")
         sums: dict[str, str] = {}
-        for n, line in enumerate(resp["Body"].read().decode("utf-8", "replace").splitlines(), 1):
+        for n, line in enumerate(body.decode("utf-8", "replace").splitlines(), 1):
             if not line.strip() or line.startswith("#"):
                 continue
             m = _SIDECAR_LINE.match(line.rstrip("\r"))
@@ -570,9 +648,10 @@ class S3Source:
                 raise
         bucket, key = self._uri.location, file.locator
         what = f"s3://{bucket}/{key}"
-        if self._lean is not None:
+        lean = self._lean_for(key)
+        if lean is not None:
             head = self._call(
-                f"HEAD {what}", self._lean_head, key=key, label=f"HEAD {what}",
+                f"HEAD {what}", self._lean_head, lean=lean, key=key, label=f"HEAD {what}",
                 headers={"x-amz-checksum-mode": "ENABLED", **_if_match(file.version)},
             )  # fmt: skip
             return self._described(file, head, what)
@@ -587,13 +666,19 @@ class S3Source:
         return self._described(file, head, what)
 
     def _lean_answer(
-        self, method: str, key: str, what: str, *, headers: dict[str, str], query: str = ""
+        self,
+        lean: ObjectRequests,
+        method: str,
+        key: str,
+        what: str,
+        *,
+        headers: dict[str, str],
+        query: str = "",
     ) -> LeanResponse:
         """Send one request on the lean path; an error answer or a transport failure raises
         the error botocore's path would."""
-        assert self._lean is not None
         try:
-            answer = self._lean.send(method, key, headers=headers, query=query)
+            answer = lean.send(method, key, headers=headers, query=query)
         except Exception as exc:
             raise translate(exc, what) from exc
         if answer.status >= 300:
@@ -601,10 +686,16 @@ class S3Source:
         return answer
 
     def _lean_head(
-        self, *, key: str, label: str, headers: dict[str, str], query: str = ""
+        self,
+        *,
+        lean: ObjectRequests,
+        key: str,
+        label: str,
+        headers: dict[str, str],
+        query: str = "",
     ) -> dict[str, Any]:
         """A HEAD on the lean path, answered in botocore's shape (``label`` names it in errors)."""
-        answer = self._lean_answer("HEAD", key, label, headers=headers, query=query)
+        answer = self._lean_answer(lean, "HEAD", key, label, headers=headers, query=query)
         answer.release()
         return answer.fields()
 
@@ -652,10 +743,12 @@ class S3Source:
         bucket, key = self._uri.location, file.locator
         what = f"s3://{bucket}/{key}"
 
+        lean = self._lean_for(key)
+
         def get() -> tuple[dict[str, Any], bytes]:
-            if self._lean is not None:
+            if lean is not None:
                 answer = self._lean_answer(
-                    "GET", key, f"GET {what}",
+                    lean, "GET", key, f"GET {what}",
                     headers={"x-amz-checksum-mode": "ENABLED", **_if_match(file.version)},
                 )  # fmt: skip
                 data = self._read_small_body(answer.raw, what, finish=answer.discard)
@@ -696,7 +789,7 @@ class S3Source:
             fired.set()
             shutdown_socket_of(body)
 
-        cut = _ALARMS.schedule(self.small_get_limit, too_slow)
+        cut = self._alarms.schedule(self.small_get_limit, too_slow)
         try:
             return bytes(body.read())
         except Exception as exc:
@@ -707,7 +800,7 @@ class S3Source:
                 ) from exc
             raise
         finally:
-            _ALARMS.cancel(cut)
+            self._alarms.cancel(cut)
             finish()
 
     def _reserve_small(self, size: int) -> bool:
@@ -734,10 +827,13 @@ class S3Source:
         when the sizes do not add up, HEAD every part."""
         what = f"HEAD s3://{bucket}/{key} part"
 
+        lean = self._lean_for(key)
+
         def part_size(n: int) -> int:
-            if self._lean is not None:
-                h = self._call(f"{what} {n}", self._lean_head, key=key, label=f"{what} {n}",
-                               headers={}, query=f"partNumber={n}")  # fmt: skip
+            if lean is not None:
+                h = self._call(f"{what} {n}", self._lean_head, lean=lean, key=key,
+                               label=f"{what} {n}", headers={},
+                               query=f"partNumber={n}")  # fmt: skip
             else:
                 h = self._call(f"{what} {n}", self._client.head_object, Bucket=bucket, Key=key,
                                PartNumber=n)  # fmt: skip
@@ -764,8 +860,9 @@ class S3Source:
             return _BytesReader(memoryview(small)[start:end])
         bucket, key = self._uri.location, file.locator
         what = f"s3://{bucket}/{key} bytes {start}-{end - 1}"
-        if self._lean is not None:
-            return self._lean_open_range(file, start, end, what)
+        lean = self._lean_for(key)
+        if lean is not None:
+            return self._lean_open_range(lean, file, start, end, what)
         kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{end - 1}"}
         if file.version:
             kwargs["IfMatch"] = file.version
@@ -791,10 +888,12 @@ class S3Source:
         length = resp.get("ContentLength")
         return _body_reader(resp["Body"], what, end - start, length_known=length is not None)
 
-    def _lean_open_range(self, file: RemoteFile, start: int, end: int, what: str) -> BodyReader:
+    def _lean_open_range(
+        self, lean: ObjectRequests, file: RemoteFile, start: int, end: int, what: str
+    ) -> BodyReader:
         """``open_range`` on the lean path: the same checks of the answer as botocore's path."""
         headers = {"Range": f"bytes={start}-{end - 1}", **_if_match(file.version)}
-        answer = self._lean_answer("GET", file.locator, what, headers=headers)
+        answer = self._lean_answer(lean, "GET", file.locator, what, headers=headers)
         resp = answer.fields()
         etag = str(resp.get("ETag", "")).strip('"')
         if file.version and etag and etag != file.version:

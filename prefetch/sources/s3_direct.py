@@ -1,16 +1,17 @@
-"""ListObjectsV2 without botocore: what a no-op pull of an S3 model needs, and nothing more.
+"""S3 without botocore: the listing and the object requests a pull sends, and nothing more.
 
-A pull of a model that is already complete lists the prefix and compares sizes and ETags with
-the local records. Importing botocore (it loads awscrt's native library) and creating a client
-(it reads the 1.25 MB ``endpoints.json`` and the S3 service model) cost ~0.5 CPU-s, most of
-such a pull (bench/README.md, issue 15). So when the credentials are the plain static keys of
-the environment (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` [/ ``AWS_SESSION_TOKEN``]:
-botocore's first provider, which wins over every other), the listing is signed here (SigV4,
-``hashlib``/``hmac``), sent on the shared urllib3 pool (with the source's proxy) and its XML
-parsed with ``xml.etree``. Anything else (a profile, IRSA, IMDS, a CA bundle, FIPS or
-dual-stack endpoints, an access point ARN...) leaves :func:`direct_lister` returning None, and
-the caller uses botocore as before. The botocore client is only created when something needs
-it (describing or reading an object, a sidecar), see ``LazyS3Client`` in s3.py.
+Importing botocore (it loads awscrt's native library) and creating a client (it reads the
+1.25 MB ``endpoints.json`` and the S3 service model) cost ~0.5 CPU-s, most of a no-op pull
+and a fifth of a cold 1 GB pull (bench/README.md, issue 15). So when the credentials are the
+plain static keys of the environment or of the client's settings (``AWS_ACCESS_KEY_ID`` /
+``AWS_SECRET_ACCESS_KEY`` [/ ``AWS_SESSION_TOKEN``]: botocore's first provider, which wins over
+every other), ListObjectsV2 and the object GETs and HEADs are signed here (SigV4,
+``hashlib``/``hmac``), sent on the shared urllib3 pool (with the source's proxy), and the
+listing's XML parsed with ``xml.etree``. Anything else (a profile, IRSA, IMDS, a CA bundle,
+FIPS or dual-stack endpoints, an access point ARN...) leaves :func:`direct_settings` returning
+None, and the caller uses botocore as before (with the lean object path of
+:mod:`prefetch.sources.s3_lean`). The botocore client is only created when something needs it,
+see ``LazyS3Client`` in s3.py.
 
 Addressing is the one botocore uses for the same settings where it matters: a custom endpoint
 (``AWS_ENDPOINT_URL``, ``--endpoint-url``) path-style (``endpoint/bucket``), AWS itself
@@ -91,17 +92,20 @@ def sign_v4(
     region: str,
     *,
     now: datetime.datetime | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """The headers (X-Amz-Date, X-Amz-Content-SHA256, [X-Amz-Security-Token], Authorization)
-    that sign a bodyless S3 request for ``url`` (path and query already encoded as sent: see
-    :func:`canonical_query`). The Host header signed is the one ``http.client`` sends (the port
-    only when it is not the scheme's default); it is not returned: set twice, a proxy refuses
-    the request."""
+    """The headers to send with a bodyless S3 request for ``url`` (path and query already
+    encoded as sent: see :func:`canonical_query`): ``headers`` (names lowercased; all of them
+    signed, as botocore signs a GET's Range and If-Match and must sign every ``x-amz-*``), plus
+    X-Amz-Date, X-Amz-Content-SHA256, [X-Amz-Security-Token] and Authorization. The Host header
+    signed is the one ``http.client`` sends (the port only when it is not the scheme's
+    default); it is not returned: set twice, a proxy refuses the request."""
     now = now or datetime.datetime.now(datetime.UTC)
     amz_date = now.strftime("%Y%m%dT%H%M%SZ")
     day = amz_date[:8]
     parts = urlsplit(url)
     headers = {
+        **{name.lower(): " ".join(value.split()) for name, value in (headers or {}).items()},
         "host": _host_header(parts),
         "x-amz-content-sha256": _EMPTY_SHA256,
         "x-amz-date": amz_date,
@@ -114,7 +118,7 @@ def sign_v4(
             method,
             parts.path or "/",
             parts.query,
-            "".join(f"{n}:{headers[n].strip()}\n" for n in names),
+            "".join(f"{n}:{headers[n]}\n" for n in names),
             ";".join(names),
             _EMPTY_SHA256,
         ]
@@ -194,8 +198,10 @@ def parse_list_page(body: bytes) -> dict[str, Any]:
     return page
 
 
-class DirectLister:
-    """``list_objects_v2`` of one bucket, signed here (see the module docstring)."""
+class DirectBucket:
+    """One bucket's ``list_objects_v2`` and object requests (GET, HEAD), signed here (see the
+    module docstring). :meth:`send` is the object path ``S3Source`` also takes through botocore's
+    credentials (``s3_lean.LeanS3.send``): the same arguments, the same answer."""
 
     def __init__(
         self,
@@ -260,14 +266,35 @@ class DirectLister:
     def _send(self, query: str) -> LeanResponse:
         base = self.base_url
         path_only = base[:-1] if base.endswith("/") and urlsplit(base).path != "/" else base
-        url = f"{path_only}?{query}"
-        headers = sign_v4("GET", url, self._credentials, self.region)
-        headers["user-agent"] = _USER_AGENT
-        kwargs: dict[str, Any] = {"headers": headers, "preload_content": False, "redirect": False}
+        return self._request("GET", f"{path_only}?{query}", {})
+
+    def send(
+        self, method: str, key: str, *, headers: Mapping[str, str], query: str = ""
+    ) -> LeanResponse:
+        """One signed request for the object ``key`` (``query``: already encoded, e.g.
+        ``partNumber=1``). Transport failures raise urllib3's errors. A key with a "." or ".."
+        segment is refused (ValueError): urllib3 would normalize its path and send another
+        request than the one signed (see :func:`sends_as_signed`)."""
+        if not sends_as_signed(key):
+            raise ValueError(f"the key {key!r} has a segment a URL would normalize away")
+        url = self.base_url + _uri_encode(key, keep_slash=True)
+        return self._request(method, f"{url}?{query}" if query else url, headers)
+
+    def _request(self, method: str, url: str, headers: Mapping[str, str]) -> LeanResponse:
+        signed = sign_v4(method, url, self._credentials, self.region, headers=headers)
+        signed["user-agent"] = _USER_AGENT
+        kwargs: dict[str, Any] = {"headers": signed, "preload_content": False, "redirect": False}
         if self._timeout is not None:
             kwargs["timeout"] = self._timeout
-        resp = self._http.request("GET", url, **kwargs)
+        resp = self._http.request(method, url, **kwargs)
         return LeanResponse(int(resp.status), resp.headers, resp)
+
+
+def sends_as_signed(key: str) -> bool:
+    """Can an object request for ``key`` go out with the path it was signed for? Not when a
+    segment is "." or "..": URL parsing (urllib3's included) removes dot segments, so the
+    server would see, and check the signature of, another path (botocore sends such keys)."""
+    return not any(segment in (".", "..") for segment in key.split("/"))
 
 
 def _drain(raw: Any) -> None:

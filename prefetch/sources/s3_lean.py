@@ -27,7 +27,7 @@ import re
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import quote, urlsplit
 
 from prefetch import __version__
@@ -164,6 +164,15 @@ class LeanResponse:
             self.raw.close()
         finally:
             self.raw.release_conn()
+
+
+class ObjectRequests(Protocol):
+    """Signed requests for one bucket's objects: :class:`LeanS3` (botocore's credentials and
+    pools) or ``s3_direct.DirectBucket`` (static keys, no botocore)."""
+
+    def send(
+        self, method: str, key: str, *, headers: dict[str, str], query: str = ""
+    ) -> LeanResponse: ...
 
 
 class LeanS3:
