@@ -1,0 +1,475 @@
+"""The Helm chart (charts/model-prefetch/), linted and rendered by the real Helm engine.
+
+No helm binary is needed: the PyPI package ``helm-python-sdk`` (import ``helm_python``) bundles
+Helm's Go SDK as a shared library and calls it through ctypes, offline. It is alpha, so
+pyproject.toml pins it; the whole module skips where it is not importable (``pip install -e
+'.[test]'`` installs it, so CI runs every test here).
+
+What is checked:
+
+* ``helm lint`` finds nothing above "info", with the default values and with every example;
+* every rendered document validates against the Kubernetes schemas (kubernetes-validate) and, for
+  custom resources, against the CRDs in ``<repo>/../shared/crds``, as tests/test_manifests.py
+  checks the kustomize manifests (same helpers, tests/manifests_util.py);
+* equivalence: the release "model-prefetch" with default values renders exactly the objects of
+  ``kubectl kustomize daemonset/`` once the labels Helm adds are dropped, and the mirror and the
+  alert rules those of deploy/mirror/ and deploy/monitoring/ with values that ask for them; a
+  change to either side without the other fails;
+* values.schema.json rejects unknown keys and wrong types with Helm's own message, and lists
+  exactly the keys the agent's config reader accepts.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests import manifests_util as mu
+
+helm = pytest.importorskip(
+    "helm_python",
+    reason="helm-python-sdk is not installed (it is in the test extra: pip install -e '.[test]')",
+)
+
+REPO = mu.REPO
+CHART = REPO / "charts" / "model-prefetch"
+EXAMPLES = sorted((CHART / "examples").glob("*.yaml"))
+RELEASE = "model-prefetch"
+NAMESPACE = "model-prefetch"
+#: Labels Helm's conventions add (tests/test_helm_chart.py drops them to compare with kustomize).
+HELM_LABELS = (
+    "helm.sh/chart",
+    "app.kubernetes.io/managed-by",
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/version",
+)
+Doc = mu.Doc
+
+#: Values that switch on everything the defaults leave off, and change what can be changed.
+EVERYTHING: dict[str, Any] = {
+    "image": {"digest": "sha256:" + "ab" * 32, "pullPolicy": "Always"},
+    "imagePullSecrets": [{"name": "registry"}],
+    "serviceAccount": {
+        "annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::111122223333:role/agent"}
+    },
+    "credentials": {"secretName": "hub-and-s3"},
+    "priorityClassName": "gpu-critical",
+    "nodeSelector": {"karpenter.sh/nodepool": "gpu"},
+    "podAnnotations": {"example.com/owner": "ml-platform"},
+    "podLabels": {"team": "ml"},
+    "commonLabels": {"cost-center": "ml"},
+    "extraEnv": [{"name": "PREFETCH_LOG_LEVEL", "value": "debug"}],
+    "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}},
+    "config": {
+        "listen": "0.0.0.0:9090",
+        "minRate": "64KiB",
+        "stallTimeout": "30s",
+        "retryBackoff": {"initial": "10s", "max": "10m"},
+        "s3": {"endpointUrl": "https://minio.example.internal:9000"},
+        "models": [
+            {
+                "name": "llama-3-1-8b-instruct",
+                "source": "s3://my-model-mirror/meta-llama/Llama-3.1-8B-Instruct/",
+                "hfRepo": "meta-llama/Llama-3.1-8B-Instruct",
+                "required": False,
+                "pin": True,
+                "exclude": "*.pth",
+                "proxy": "none",
+            }
+        ],
+    },
+    "namespace": {"create": True},
+    "monitoring": {
+        "podMonitor": {"interval": "15s", "labels": {"release": "kube-prometheus-stack"}},
+        "prometheusRule": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+    },
+    "mirror": {
+        "enabled": True,
+        "awsRegion": "eu-west-1",
+        "extraEnv": [{"name": "NO_PROXY", "value": ".amazonaws.com"}],
+        "jobs": [
+            {
+                "name": "mirror-llama-8b",
+                "source": "hf://meta-llama/Llama-3.1-8B-Instruct@main",
+                "destination": "s3://my-model-mirror/meta-llama/Llama-3.1-8B-Instruct",
+                "schedule": "0 * * * *",
+            }
+        ],
+    },
+    "extraObjects": [
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {
+                "name": "{{ .Release.Name }}-extra",
+                "namespace": "{{ .Release.Namespace }}",
+            },
+            "stringData": {"HF_TOKEN": "hf_example"},
+        },
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: {{ .Release.Name }}-notes\n"
+        "data:\n  owner: ml-platform\n",
+    ],
+}
+
+
+# -- the Helm engine ---------------------------------------------------------------------------
+
+
+def render(
+    values: dict[str, Any] | None = None, *, release: str = RELEASE, namespace: str = NAMESPACE
+) -> list[Doc]:
+    """The chart's objects, as `helm template RELEASE charts/model-prefetch -n NAMESPACE`."""
+    with helm.Chart.load(CHART) as chart:
+        manifests = chart.render(values, name=release, namespace=namespace)
+    docs: list[Doc] = []
+    for path, text in sorted(manifests.items()):
+        if path.endswith(".yaml"):
+            docs += [d for d in yaml.safe_load_all(text) if d is not None]
+    return docs
+
+
+def example_values(path: Path) -> dict[str, Any]:
+    values = helm.values_from_yaml(path.read_text(encoding="utf-8"))
+    assert isinstance(values, dict)
+    return values
+
+
+def value_sets() -> list[Any]:
+    """Default values, EVERYTHING and each example values file."""
+    return [
+        pytest.param(None, id="defaults"),
+        pytest.param(EVERYTHING, id="everything"),
+        *(pytest.param(example_values(p), id=f"examples/{p.name}") for p in EXAMPLES),
+    ]
+
+
+def key(doc: Doc) -> tuple[str, str, str]:
+    return (doc["kind"], doc["metadata"].get("namespace", ""), mu.name(doc))
+
+
+def by_key(docs: list[Doc]) -> dict[tuple[str, str, str], Doc]:
+    out = {key(d): d for d in docs}
+    assert len(out) == len(docs), "two objects with one kind, namespace and name"
+    return out
+
+
+# -- lint ----------------------------------------------------------------------------------------
+
+
+def _findings(report: dict[str, Any]) -> list[str]:
+    """Lint messages above "info" (severity 1), as `helm lint` prints them."""
+    levels = {2: "WARNING", 3: "ERROR"}
+    return [
+        f"[{levels.get(m['severity'], m['severity'])}] {m['path']}: {m['error']}"
+        for m in report["messages"]
+        if m["severity"] > 1
+    ]
+
+
+@pytest.mark.parametrize("values", value_sets())
+def test_helm_lint_finds_nothing_above_info(values: dict[str, Any] | None) -> None:
+    report = helm.lint(CHART, values, strict=True, namespace=NAMESPACE, kube_version="v1.32.0")
+    assert report["total_charts_linted"] == 1
+    assert not _findings(report) and not report["errors"], "\n".join(_findings(report))
+
+
+# -- validation ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", value_sets())
+def test_rendered_builtin_kinds_validate(values: dict[str, Any] | None) -> None:
+    docs = render(values)
+    assert docs
+    for doc in docs:
+        if mu.is_builtin(doc):
+            for version in mu.KUBERNETES_VERSIONS:
+                mu.validate_builtin(doc, version)
+
+
+#: Custom resources without a CRD in ../shared/crds, and the test that checks their content.
+VALIDATED_WITHOUT_A_CRD = {
+    ("monitoring.coreos.com/v1", "PrometheusRule"): (
+        "test_prometheus_rule_is_deploy_monitorings (the same spec as deploy/monitoring/, which "
+        "tests/test_monitoring.py checks with promtool)"
+    ),
+}
+
+
+@pytest.mark.parametrize("values", value_sets())
+def test_rendered_custom_resources_validate_against_upstream_crds(
+    values: dict[str, Any] | None,
+) -> None:
+    if not mu.crds_available():
+        pytest.skip(f"no CRD schemas at {mu.SHARED_CRDS} (outside the repository)")
+    custom = [d for d in render(values) if not mu.is_builtin(d)]
+    for doc in custom:
+        if mu.has_crd(doc):
+            mu.validate_custom(doc)
+        else:
+            assert (doc["apiVersion"], doc["kind"]) in VALIDATED_WITHOUT_A_CRD, (
+                f"no CRD for {doc['apiVersion']} {doc['kind']} in {mu.SHARED_CRDS}"
+            )
+        mu.validate_metadata(doc, mu.KUBERNETES_VERSIONS[-1])
+
+
+@pytest.mark.parametrize("values", value_sets())
+def test_rendered_config_is_a_valid_agent_config(values: dict[str, Any] | None) -> None:
+    from prefetch.agent.config import parse_config
+
+    [cm] = [d for d in render(values) if d["kind"] == "ConfigMap" and "models.yaml" in d["data"]]
+    config = parse_config(cm["data"]["models.yaml"].encode(), path=Path("models.yaml"))
+    assert config.models
+
+
+# -- equivalence with the kustomize manifests ----------------------------------------------------
+
+
+def normalised(doc: Doc) -> Doc:
+    """``doc`` without the labels Helm adds, and the agent's models.yaml parsed.
+
+    The labels go from metadata, selectors and pod templates alike (Helm's selectors carry the
+    release as app.kubernetes.io/instance); models.yaml is compared as data because kustomize
+    carries the file's comments and Helm writes the values out without them.
+    """
+    out = copy.deepcopy(doc)
+
+    def drop(node: Any) -> None:
+        if isinstance(node, dict):
+            for field in ("labels", "matchLabels"):
+                if isinstance(node.get(field), dict):
+                    for label in HELM_LABELS:
+                        node[field].pop(label, None)
+            for value in node.values():
+                drop(value)
+        elif isinstance(node, list):
+            for value in node:
+                drop(value)
+
+    drop(out)
+    if out["kind"] == "Service":
+        for label in HELM_LABELS:
+            out["spec"].get("selector", {}).pop(label, None)
+    if out["kind"] == "ConfigMap" and "models.yaml" in out.get("data", {}):
+        out["data"]["models.yaml"] = yaml.safe_load(out["data"]["models.yaml"])
+    return out
+
+
+def assert_same_objects(chart: list[Doc], kustomize: list[Doc], what: str) -> None:
+    ours = {k: normalised(d) for k, d in by_key(chart).items()}
+    theirs = {k: normalised(d) for k, d in by_key(kustomize).items()}
+    assert sorted(ours) == sorted(theirs), f"{what}: the chart and kustomize render other objects"
+    for k in sorted(ours):
+        if ours[k] != theirs[k]:
+            diff = difflib.unified_diff(
+                yaml.safe_dump(theirs[k], sort_keys=True).splitlines(),
+                yaml.safe_dump(ours[k], sort_keys=True).splitlines(),
+                f"kubectl kustomize ({what})",
+                "helm template (charts/model-prefetch)",
+                lineterm="",
+            )
+            pytest.fail(f"{k[0]} {k[1]}/{k[2]} differs:\n" + "\n".join(diff))
+
+
+def _kustomize(directory: str) -> list[Doc]:
+    if mu.kubectl() is None:
+        pytest.skip("kubectl is not installed")
+    return mu.kustomize_build(REPO / directory)
+
+
+def test_defaults_render_what_kustomize_renders_for_daemonset() -> None:
+    """Every object of `kubectl kustomize daemonset/`, field for field, but the Namespace.
+
+    The Namespace is the one designed difference: Helm users create it with `--create-namespace`
+    (a chart that also rendered it would fail that install), so the chart renders it only with
+    namespace.create, and then the same as kustomize's.
+    """
+    kustomize = _kustomize("daemonset")
+    namespaces = [d for d in kustomize if d["kind"] == "Namespace"]
+    rest = [d for d in kustomize if d["kind"] != "Namespace"]
+    assert_same_objects(render(), rest, "daemonset/")
+    created = [d for d in render({"namespace": {"create": True}}) if d["kind"] == "Namespace"]
+    assert_same_objects(created, namespaces, "daemonset/ Namespace")
+
+
+def test_mirror_renders_what_kustomize_renders_for_deploy_mirror() -> None:
+    kustomize = [d for d in _kustomize("deploy/mirror") if d["kind"] != "Namespace"]
+    job = mu.one("Job", under="deploy/mirror")
+    cronjob = mu.one("CronJob", under="deploy/mirror")
+    service_account = mu.one("ServiceAccount", under="deploy/mirror")
+    job_args = mu.container(job)["args"]
+    cron_args = mu.container(cronjob["spec"]["jobTemplate"])["args"]
+    values = {
+        "monitoring": {"podMonitor": {"enabled": False}},
+        "mirror": {
+            "enabled": True,
+            "serviceAccount": {
+                "name": mu.name(service_account),
+                "annotations": service_account["metadata"]["annotations"],
+            },
+            "awsRegion": mu.env_value(mu.container(job), "AWS_REGION"),
+            "jobs": [
+                {"name": mu.name(job), "source": job_args[1], "destination": job_args[2]},
+                {
+                    "name": mu.name(cronjob),
+                    "source": cron_args[1],
+                    "destination": cron_args[2],
+                    "schedule": cronjob["spec"]["schedule"],
+                },
+            ],
+        },
+    }
+    namespace = job["metadata"]["namespace"]
+    mirror = [
+        d
+        for d in render(values, namespace=namespace)
+        if (d["metadata"].get("labels") or {}).get("app.kubernetes.io/component") == "mirror"
+    ]
+    assert_same_objects(mirror, kustomize, "deploy/mirror/")
+
+
+def test_prometheus_rule_is_deploy_monitorings() -> None:
+    source = REPO / "deploy" / "monitoring" / "prometheusrule.yaml"
+    copied = CHART / "files" / "prometheusrule.yaml"
+    assert copied.read_bytes() == source.read_bytes(), (
+        f"{copied.relative_to(REPO)} is not {source.relative_to(REPO)}: copy it again"
+    )
+    values = {"monitoring": {"prometheusRule": {"enabled": True}}}
+    [rule] = [d for d in render(values) if d["kind"] == "PrometheusRule"]
+    expected = mu.one("PrometheusRule", under="deploy/monitoring")
+    assert rule["spec"] == expected["spec"]
+    assert mu.name(rule) == mu.name(expected)
+
+
+def test_prometheus_rule_names_this_releases_job_and_service_account() -> None:
+    values = {"monitoring": {"prometheusRule": {"enabled": True}}}
+    [rule] = [
+        d for d in render(values, release="gpu", namespace="ml") if d["kind"] == "PrometheusRule"
+    ]
+    text = json.dumps(rule["spec"])
+    assert 'up{job=\\"ml/gpu-model-prefetch-agent\\"}' in text
+    assert "model-prefetch/model-prefetch-agent" not in text
+    assert "serviceaccount:{{ $labels.namespace }}:gpu-model-prefetch-agent" in text
+    # the alerts' own templates reach Prometheus untouched
+    assert "{{ $labels.node }}" in text
+
+
+# -- values --------------------------------------------------------------------------------------
+
+
+SCHEMA_ERROR = "values don't meet the specifications of the schema(s) in the following chart(s):"
+
+
+@pytest.mark.parametrize(
+    ("values_file", "message"),
+    [
+        (
+            "config:\n  concurency: 16\n",
+            "- at '/config': additional properties 'concurency' not allowed",
+        ),
+        ('config:\n  concurrency: "16"\n', "- at '/config/concurrency': got string, want integer"),
+        ("imag:\n  tag: 0.2.0\n", "- at '': additional properties 'imag' not allowed"),
+        (
+            'monitoring:\n  podMonitor:\n    enabled: "no"\n',
+            "- at '/monitoring/podMonitor/enabled': got string, want boolean",
+        ),
+        (
+            "config:\n  models:\n    - name: Llama_70B\n      source: hf://org/name\n",
+            "- at '/config/models/0/name': 'Llama_70B' does not match pattern",
+        ),
+    ],
+    ids=["unknown-config-key", "config-type", "unknown-top-key", "bool-type", "model-name"],
+)
+def test_schema_rejects_a_bad_values_file_with_helms_message(
+    values_file: str, message: str
+) -> None:
+    values = helm.values_from_yaml(values_file)
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError) as caught:
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    text = str(caught.value)
+    assert text.startswith(SCHEMA_ERROR) and f"\nmodel-prefetch:\n{message}" in text, text
+    report = helm.lint(CHART, values)
+    assert any(message.removeprefix("- ") in e for e in report["errors"]), report
+
+
+def test_schema_lists_exactly_the_agents_config_keys() -> None:
+    """A key the agent gains or loses must be added to or removed from values.schema.json."""
+    from prefetch.agent import config as agent_config
+
+    schema = json.loads((CHART / "values.schema.json").read_text(encoding="utf-8"))
+    config = schema["properties"]["config"]
+    assert set(config["properties"]) == set(agent_config._TOP_KEYS)
+    assert set(config["properties"]["models"]["items"]["properties"]) == set(
+        agent_config._MODEL_KEYS
+    )
+    assert set(config["properties"]["retryBackoff"]["properties"]) == set(
+        agent_config._BACKOFF_KEYS
+    )
+    assert set(config["properties"]["s3"]["properties"]) == set(agent_config._S3_KEYS)
+
+
+def test_default_config_is_daemonsets_models_yaml() -> None:
+    """The chart's default model list is the kustomize one (without kubectl too)."""
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text(encoding="utf-8"))
+    models_yaml = yaml.safe_load((REPO / "daemonset" / "models.yaml").read_text(encoding="utf-8"))
+    assert defaults["config"] == models_yaml
+
+
+def test_other_release_and_namespace_keep_the_events_role_in_default() -> None:
+    docs = by_key(render(release="gpu", namespace="ml"))
+    agent = "gpu-model-prefetch-agent"
+    daemonset = docs[("DaemonSet", "ml", agent)]
+    assert mu.pod_spec(daemonset)["serviceAccountName"] == agent
+    subject = {"kind": "ServiceAccount", "name": agent, "namespace": "ml"}
+    assert docs[("RoleBinding", "default", f"{agent}-events")]["subjects"] == [subject]
+    assert docs[("ClusterRoleBinding", "", agent)]["subjects"] == [subject]
+    assert docs[("Role", "default", f"{agent}-events")]["rules"] == [
+        {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]}
+    ]
+    selector = daemonset["spec"]["selector"]["matchLabels"]
+    assert selector["app.kubernetes.io/instance"] == "gpu", "two releases must not share pods"
+
+
+def test_everything_values_reach_the_objects() -> None:
+    docs = render(EVERYTHING)
+    [ds] = [d for d in docs if d["kind"] == "DaemonSet"]
+    c = mu.container(ds)
+    assert c["image"] == f"ghcr.io/model-prefetch/model-prefetch@{EVERYTHING['image']['digest']}"
+    assert mu.named_port(c, "http") == 9090, "config.listen sets the container port"
+    [service] = [d for d in docs if d["kind"] == "Service"]
+    assert service["spec"]["ports"][0]["port"] == 9090
+    refs = {
+        e["valueFrom"]["secretKeyRef"]["name"]
+        for e in c["env"]
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
+    assert refs == {"hub-and-s3"}
+    assert mu.env_value(c, "PREFETCH_LOG_LEVEL") == "debug"
+    spec = mu.pod_spec(ds)
+    assert spec["priorityClassName"] == "gpu-critical"
+    assert spec["nodeSelector"] == {"karpenter.sh/nodepool": "gpu"}
+    kinds = {d["kind"] for d in docs}
+    assert {"Namespace", "PrometheusRule", "CronJob", "Secret"} <= kinds
+    extras = {"model-prefetch-extra", "model-prefetch-notes"}
+    assert extras <= {mu.name(d) for d in docs}, "extraObjects, through tpl"
+    for doc in docs:
+        if mu.name(doc) not in extras:
+            assert doc["metadata"]["labels"]["cost-center"] == "ml", key(doc)
+
+
+def test_service_account_can_be_brought_along() -> None:
+    values = {"serviceAccount": {"create": False, "name": "existing"}}
+    docs = render(values)
+    assert not [d for d in docs if d["kind"] == "ServiceAccount"]
+    [ds] = [d for d in docs if d["kind"] == "DaemonSet"]
+    assert mu.pod_spec(ds)["serviceAccountName"] == "existing"
+    with (
+        helm.Chart.load(CHART) as chart,
+        pytest.raises(helm.HelmRenderError, match=r"serviceAccount\.name"),
+    ):
+        chart.render({"serviceAccount": {"create": False}}, name=RELEASE, namespace=NAMESPACE)
