@@ -473,3 +473,22 @@ def test_service_account_can_be_brought_along() -> None:
         pytest.raises(helm.HelmRenderError, match=r"serviceAccount\.name"),
     ):
         chart.render({"serviceAccount": {"create": False}}, name=RELEASE, namespace=NAMESPACE)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_mirrors_are_where_the_agent_pulls_from(path: Path) -> None:
+    """What an example's mirror Job writes is a mirror of one of its models, at its revision."""
+    values = example_values(path)
+    models = values["config"]["models"]
+    for job in values.get("mirror", {}).get("jobs", []):
+        repo, _, revision = job["source"].partition("@")
+        model = next((m for m in models if m["source"] == repo), None)
+        assert model is not None, f"{job['name']}: no model has the source {repo}"
+        mirrors = [m.rstrip("/") for m in model.get("mirrors", [])]
+        assert job["destination"].rstrip("/") in mirrors, f"{job['name']}: not in the mirrors"
+        if "schedule" not in job:
+            assert revision == model.get("revision"), f"{job['name']}: mirrors another revision"
+
+
+def test_there_is_an_example_with_a_mirror() -> None:
+    assert any(example_values(p).get("mirror", {}).get("jobs") for p in EXAMPLES)
