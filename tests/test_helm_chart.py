@@ -508,3 +508,16 @@ def test_example_mirrors_are_where_the_agent_pulls_from(path: Path) -> None:
 
 def test_there_is_an_example_with_a_mirror() -> None:
     assert any(example_values(p).get("mirror", {}).get("jobs") for p in EXAMPLES)
+
+
+def test_chart_readme_documents_every_value() -> None:
+    """Each value (to the second level) is in the README's table: `a.b`, or `a.b` then `.c`."""
+    readme = (CHART / "README.md").read_text(encoding="utf-8")
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text(encoding="utf-8"))
+    free_form = {"config", "affinity", "resources", "nodeSelector", "podAnnotations", "podLabels"}
+    for top, value in defaults.items():
+        subs = list(value) if isinstance(value, dict) and top not in free_form else []
+        for path in [f"{top}.{sub}" for sub in subs] or [top]:
+            sub = path.rpartition(".")[2] if "." in path else None
+            shown = (f"`{path}`", f"`{path}.", f"`{top}.*`") + ((f"`.{sub}`",) if sub else ())
+            assert any(s in readme for s in shown), f"charts/model-prefetch/README.md: {path}"
