@@ -42,7 +42,7 @@ CHART = REPO / "charts" / "model-prefetch"
 EXAMPLES = sorted((CHART / "examples").glob("*.yaml"))
 RELEASE = "model-prefetch"
 NAMESPACE = "model-prefetch"
-#: Labels Helm's conventions add (tests/test_helm_chart.py drops them to compare with kustomize).
+#: Labels Helm's conventions add, dropped before the chart is compared with kustomize.
 HELM_LABELS = (
     "helm.sh/chart",
     "app.kubernetes.io/managed-by",
