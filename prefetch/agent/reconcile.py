@@ -168,7 +168,6 @@ class Agent:
         self._next_usage = 0.0
         self._beat = time.monotonic()
         self._running = False
-        self.stuck = False
         self.passes = 0
 
     # -- public ---------------------------------------------------------------------------------
@@ -309,7 +308,6 @@ class Agent:
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=SHUTDOWN_GRACE)
             if pending:
-                self.stuck = True
                 log.warning(
                     "%d job(s) did not stop within %.0fs; exiting anyway (partials resume)",
                     len(pending),
