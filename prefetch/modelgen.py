@@ -20,7 +20,10 @@ import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 MiB = 1024 * 1024
 BLOCK_SIZE = 4 * MiB
@@ -93,14 +96,15 @@ class RandomStream(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, b: Any) -> int:
+    def readinto(self, b: WriteableBuffer) -> int:
         if not self._pending:
             block = next(self._blocks, None)
             if block is None:
                 return 0
             self._pending = memoryview(block)
-        n = min(len(b), len(self._pending))
-        b[:n] = self._pending[:n]
+        out = memoryview(b).cast("B")
+        n = min(len(out), len(self._pending))
+        out[:n] = self._pending[:n]
         self._pending = self._pending[n:]
         return n
 
