@@ -14,24 +14,17 @@
 Our state lives outside ``hub/``: huggingface_hub's ``scan_cache_dir`` takes every entry of
 ``hub/`` but ``.locks`` for a repo and warns about anything else, and it must see pristine repos.
 
-Blob names. Hub files: the name huggingface_hub gives them (the sha256 for LFS files, the git blob
-sha1 otherwise), which is also the checksum the engine verified. S3 mirrors (``--hf-repo``): the
-object's sha256 when the engine verified one (a ``SHA256SUMS`` sidecar line or a full-object S3
-SHA256 checksum), so the blob is content-addressed like a Hub LFS blob and a later pull of the
-same repo from the Hub finds it; otherwise ``s3-<ETag>-<size>``: the ETag is what every ranged
-read was pinned to and the listing already has it, it changes whenever the object does, and an
-unchanged object keeps it, so revisions share the blob. We never name a blob with a 64-hex string
-that is not its sha256 (the engine only computes the checksum it verifies with; hashing every
-file a second time to get a sha256 would cost a full re-read per pull).
+Blob names: what huggingface_hub gives Hub files (sha256 for LFS, git blob sha1 otherwise). For
+S3 mirrors (``--hf-repo``): the object's sha256 when the engine verified one (sidecar or S3
+SHA256), so a later Hub pull of the repo finds the blob; otherwise ``s3-<ETag>-<size>``, which
+every ranged read was pinned to and which changes iff the object does. A 64-hex name is never
+anything but the content's sha256, and no file is hashed twice to get one (a full re-read).
 
-Publishing: the engine stages files in ``partial/``; ``publish`` renames a verified file into
-``blobs/``; ``commit`` then builds the snapshot's links (a new snapshot in a hidden directory
-renamed into place, so it appears complete: huggingface_hub offline returns any existing snapshot
-folder as it is), compacts the records and writes the ref last, atomically. Files shared between
-revisions are stored once: a blob we published earlier makes ``is_current`` true and the new
-snapshot only links it. With ``delete``, a commit also removes the snapshots we made for the same
-ref that it has moved away from and no ref names any more (after a grace period, once the new ref
-is written), then the blobs nothing links.
+Publishing: ``publish`` renames a verified file from ``partial/`` into ``blobs/``; ``commit``
+builds the snapshot's links in a hidden directory renamed into place (huggingface_hub offline
+takes any existing snapshot folder as complete), compacts the records and writes the ref last.
+A blob published earlier is only linked. With ``delete``, a commit also removes the snapshots
+its ref moved away from that no ref names (after a grace period), then blobs nothing links.
 """
 
 from __future__ import annotations
