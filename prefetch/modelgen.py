@@ -20,10 +20,7 @@ import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from _typeshed import WriteableBuffer
+from typing import Any
 
 MiB = 1024 * 1024
 BLOCK_SIZE = 4 * MiB
@@ -96,15 +93,14 @@ class RandomStream(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, b: WriteableBuffer) -> int:
+    def readinto(self, b: Any) -> int:
         if not self._pending:
             block = next(self._blocks, None)
             if block is None:
                 return 0
             self._pending = memoryview(block)
-        out = memoryview(b).cast("B")
-        n = min(len(out), len(self._pending))
-        out[:n] = self._pending[:n]
+        n = min(len(b), len(self._pending))
+        b[:n] = self._pending[:n]
         self._pending = self._pending[n:]
         return n
 

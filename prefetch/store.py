@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import psutil
 
@@ -54,6 +54,25 @@ log = logging.getLogger(__name__)
 
 USAGE_FILE = "usage.json"
 TRASH_DIR = ".trash"
+
+
+class CachedModelJson(TypedDict):
+    """:meth:`CachedModel.to_json`: one entry as ``ls --json`` and ``gc --json`` print it."""
+
+    key: str
+    kind: str
+    path: str
+    name: str
+    repo_id: str | None
+    size: int
+    revision: str | None
+    models: list[str]
+    last_used: str | None
+    pinned: bool
+    verified: bool | None
+    verified_at: str | None
+    wanted: bool | None
+    wanted_by: list[str]
 
 
 @dataclass
@@ -84,7 +103,7 @@ class CachedModel:
         except OSError:
             return 0.0
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> CachedModelJson:
         return {
             "key": self.key,
             "kind": self.kind,
