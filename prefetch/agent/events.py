@@ -49,7 +49,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from prefetch import settings
 from prefetch.logjson import scrub
@@ -655,7 +655,15 @@ class KubeEventSink:
         return True
 
 
-def _finish(resp: Any) -> None:
+class _PooledResponse(Protocol):
+    """What the Kubernetes client returns with ``_preload_content=False`` (urllib3's response)."""
+
+    def drain_conn(self) -> None: ...
+
+    def release_conn(self) -> None: ...
+
+
+def _finish(resp: _PooledResponse) -> None:
     """Read the answer to its end before its connection goes back to the pool."""
     try:
         resp.drain_conn()
