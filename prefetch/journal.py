@@ -13,20 +13,21 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TextIO
 
 
 class Journal:
-    def __init__(self, path: Path, header: dict[str, Any]) -> None:
+    def __init__(self, path: Path, header: dict[str, object]) -> None:
         self.path = path
         self.header = header
-        self.done: dict[int, Any] = {}
+        #: chunk index -> what the chunk's hasher gave (JSON: a hex digest, a list of them, ...)
+        self.done: dict[int, object] = {}
         self._lock = threading.Lock()
-        self._fh: Any = None
+        self._fh: TextIO | None = None
 
     @classmethod
     def open(
-        cls, path: Path, header: dict[str, Any], *, partial_exists: bool, persist: bool = True
+        cls, path: Path, header: dict[str, object], *, partial_exists: bool, persist: bool = True
     ) -> Journal:
         """Load a matching journal (keeping its finished chunks) or start a fresh one.
 
@@ -49,7 +50,7 @@ class Journal:
         journal._fh = path.open("a", buffering=1)
         return journal
 
-    def record(self, index: int, result: Any) -> None:
+    def record(self, index: int, result: object) -> None:
         line = json.dumps({"i": index, "r": result}) + "\n"
         with self._lock:
             self.done[index] = result
@@ -69,8 +70,8 @@ class Journal:
             self.path.unlink()
 
 
-def _load(path: Path, header: dict[str, Any]) -> dict[int, Any]:
-    done: dict[int, Any] = {}
+def _load(path: Path, header: dict[str, object]) -> dict[int, object]:
+    done: dict[int, object] = {}
     try:
         lines = path.read_text().splitlines()
     except OSError:

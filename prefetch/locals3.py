@@ -133,7 +133,9 @@ class SeaweedS3:
         self._wait_ready()
         return self
 
-    def client(self, **config: Any) -> Any:
+    def client(
+        self, *, max_pool_connections: int = 32, sign_payloads: bool | None = None
+    ) -> Any:  # boto3's client: untyped
         """A boto3 S3 client signed with this server's credentials."""
         from prefetch.sources.s3 import make_s3_client
 
@@ -142,7 +144,8 @@ class SeaweedS3:
             access_key=self.access_key,
             secret_key=self.secret_key,
             region=REGION,
-            **config,
+            max_pool_connections=max_pool_connections,
+            sign_payloads=sign_payloads,
         )
 
     def _wait_ready(self) -> None:

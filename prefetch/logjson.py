@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TextIO
+from typing import TextIO
 
 from prefetch.redact import install_filter, redact
 
@@ -92,7 +92,7 @@ def inherit_context() -> Callable[[], None]:
     return initializer
 
 
-def _field(record: logging.LogRecord, key: str) -> Any:
+def _field(record: logging.LogRecord, key: str) -> object:
     """An extra field of ``record``; the sync id falls back to the writing thread's context
     (the handlers here format on the thread that logs)."""
     value = record.__dict__.get(key)
@@ -104,7 +104,7 @@ def _field(record: logging.LogRecord, key: str) -> Any:
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-        out: dict[str, Any] = {
+        out: dict[str, object] = {
             "ts": f"{ts}.{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,

@@ -24,10 +24,12 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
 
 from prefetch.errors import InvalidListingError
 from prefetch.paths import path_problem, ref_name_problem
+
+T = TypeVar("T")
 
 #: The value of the metadata's ``format`` field; a reader refuses any other.
 FORMAT = "model-prefetch-mirror/1"
@@ -97,7 +99,7 @@ class MirrorFile:
     id_kind: str  # "git-sha1" or "sha256"
     crc64nvme: str  # base64, as S3 gives it
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, str | int]:
         return {
             "path": self.path,
             "size": self.size,
@@ -185,7 +187,7 @@ def parse_mirror_commit(body: bytes, *, where: str) -> MirrorCommit:
     )
 
 
-def _field(data: Mapping[str, Any], name: str, kind: type, where: str) -> Any:
+def _field(data: Mapping[str, object], name: str, kind: type[T], where: str) -> T:
     """``data[name]`` if present and of ``kind`` (a bool is not an int); else a clear error."""
     if name not in data:
         raise InvalidListingError(f"the mirror metadata {where} has no {name!r}")

@@ -12,12 +12,9 @@ listing is refused before any byte is fetched. :func:`ref_name_problem` holds gi
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prefetch.errors import InvalidListingError, UnsafePathError
-
-if TYPE_CHECKING:
-    from prefetch.snapshot import RemoteFile
 
 #: The tool's own state in a plain layout (records, lock, partial downloads); no source path may
 #: start with it.
@@ -92,7 +89,20 @@ def file_dir_conflicts(paths: Iterable[str]) -> list[tuple[str, str]]:
     return sorted(found.items())
 
 
-def check_listing(files: Iterable[RemoteFile]) -> None:
+class ListedFile(Protocol):
+    """What :func:`check_listing` reads of a listed file (a snapshot's ``RemoteFile`` is one).
+
+    A protocol rather than an import: the snapshot imports these rules, so this module names
+    only the shape it needs and stays below it in the layers."""
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def size(self) -> int: ...
+
+
+def check_listing(files: Iterable[ListedFile]) -> None:
     """Refuse a snapshot's file list that cannot be laid out safely: an unsafe path, a negative
     size, a path listed twice, a file that another listed path needs as a directory."""
     seen: set[str] = set()
@@ -147,6 +157,7 @@ def ref_name_problem(ref: str) -> str | None:
 
 __all__ = [
     "STATE_DIR",
+    "ListedFile",
     "check_listing",
     "check_relative_path",
     "file_dir_conflicts",

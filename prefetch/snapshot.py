@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import NotRequired, TypedDict, Unpack
 
 from prefetch.paths import check_listing
+
+
+class ChecksumRecord(TypedDict):
+    """A :class:`Checksum` as the layouts' records keep it (JSON)."""
+
+    algorithm: str
+    value: str
+    encoding: NotRequired[str]
+    part_sizes: NotRequired[list[int]]
+    origin: NotRequired[str]
 
 
 @dataclass(frozen=True)
@@ -34,8 +44,8 @@ class Checksum:
         kind = f" composite of {len(self.part_sizes)} parts" if self.part_sizes else ""
         return f"{self.algorithm}{kind} ({self.origin})" if self.origin else self.algorithm
 
-    def to_json(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"algorithm": self.algorithm, "value": self.value}
+    def to_json(self) -> ChecksumRecord:
+        d: ChecksumRecord = {"algorithm": self.algorithm, "value": self.value}
         if self.encoding != "hex":
             d["encoding"] = self.encoding
         if self.part_sizes is not None:
@@ -45,7 +55,7 @@ class Checksum:
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Checksum:
+    def from_json(cls, d: ChecksumRecord) -> Checksum:
         parts = d.get("part_sizes")
         return cls(
             algorithm=d["algorithm"],
@@ -79,8 +89,20 @@ class RemoteFile:
     def checksum(self) -> Checksum | None:
         return self.checksums[0] if self.checksums else None
 
-    def with_(self, **changes: Any) -> RemoteFile:
+    def with_(self, **changes: Unpack[_FileChanges]) -> RemoteFile:
         return replace(self, **changes)
+
+
+class _FileChanges(TypedDict, total=False):
+    """What :meth:`RemoteFile.with_` may change: any of its fields."""
+
+    path: str
+    size: int
+    version: str
+    checksums: tuple[Checksum, ...]
+    blob_id: str | None
+    locator: str
+    described: bool
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Required, TypedDict, cast
 
 import psutil
 
@@ -54,6 +54,49 @@ log = logging.getLogger(__name__)
 
 USAGE_FILE = "usage.json"
 TRASH_DIR = ".trash"
+
+
+class ModelUsage(TypedDict, total=False):
+    """One model's part of an entry's usage record (each key written when it happens)."""
+
+    pin: bool
+    spec: str  # the digest of the spec last synced
+    source: str
+    revision: str
+    complete: bool
+    synced_at: float
+    files: int
+    bytes: int
+    verify_ok: bool
+    verified_at: float
+
+
+class UsageRecord(TypedDict, total=False):
+    """An entry's ``usage.json``."""
+
+    format: int
+    models: Required[dict[str, ModelUsage]]  # by config model name
+    last_used: float
+    pinned: bool
+
+
+class CachedModelJson(TypedDict):
+    """:meth:`CachedModel.to_json`: one entry as ``ls --json`` and ``gc --json`` print it."""
+
+    key: str
+    kind: str
+    path: str
+    name: str
+    repo_id: str | None
+    size: int
+    revision: str | None
+    models: list[str]
+    last_used: str | None
+    pinned: bool
+    verified: bool | None
+    verified_at: str | None
+    wanted: bool | None
+    wanted_by: list[str]
 
 
 @dataclass
@@ -84,7 +127,7 @@ class CachedModel:
         except OSError:
             return 0.0
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> CachedModelJson:
         return {
             "key": self.key,
             "kind": self.kind,
@@ -148,7 +191,7 @@ class Store:
 
     # -- usage records -------------------------------------------------------------------------
 
-    def _read_usage(self, entry_dir: Path) -> dict[str, Any]:
+    def _read_usage(self, entry_dir: Path) -> UsageRecord:
         try:
             data = json.loads(self._usage_path(entry_dir).read_text())
         except (FileNotFoundError, NotADirectoryError):
@@ -158,9 +201,9 @@ class Store:
             return {"format": 1, "models": {}}
         if not isinstance(data, dict) or not isinstance(data.get("models"), dict):
             return {"format": 1, "models": {}}
-        return data
+        return cast(UsageRecord, data)  # as written; a model's record is type-checked where read
 
-    def _update_usage(self, spec: ModelSpec, change: Callable[[dict[str, Any]], None]) -> None:
+    def _update_usage(self, spec: ModelSpec, change: Callable[[UsageRecord], None]) -> None:
         entry = self.entry_dir(spec)
         with self._lock:
             data = self._read_usage(entry)
@@ -168,17 +211,17 @@ class Store:
             data["pinned"] = any(bool(m.get("pin")) for m in data["models"].values())
             atomic_write(self._usage_path(entry), json.dumps(data, sort_keys=True).encode())
 
-    def usage(self, spec: ModelSpec) -> dict[str, Any]:
+    def usage(self, spec: ModelSpec) -> ModelUsage:
         """The usage record of ``spec`` in its entry ({} when none)."""
         with self._lock:
             record = self._read_usage(self.entry_dir(spec))["models"].get(spec.name)
-        return dict(record) if isinstance(record, dict) else {}
+        return ModelUsage(**record) if isinstance(record, dict) else {}
 
     def touch(self, spec: ModelSpec, when: float | None = None) -> None:
         """Record that the config wants ``spec`` now (its entry's last use), and its pin flag."""
         now = self._clock() if when is None else when
 
-        def change(data: dict[str, Any]) -> None:
+        def change(data: UsageRecord) -> None:
             data["last_used"] = now
             data["models"].setdefault(spec.name, {})["pin"] = spec.pin
 
@@ -200,7 +243,7 @@ class Store:
         if isinstance(record, dict) and record.get("pin") is spec.pin:
             return False
 
-        def change(data: dict[str, Any]) -> None:
+        def change(data: UsageRecord) -> None:
             data["models"].setdefault(spec.name, {})["pin"] = spec.pin
 
         self._update_usage(spec, change)
@@ -211,18 +254,20 @@ class Store:
     ) -> None:
         now = self._clock()
 
-        def change(data: dict[str, Any]) -> None:
+        def change(data: UsageRecord) -> None:
             data["last_used"] = now
             rec = data["models"].setdefault(spec.name, {})
             rec.update(
-                spec=digest,
-                source=str(spec.source),
-                revision=revision,
-                complete=True,
-                synced_at=now,
-                files=files,
-                bytes=bytes_total,
-                pin=spec.pin,
+                {
+                    "spec": digest,
+                    "source": str(spec.source),
+                    "revision": revision,
+                    "complete": True,
+                    "synced_at": now,
+                    "files": files,
+                    "bytes": bytes_total,
+                    "pin": spec.pin,
+                }
             )
             if rec.get("verify_ok") is False:
                 rec["verify_ok"] = True
@@ -233,9 +278,9 @@ class Store:
     def record_verify(self, spec: ModelSpec, *, ok: bool) -> None:
         now = self._clock()
 
-        def change(data: dict[str, Any]) -> None:
+        def change(data: UsageRecord) -> None:
             rec = data["models"].setdefault(spec.name, {})
-            rec.update(verified_at=now, verify_ok=ok)
+            rec.update({"verified_at": now, "verify_ok": ok})
             if not ok:
                 rec["complete"] = False
 
@@ -301,7 +346,7 @@ class Store:
 
     def _describe(self, kind: str, entry: Path) -> CachedModel:
         usage = self._read_usage(entry)
-        records: dict[str, Any] = {k: v for k, v in usage["models"].items() if isinstance(v, dict)}
+        records = {k: v for k, v in usage["models"].items() if isinstance(v, dict)}
         synced = [r for r in records.values() if r.get("spec")]
         complete = (
             all(bool(r.get("complete")) and r.get("verify_ok") is not False for r in synced)

@@ -10,7 +10,6 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 import click
 
@@ -204,15 +203,15 @@ def gc_cmd(
     as_json: bool,
 ) -> None:
     """Evict cached models the config no longer wants (least recently used first)."""
-    from prefetch.store import Store
+    from prefetch.store import CachedModelJson, Store
 
     config, root = _load_for_listing(config_path, cache_dir, need_config=True)
     assert config is not None
     store = Store(root)
     candidates = store.eviction_candidates(config.models, include_pinned=include_pinned)
     kept_pinned = [e for e in store.list(config.models) if not e.wanted and e.pinned]
-    evicted: list[dict[str, Any]] = []
-    skipped: list[dict[str, Any]] = []
+    evicted: list[CachedModelJson] = []
+    skipped: list[dict[str, object]] = []
     for entry in candidates:
         if dry_run:
             evicted.append(entry.to_json())

@@ -46,10 +46,10 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from prefetch import settings
 from prefetch.logjson import scrub
@@ -314,9 +314,9 @@ class EventSink(Protocol):
         """The Node's uid, or None when it cannot be read."""
         ...
 
-    def create(self, namespace: str, body: dict[str, Any]) -> None: ...
+    def create(self, namespace: str, body: Mapping[str, object]) -> None: ...
 
-    def patch(self, namespace: str, name: str, body: dict[str, Any]) -> bool:
+    def patch(self, namespace: str, name: str, body: Mapping[str, object]) -> bool:
         """Merge-patch the Event; False when it no longer exists (its TTL passed)."""
         ...
 
@@ -540,13 +540,13 @@ class EventRecorder:
 
     def _body(
         self, event: NodeEvent, name: str, first: float, count: int, last: float
-    ) -> dict[str, Any]:
+    ) -> dict[str, object]:
         sink = self._sink
         assert sink is not None
         if self._uid is None:
             # the kubelet's convention when the uid is unknown; kubectl describe finds both
             self._uid = sink.node_uid() or sink.node_name
-        body: dict[str, Any] = {
+        body: dict[str, object] = {
             "apiVersion": "events.k8s.io/v1",
             "kind": "Event",
             "metadata": {"name": name, "namespace": EVENT_NAMESPACE},
@@ -629,13 +629,13 @@ class KubeEventSink:
             log.info("events: cannot read node %s for its uid: %s", self._node_name, exc)
             return None
 
-    def create(self, namespace: str, body: dict[str, Any]) -> None:
+    def create(self, namespace: str, body: Mapping[str, object]) -> None:
         resp = self._events.create_namespaced_event(
             namespace, body, _preload_content=False, _request_timeout=self._timeout
         )
         _finish(resp)
 
-    def patch(self, namespace: str, name: str, body: dict[str, Any]) -> bool:
+    def patch(self, namespace: str, name: str, body: Mapping[str, object]) -> bool:
         from kubernetes.client.exceptions import ApiException
 
         try:
@@ -655,7 +655,15 @@ class KubeEventSink:
         return True
 
 
-def _finish(resp: Any) -> None:
+class _PooledResponse(Protocol):
+    """What the Kubernetes client returns with ``_preload_content=False`` (urllib3's response)."""
+
+    def drain_conn(self) -> None: ...
+
+    def release_conn(self) -> None: ...
+
+
+def _finish(resp: _PooledResponse) -> None:
     """Read the answer to its end before its connection goes back to the pool."""
     try:
         resp.drain_conn()

@@ -33,7 +33,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import NotRequired, Protocol, TypedDict, runtime_checkable
 
 from prefetch.agent.scheduler import ModelPhase, ModelState
 from prefetch.constants import PROGRESS_ANNOTATION, PROGRESS_INTERVAL
@@ -48,7 +48,30 @@ NOTE_VERSION = 1
 #: Phases during which bytes move and the numbers are refreshed every interval.
 _MOVING = frozenset({"syncing", "updating"})
 
-Note = dict[str, Any]
+
+class ModelNote(TypedDict):
+    """One model in the note (see :func:`model_note`)."""
+
+    name: str
+    phase: str
+    done: NotRequired[int | None]
+    total: NotRequired[int | None]
+    rate: NotRequired[int]
+    eta: NotRequired[int | None]
+    reason: NotRequired[str]
+
+
+class Note(TypedDict):
+    """The annotation's JSON (see :func:`build_note`)."""
+
+    v: int
+    at: str | None
+    ready: bool
+    prefix: str
+    taint: str
+    models: list[ModelNote]
+
+
 #: What counts as a change that matters: each model's shown phase, and all-ready.
 Shape = tuple[tuple[tuple[str, str], ...], bool]
 
@@ -70,24 +93,22 @@ def shown_phase(ms: ModelState) -> str:
     return ms.phase.value
 
 
-def model_note(ms: ModelState, rate: float) -> Note:
+def model_note(ms: ModelState, rate: float) -> ModelNote:
     """One model's entry: phase, bytes done/total of the current sync (of the model when it is
     ready), rate in bytes/s, ETA in seconds (None while unknown)."""
     phase = shown_phase(ms)
-    entry: Note = {"name": ms.spec.name, "phase": phase}
+    entry: ModelNote = {"name": ms.spec.name, "phase": phase}
     sink = ms.sink
     if phase in _MOVING and sink is not None and ms.syncing:
         total = sink.total or None
         done = min(sink.done, sink.total) if total else sink.done
         remaining = max(sink.total - sink.done, 0)
-        entry |= {
-            "done": done,
-            "total": total,
-            "rate": round(rate),
-            "eta": math.ceil(remaining / rate) if total and rate > 0 else None,
-        }
+        entry["done"] = done
+        entry["total"] = total
+        entry["rate"] = round(rate)
+        entry["eta"] = math.ceil(remaining / rate) if total and rate > 0 else None
     elif ms.ready:
-        entry |= {"done": ms.bytes_total, "total": ms.bytes_total}
+        entry["done"] = entry["total"] = ms.bytes_total
     if phase == "failed" and ms.error_reason:
         entry["reason"] = ms.error_reason
     return entry

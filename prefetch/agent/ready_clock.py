@@ -52,10 +52,6 @@ class ReadyClock:
         #: What was observed, by ``since`` (for /readyz).
         self.seconds: dict[str, float] = {}
 
-    @property
-    def observed(self) -> bool:
-        return self._ready_at is not None
-
     def on_pass(self, all_ready: bool) -> bool:
         """Called every loop pass; True exactly once, on the first pass with every required
         model ready, when the node's creation time should be read (:meth:`observe_node`)."""

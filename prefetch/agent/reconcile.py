@@ -1,44 +1,24 @@
 """The agent's reconcile loop: the config says which models the node should hold, the Store says
-what it holds, and the loop closes the gap through :func:`prefetch.sync.prepare` and
+what it holds, and the loop closes the gap with :func:`prefetch.sync.prepare` and
 :func:`prefetch.sync.execute`.
 
-One asyncio task ticks every second (its heartbeat is what ``/healthz`` checks). Each tick it
-applies a reloaded config, starts the jobs that are due, keeps the node gate in line with the
-ready set, and refreshes metrics. Jobs run in worker threads (``asyncio.to_thread``), at most
-``parallelModels`` at a time:
+One asyncio task ticks every second (its heartbeat is what ``/healthz`` checks): it applies a
+reloaded config, starts the jobs that are due, keeps the node gate in line with the ready set and
+refreshes metrics. Jobs run in worker threads, at most ``parallelModels`` at a time:
 
-* **sync**: :func:`~prefetch.sync.prepare` (resolve the model at its source, take its lock,
-  plan), make room for ``plan.bytes_needed`` (evict least-recently-used models that no longer
-  are in the config and are not pinned; or fail with a clear reason rather than fill the disk),
-  then :func:`~prefetch.sync.execute` the plan. Due when the model has no verified copy yet (after
-  its backoff, when it failed), every ``resolveInterval`` for a moved branch or a changed S3
-  listing, and right after a re-verification found damage. Syncs run with delete: files gone from
-  the source go, and so does a snapshot a moved branch left behind, ``supersededGrace`` after.
-* **verify**: every ``verifyInterval``, re-hash the cached files with
-  :func:`~prefetch.sync.verify_local` at ``verifyReadRate``. On a mismatch the model first leaves
-  the ready set *and the node gate is applied without it*; then the bad files are deleted
-  (:func:`~prefetch.sync.forget_failures`) and a sync fetches them again.
+* **sync**: resolve and plan, make room for ``plan.bytes_needed`` (evict least-recently-used
+  models the config no longer wants and are not pinned, or fail with a reason rather than fill
+  the disk), execute with delete. Due when there is no verified copy (after backoff), every
+  ``resolveInterval``, and right after a re-verification found damage.
+* **verify**: every ``verifyInterval``, re-hash at ``verifyReadRate``; on a mismatch the model
+  leaves the ready set *and the gate is applied without it* before the bad files go.
 
-A model is *ready* while a complete, verified copy of it is in the cache: after a successful sync,
-or at start-up when the copy recorded by an earlier run is still whole (sizes checked). A failed
-refresh of a ready model keeps it ready (the copy is still there) and shows the error. One model's
-failure never holds up another: each has its own state and exponential backoff
-(``retryBackoff``), and a source that trickles or goes silent fails by the engine's stall rule
-(``minRate`` over ``stallTimeout``, each attempt) instead of holding a ``parallelModels`` slot,
-so the slot passes to the next due model while the stalled one backs off. SIGTERM sets every
-job's stop event (the engine starts no new chunk, interrupts reads in flight and leaves
-resumable partials), closes the server and returns within the grace period.
-
-The parts, one job each: :mod:`~prefetch.agent.jobs` (the sync and verify jobs' bodies),
-:mod:`~prefetch.agent.scheduler` (the model table, phases, backoff, what is due),
-:mod:`~prefetch.agent.space` (reservations and eviction), :mod:`~prefetch.agent.gate_driver`
-(the node's labels and taint), :mod:`~prefetch.agent.status` (the /readyz body),
-:mod:`~prefetch.agent.config_file` (reloads, each content once),
-:mod:`~prefetch.agent.events` (the node's story as Kubernetes Events and log lines),
-:mod:`~prefetch.agent.progress_note` (the Node's progress annotation, at most one write per
-30 s), :mod:`~prefetch.agent.ready_clock` (time to ready, once per process) and
-:mod:`~prefetch.agent.source_opener` (shared S3 clients). :class:`Agent` here wires them: the
-loop, config reloads, starting jobs in worker threads, and shutdown.
+A model is *ready* while a complete, verified copy is in the cache; a failed refresh keeps it
+ready. Each model has its own state and backoff, and a stalled source fails by the engine's stall
+rule (``minRate`` over ``stallTimeout``) so its slot passes on. SIGTERM stops every job
+(resumable partials), closes the server and returns within the grace period. The parts (jobs,
+scheduler, space, gate_driver, status, events, ...) are listed in pyproject.toml's agent contract;
+:class:`Agent` here wires them.
 """
 
 from __future__ import annotations
@@ -168,7 +148,6 @@ class Agent:
         self._next_usage = 0.0
         self._beat = time.monotonic()
         self._running = False
-        self.stuck = False
         self.passes = 0
 
     # -- public ---------------------------------------------------------------------------------
@@ -309,7 +288,6 @@ class Agent:
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=SHUTDOWN_GRACE)
             if pending:
-                self.stuck = True
                 log.warning(
                     "%d job(s) did not stop within %.0fs; exiting anyway (partials resume)",
                     len(pending),

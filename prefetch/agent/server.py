@@ -30,7 +30,6 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -41,7 +40,7 @@ log = logging.getLogger(__name__)
 
 #: () -> (status, body): plain text for /healthz, a JSON-able object for /readyz
 HealthFn = Callable[[], tuple[int, str]]
-ReadyFn = Callable[[], tuple[int, dict[str, Any]]]
+ReadyFn = Callable[[], tuple[int, dict[str, object]]]
 
 #: Seconds a connection may sit without completing a request (or taking a response).
 IDLE_TIMEOUT = 10.0

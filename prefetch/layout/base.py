@@ -19,11 +19,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import NotRequired, Protocol, Required, TypedDict, cast
 
 from prefetch.errors import LayoutError, LockTimeoutError
 from prefetch.paths import path_problem
-from prefetch.snapshot import Checksum, RemoteFile, Snapshot
+from prefetch.snapshot import Checksum, ChecksumRecord, RemoteFile, Snapshot
 from prefetch.spec import ModelSpec
 
 
@@ -181,6 +181,41 @@ def model_lock(path: Path, *, timeout: float) -> Iterator[None]:
         os.close(fd)
 
 
+class FileRecord(TypedDict):
+    """A published file's record (:func:`file_entry`)."""
+
+    path: str
+    size: int
+    version: NotRequired[str]
+    checksum: ChecksumRecord | None
+    checksums: NotRequired[list[ChecksumRecord]]  # when there are several (see file_entry)
+    blob: NotRequired[str]  # HfCacheLayout: the blob's name
+    versions: NotRequired[list[str]]  # HfCacheLayout: every source version of this content
+
+
+class SnapshotRecord(TypedDict, total=False):
+    """HfCacheLayout: one snapshot we made."""
+
+    files: dict[str, str]  # repo path -> blob
+    source: str
+    refs: list[str]  # every ref it was pulled for
+    revision: str  # records written before ``refs``: the one ref
+    superseded: float  # when a commit first found its refs moved away (Unix time)
+
+
+class Records(TypedDict, total=False):
+    """``manifest.json``: what a layout published. Read back as written (the manifest is
+    replaced atomically, so only its top level is checked, by :meth:`RecordBook.load`)."""
+
+    format: int
+    entries: Required[dict[str, FileRecord]]  # key: the path (plain) or the blob (hf)
+    snapshots: dict[str, SnapshotRecord]  # HfCacheLayout, by commit
+    repo_id: str  # HfCacheLayout
+    source: str  # PlainLayout: the snapshot in place
+    revision_id: str  # PlainLayout
+    files: list[str]  # PlainLayout: the snapshot's paths
+
+
 class RecordBook:
     """What a layout published: ``manifest.json`` plus an append-only log of recent publishes.
 
@@ -200,11 +235,11 @@ class RecordBook:
     def __del__(self) -> None:
         self._close_log()
 
-    def load(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"format": 1, "entries": {}}
+    def load(self) -> Records:
+        data: Records = {"format": 1, "entries": {}}
         with contextlib.suppress(FileNotFoundError):
             data = self._read_manifest()
-        entries: dict[str, Any] = data.setdefault("entries", {})
+        entries = data.setdefault("entries", {})
         with contextlib.suppress(FileNotFoundError):
             for line in self.log.read_text().splitlines():
                 try:
@@ -214,7 +249,7 @@ class RecordBook:
                 entries[item["key"]] = item["entry"]
         return data
 
-    def _read_manifest(self) -> dict[str, Any]:
+    def _read_manifest(self) -> Records:
         """The manifest's records; LayoutError naming the file and the way out when it is not
         the JSON object we write (a crash cannot cause that: it is replaced atomically)."""
         try:
@@ -223,7 +258,7 @@ class RecordBook:
             problem = f"not JSON ({exc})"
         else:
             if isinstance(data, dict) and isinstance(data.get("entries", {}), dict):
-                return data
+                return cast(Records, data)
             problem = "not the JSON object model-prefetch writes"
         raise LayoutError(
             f"the record of what was pulled, {self.manifest}, is corrupt: {problem}",
@@ -231,7 +266,7 @@ class RecordBook:
             "the model is then fetched and verified again",
         )
 
-    def append(self, key: str, entry: dict[str, Any]) -> None:
+    def append(self, key: str, entry: FileRecord) -> None:
         line = (json.dumps({"key": key, "entry": entry}, sort_keys=True) + "\n").encode()
         with self._lock:
             if self._log_fd < 0:
@@ -244,7 +279,7 @@ class RecordBook:
         if fd >= 0:
             os.close(fd)
 
-    def compact(self, data: dict[str, Any]) -> None:
+    def compact(self, data: Records) -> None:
         with self._lock:
             self._close_log()
             atomic_write(self.manifest, json.dumps(data, indent=1, sort_keys=True).encode())
@@ -252,11 +287,11 @@ class RecordBook:
                 self.log.unlink()
 
 
-def file_entry(file: RemoteFile, checksums: tuple[Checksum, ...]) -> dict[str, Any]:
+def file_entry(file: RemoteFile, checksums: tuple[Checksum, ...]) -> FileRecord:
     """A file's record. ``checksum`` keeps the first (strongest served) one, as records made
     before a file could need several checks had it, so an older reader still verifies by it;
     ``checksums`` has all of them (a CRC from S3 and a sidecar's sha256, say)."""
-    entry: dict[str, Any] = {
+    entry: FileRecord = {
         "path": file.path,
         "size": file.size,
         "version": file.version,
@@ -267,7 +302,7 @@ def file_entry(file: RemoteFile, checksums: tuple[Checksum, ...]) -> dict[str, A
     return entry
 
 
-def entry_checksums(entry: dict[str, Any]) -> tuple[Checksum, ...]:
+def entry_checksums(entry: FileRecord) -> tuple[Checksum, ...]:
     """Every checksum a record holds; reads both forms of ``file_entry``."""
     raw = entry.get("checksums")
     if raw:

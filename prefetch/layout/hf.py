@@ -14,24 +14,17 @@
 Our state lives outside ``hub/``: huggingface_hub's ``scan_cache_dir`` takes every entry of
 ``hub/`` but ``.locks`` for a repo and warns about anything else, and it must see pristine repos.
 
-Blob names. Hub files: the name huggingface_hub gives them (the sha256 for LFS files, the git blob
-sha1 otherwise), which is also the checksum the engine verified. S3 mirrors (``--hf-repo``): the
-object's sha256 when the engine verified one (a ``SHA256SUMS`` sidecar line or a full-object S3
-SHA256 checksum), so the blob is content-addressed like a Hub LFS blob and a later pull of the
-same repo from the Hub finds it; otherwise ``s3-<ETag>-<size>``: the ETag is what every ranged
-read was pinned to and the listing already has it, it changes whenever the object does, and an
-unchanged object keeps it, so revisions share the blob. We never name a blob with a 64-hex string
-that is not its sha256 (the engine only computes the checksum it verifies with; hashing every
-file a second time to get a sha256 would cost a full re-read per pull).
+Blob names: what huggingface_hub gives Hub files (sha256 for LFS, git blob sha1 otherwise). For
+S3 mirrors (``--hf-repo``): the object's sha256 when the engine verified one (sidecar or S3
+SHA256), so a later Hub pull of the repo finds the blob; otherwise ``s3-<ETag>-<size>``, which
+every ranged read was pinned to and which changes iff the object does. A 64-hex name is never
+anything but the content's sha256, and no file is hashed twice to get one (a full re-read).
 
-Publishing: the engine stages files in ``partial/``; ``publish`` renames a verified file into
-``blobs/``; ``commit`` then builds the snapshot's links (a new snapshot in a hidden directory
-renamed into place, so it appears complete: huggingface_hub offline returns any existing snapshot
-folder as it is), compacts the records and writes the ref last, atomically. Files shared between
-revisions are stored once: a blob we published earlier makes ``is_current`` true and the new
-snapshot only links it. With ``delete``, a commit also removes the snapshots we made for the same
-ref that it has moved away from and no ref names any more (after a grace period, once the new ref
-is written), then the blobs nothing links.
+Publishing: ``publish`` renames a verified file from ``partial/`` into ``blobs/``; ``commit``
+builds the snapshot's links in a hidden directory renamed into place (huggingface_hub offline
+takes any existing snapshot folder as complete), compacts the records and writes the ref last.
+A blob published earlier is only linked. With ``delete``, a commit also removes the snapshots
+its ref moved away from that no ref names (after a grace period), then blobs nothing links.
 """
 
 from __future__ import annotations
@@ -47,13 +40,15 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from prefetch import verify
 from prefetch.errors import LayoutError
 from prefetch.layout.base import (
+    FileRecord,
     RecordBook,
     RecordedFile,
+    Records,
+    SnapshotRecord,
     atomic_write,
     entry_checksums,
     file_entry,
@@ -148,7 +143,7 @@ class HfCacheLayout:
         self.refs = self.root / "refs"
         self.state = repo_state_dir(self.cache_dir, self.folder)
         self.book = RecordBook(self.state)
-        self._entries: dict[str, Any] | None = None
+        self._entries: dict[str, FileRecord] | None = None
         self._index: dict[tuple[str, int], str] | None = None
 
     # -- paths -----------------------------------------------------------------------------------
@@ -176,7 +171,7 @@ class HfCacheLayout:
 
     # -- records ---------------------------------------------------------------------------------
 
-    def _loaded(self) -> dict[str, Any]:
+    def _loaded(self) -> dict[str, FileRecord]:
         if self._entries is None:
             self._entries = self.book.load()["entries"]
             self._index = None
@@ -237,9 +232,12 @@ class HfCacheLayout:
         entry = file_entry(file, checksums or verify.checks_for(file.checksums))
         # the same content may come from several source versions (two S3 objects with one
         # sha256): remember them all, or each pull would fetch one of them again
-        previous = self._loaded().get(blob, {})
-        versions = {*previous.get("versions", [previous.get("version")]), file.version}
-        entry.update(blob=blob, versions=sorted(v for v in versions if v))
+        previous = self._loaded().get(blob)
+        versions = {file.version}
+        if previous is not None:
+            versions.update(previous.get("versions", [previous.get("version", "")]))
+        entry["blob"] = blob
+        entry["versions"] = sorted(v for v in versions if v)
         self.book.append(blob, entry)
         self._loaded()[blob] = entry
         if self._index is not None:
@@ -251,7 +249,7 @@ class HfCacheLayout:
         self, snapshot: Snapshot, spec: ModelSpec, *, delete: bool, superseded_grace: float = 0.0
     ) -> list[str]:
         data = self.book.load()
-        entries: dict[str, Any] = data["entries"]
+        entries = data["entries"]
         self._entries, self._index = entries, None
         commit = _safe_name(snapshot.revision_id, "snapshot id")
         links: dict[str, str] = {}
@@ -270,8 +268,8 @@ class HfCacheLayout:
             self._link_all(final, links)
         else:
             self._create_snapshot(final, links)
-        snaps: dict[str, Any] = data.setdefault("snapshots", {})
-        previous: dict[str, str] = dict(snaps.get(commit, {}).get("files", {}))
+        snaps = data.setdefault("snapshots", {})
+        previous = dict(snaps.get(commit, {}).get("files", {}))
         deleted: list[str] = []
         if delete:
             deleted = self._delete_extra(final, set(links))
@@ -289,7 +287,8 @@ class HfCacheLayout:
                          "refs": refs}  # fmt: skip
         if delete:
             self._remove_unreferenced_blobs(entries)
-        data.update(format=1, repo_id=self.repo_id)
+        data["format"] = 1
+        data["repo_id"] = self.repo_id
         self.book.compact(data)
         for d in (self.blobs, final):
             _fsync_dir(d)
@@ -299,15 +298,13 @@ class HfCacheLayout:
                 deleted += self._prune_superseded(data, ref, commit, superseded_grace)
         return deleted
 
-    def _prune_superseded(
-        self, data: dict[str, Any], ref: str, current: str, grace: float
-    ) -> list[str]:
+    def _prune_superseded(self, data: Records, ref: str, current: str, grace: float) -> list[str]:
         """Remove the snapshots we made for ``ref`` that it has moved away from and no other ref
         names, ``grace`` seconds after a commit first found them so (a vLLM that read the old ref
         just before it moved is still opening that snapshot's files), then the blobs only they
         linked. Runs after the new ref is written: readers switch first, then the old copy goes.
         Returns the removed files as ``path@<commit>``."""
-        snaps: dict[str, Any] = data["snapshots"]
+        snaps = data["snapshots"]
         named = self._ref_targets()
         now = time.time()
         changed = False
@@ -411,7 +408,7 @@ class HfCacheLayout:
                     Path(dirpath).rmdir()
         return deleted
 
-    def _remove_unreferenced_blobs(self, entries: dict[str, Any]) -> None:
+    def _remove_unreferenced_blobs(self, entries: dict[str, FileRecord]) -> None:
         """Delete blobs we published that no snapshot (ours or not) links any more."""
         referenced: set[str] = set()
         blobs_dir = os.path.abspath(self.blobs)
@@ -444,7 +441,7 @@ class HfCacheLayout:
         several snapshots is listed once (its other links are listed only if they point
         elsewhere). ``path`` is the repo path, ``@<commit>`` added when several snapshots exist."""
         data = self.book.load()
-        entries: dict[str, Any] = data["entries"]
+        entries = data["entries"]
         present = [
             (commit, snap)
             for commit, snap in sorted(data.get("snapshots", {}).items())
@@ -486,7 +483,7 @@ class HfCacheLayout:
                 return
 
 
-def _refs_of(snap: dict[str, Any]) -> list[str]:
+def _refs_of(snap: SnapshotRecord) -> list[str]:
     """The refs a snapshot record was pulled for (older records kept one, as "revision")."""
     if "refs" in snap:
         return list(snap["refs"])

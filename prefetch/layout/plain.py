@@ -6,10 +6,10 @@ import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from prefetch.errors import LayoutError
 from prefetch.layout.base import (
+    FileRecord,
     RecordBook,
     RecordedFile,
     entry_checksums,
@@ -42,7 +42,7 @@ class PlainLayout:
         self.root = root
         self.state = root / STATE_DIR
         self.book = RecordBook(self.state)
-        self._entries: dict[str, Any] | None = None
+        self._entries: dict[str, FileRecord] | None = None
         #: Directories this layout made or checked (make_dirs_inside) since its last commit: a
         #: model of 1000 files in one folder checks that folder once, not once per file.
         self._dirs_made: set[Path] = set()
@@ -59,7 +59,7 @@ class PlainLayout:
     def model_path(self, snapshot: Snapshot) -> Path:
         return self.root
 
-    def _loaded(self) -> dict[str, Any]:
+    def _loaded(self) -> dict[str, FileRecord]:
         if self._entries is None:
             self._entries = self.book.load()["entries"]
         return self._entries
@@ -90,7 +90,7 @@ class PlainLayout:
     ) -> list[str]:
         # one copy updated in place: no snapshots to supersede
         data = self.book.load()
-        entries: dict[str, Any] = data["entries"]
+        entries = data["entries"]
         wanted = {f.path for f in snapshot.files}
         deleted: list[str] = []
         if delete:
@@ -100,11 +100,9 @@ class PlainLayout:
                     entries.pop(path, None)
                     deleted.append(path)
             _prune_empty_dirs(self.root, skip=self.state)
-        data.update(
-            source=snapshot.source,
-            revision_id=snapshot.revision_id,
-            files=sorted(wanted),
-        )
+        data["source"] = snapshot.source
+        data["revision_id"] = snapshot.revision_id
+        data["files"] = sorted(wanted)
         self.book.compact(data)
         self._entries = entries
         self._dirs_made.clear()  # deletions may have pruned them
@@ -119,7 +117,7 @@ class PlainLayout:
 
     def recorded(self) -> list[RecordedFile]:
         data = self.book.load()
-        entries: dict[str, Any] = data["entries"]
+        entries = data["entries"]
         paths = data.get("files", sorted(entries))
         return [
             RecordedFile(

@@ -42,7 +42,9 @@ def crc64nvme_of(data: bytes | memoryview) -> int:
     return int.from_bytes(hasher.digest(), "big")
 
 
-def make_writer_client(make: Callable[..., Any], endpoint_url: str | None, **kwargs: Any) -> Any:
+def make_writer_client(
+    make: Callable[..., Any], endpoint_url: str | None, **kwargs: object
+) -> Any:  # boto3's client: untyped
     """The destination's client (``make`` is :func:`prefetch.sources.s3.make_s3_client`),
     sending bodies unsigned over HTTPS: each one carries a CRC64NVME in a signed header that
     S3 checks, and TLS keeps it intact on the way, so SHA256-signing every part too (which
@@ -113,13 +115,13 @@ class S3Prefix:
     def url(self, key: str = "") -> str:
         return f"s3://{self.bucket}/{key}"
 
-    def _call(self, what: str, fn: Callable[..., T], **kwargs: Any) -> T:
+    def _call(self, what: str, fn: Callable[..., T], **kwargs: object) -> T:
         result = self._call_or_missing(what, fn, **kwargs)
         if result is None:
             raise SourceError(f"{what}: not found (404)")
         return result
 
-    def _call_or_missing(self, what: str, fn: Callable[..., T], **kwargs: Any) -> T | None:
+    def _call_or_missing(self, what: str, fn: Callable[..., T], **kwargs: object) -> T | None:
         """``fn(Bucket=..., **kwargs)`` retried; None when S3 answers 404 for the key or upload
         (a missing bucket is an error: :meth:`check_bucket` runs first)."""
 
@@ -186,7 +188,7 @@ class S3Prefix:
         """A small object's body (a ref, a snapshot's metadata), or None when there is none."""
         what = f"GET {self.url(key)}"
 
-        def get(**kwargs: Any) -> bytes:
+        def get(**kwargs: object) -> bytes:
             return bytes(self.client.get_object(**kwargs)["Body"].read())
 
         return self._call_or_missing(what, get, Key=key)
@@ -377,7 +379,7 @@ def _with_body(call: Callable[..., T], data: bytes | memoryview) -> Callable[...
     """``call`` with ``Body=`` a fresh reader of ``data`` on every attempt (a retry after a
     failure mid-send must start from the first byte, not where the last attempt stopped)."""
 
-    def send(**kwargs: Any) -> T:
+    def send(**kwargs: object) -> T:
         return call(Body=data if isinstance(data, bytes) else _ViewBody(data), **kwargs)
 
     return send
