@@ -176,15 +176,20 @@ def _open_s3(spec: ModelSpec, settings: SourceSettings, *, probe: bool, kind: st
                 if not settings.repo_from_mirror:
                     raise SpecError(
                         "hf_repo",
-                        f"{{source}} is a mirror of {snapshot.repo_id} (prefetch mirror's "
-                        "output): name its repo id as {hf_repo} to publish it in the Hugging "
-                        "Face layout",
+                        f"{_literal(spec.source)} is a mirror of {_literal(snapshot.repo_id)} "
+                        "(prefetch mirror's output): name its repo id as {hf_repo} to publish "
+                        "it in the Hugging Face layout",
                         cross_field=True,
                     )
                 spec = replace(spec, hf_repo=snapshot.repo_id)
             return OpenedSource(mirror, spec, "hf", snapshot, s3_client=client)
     source = S3Source(client, spec.source, retry=settings.retry)
     return OpenedSource(source, spec, kind, s3_client=client)
+
+
+def _literal(value: object) -> str:
+    """``value`` taken literally inside a SpecError reason (braces doubled)."""
+    return str(value).replace("{", "{{").replace("}", "}}")
 
 
 def _hub_options(settings: SourceSettings) -> HubOptions:

@@ -24,9 +24,12 @@ from collections.abc import Sequence
 
 from prefetch.errors import (
     AccessDeniedError,
+    BucketNotFoundError,
     NoMatchingFilesError,
     NotFoundError,
     PrefetchError,
+    RepoNotFoundError,
+    RevisionNotFoundError,
     SourceError,
     TransientSourceError,
 )
@@ -117,8 +120,20 @@ class NoSourceHasFilesError(NoSourceServedError, NoMatchingFilesError):
     """The last source had the revision, but no file the patterns keep."""
 
 
+class NoSourceHasRevisionError(NoSourceServedError, RevisionNotFoundError):
+    """The last source lacked the revision."""
+
+
+class NoSourceHasRepoError(NoSourceServedError, RepoNotFoundError):
+    """The last source lacked the repo."""
+
+
+class NoSourceHasBucketError(NoSourceServedError, BucketNotFoundError):
+    """The last source's bucket does not exist."""
+
+
 class NoSourceHasItError(NoSourceServedError, NotFoundError):
-    """The last source lacked the revision (or the repo, or the bucket)."""
+    """The last source lacked what was asked for."""
 
 
 class NoSourceAllowedError(NoSourceServedError, AccessDeniedError):
@@ -129,9 +144,12 @@ class NoSourceAnsweredError(NoSourceServedError, TransientSourceError):
     """The last source stayed unreachable or throttled after its retries."""
 
 
-#: The error for each kind of last failure, the most specific kind first.
+#: The error for each kind of last failure (its class in prefetch.errors), subclasses first.
 _BY_KIND: tuple[tuple[type[SourceError], type[NoSourceServedError]], ...] = (
     (NoMatchingFilesError, NoSourceHasFilesError),
+    (RevisionNotFoundError, NoSourceHasRevisionError),
+    (RepoNotFoundError, NoSourceHasRepoError),
+    (BucketNotFoundError, NoSourceHasBucketError),
     (NotFoundError, NoSourceHasItError),
     (AccessDeniedError, NoSourceAllowedError),
     (TransientSourceError, NoSourceAnsweredError),
