@@ -323,7 +323,8 @@ def layout_kind(spec: ModelSpec, requested: str | None = None) -> str:
     if name == "hf" and spec.repo_id is None:
         raise SpecError(
             "layout",
-            "{layout} hf needs {hf_repo} org/name for an S3 source (the repo id to publish under)",
+            "{layout} hf needs {hf_repo} org/name for an S3 source: the Hugging Face "
+            "layout needs a Hub repo id to publish under",
             cross_field=True,
             leads=False,
         )
