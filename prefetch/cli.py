@@ -430,12 +430,7 @@ def open_pull_source(
         concurrency=config.concurrency,
         retry=config.retry,
     )
-    try:
-        return open_source(spec, reach, layout=layout_name)
-    except SpecError as exc:
-        if not names_flags(exc):
-            raise
-        raise ConfigError(exc.render(_FLAG_NAMES), hint=exc.hint) from exc
+    return open_source(spec, reach, layout=layout_name)  # pull_spec checked the layout
 
 
 @main.command()

@@ -18,7 +18,8 @@ _HF_REPO = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$|^[A-Za-z0-9][\w.\-]*$")
 _COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
 #: The sidecar checksum file an S3 prefix may carry (sha256sum format), see README.
 SIDECAR_MANIFEST = "SHA256SUMS"
-#: The ModelSpec fields a rule's message may name (as ``{field}`` in its reason).
+#: The ModelSpec fields, and the layout asked for, that a rule's message may name (as
+#: ``{field}`` in its reason).
 SPEC_FIELDS = (
     "name", "source", "revision", "include", "exclude", "hf_repo", "hf_revision", "proxy",
     "mirrors", "hub_fallback", "layout",
