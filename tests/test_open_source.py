@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from prefetch.agent.config import parse_config
+from prefetch.agent.reconcile import Agent
 from prefetch.agent.source_opener import SourceOpener
 from prefetch.cli import make_config, open_pull_source, pull_spec
 from prefetch.errors import ConfigError
@@ -19,7 +20,17 @@ from prefetch.locals3 import SeaweedS3
 from prefetch.sources import OpenedSource, S3Clients, pool_size
 
 from .fakes.hubserver import HubServer
-from .support import HUB_REPO, put, write_mirror
+from .support import (
+    HUB_REPO,
+    AgentThread,
+    config_text,
+    is_ready,
+    model_status,
+    put,
+    server_files,
+    wait_for,
+    write_mirror,
+)
 
 REPO = HUB_REPO
 
@@ -135,3 +146,29 @@ def test_the_agent_shares_one_s3_client_per_endpoint_pool_and_proxy() -> None:
     assert made[0] == {"endpoint_url": "http://127.0.0.1:1", "max_pool_connections": 40,
                        "proxy": None}  # fmt: skip
     assert len(made) == 3
+
+
+@pytest.mark.slow
+def test_the_agent_publishes_an_s3_mirror_prefix_in_the_hub_layout_as_the_cli_does(
+    s3_client: Any, bucket: str, hub: HubServer, tmp_path: Path
+) -> None:
+    commit = write_mirror(s3_client, bucket, "mirror/", hub)
+    cache = tmp_path / "cache"
+    config = tmp_path / "models.yaml"
+    models = [
+        {"name": "tiny", "source": f"s3://{bucket}/mirror/", "hfRepo": REPO},
+        {"name": "unnamed", "source": f"s3://{bucket}/mirror/"},
+    ]
+    config.write_text(config_text(cache, models))
+    agent = Agent(config, s3_client=s3_client, serve=False, tick=0.2)
+    with AgentThread(agent):
+        wait_for(lambda: is_ready(agent, "tiny"), "tiny", dump=agent.status)
+        wait_for(lambda: model_status(agent, "unnamed").get("last_error"), "unnamed refused",
+                 dump=agent.status)  # fmt: skip
+        refused = model_status(agent, "unnamed")
+    snapshot = cache / "hub" / f"models--{REPO.replace('/', '--')}" / "snapshots" / commit
+    files = {p.relative_to(snapshot).as_posix(): p for p in snapshot.rglob("*") if p.is_file()}
+    assert {path: p.read_bytes() for path, p in files.items()} == server_files(hub)
+    assert not (cache / "models").exists()  # neither as the mirror's raw objects
+    assert "unnamed: hfRepo:" in refused["last_error"] and REPO in refused["last_error"]
+    assert refused["error_reason"] == "config" and not refused["ready"]
