@@ -55,7 +55,14 @@ import yaml
 from prefetch.constants import DEFAULT_LABEL_PREFIX, DEFAULT_LISTEN, DEFAULT_STARTUP_TAINT_KEY
 from prefetch.errors import ConfigError
 from prefetch.retry import RetryPolicy
-from prefetch.spec import ModelSpec, SourceURI, SpecError, parse_source_uri, validate_name
+from prefetch.spec import (
+    ModelSpec,
+    SourceURI,
+    SpecError,
+    parse_source_uri,
+    publish_revision,
+    validate_name,
+)
 from prefetch.transfer import TransferConfig
 from prefetch.units import parse_duration, parse_size
 
@@ -89,7 +96,6 @@ _MODEL_KEYS = (
 )  # fmt: skip
 _BACKOFF_KEYS = ("initial", "max")
 _S3_KEYS = ("endpointUrl",)
-_SHA = re.compile(r"^[0-9a-f]{40}$")
 #: The keys of a model in the file, by the ModelSpec field each sets (the others match).
 _SPEC_KEYS = {"hf_repo": "hfRepo", "hf_revision": "revision", "hub_fallback": "hubFallback"}
 _LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
@@ -424,10 +430,7 @@ def _model(value: Any, where: str) -> ModelSpec:
     assert source is not None
     revision = _get(m, "revision", where, _opt_str, None)
     hf_repo = _get(m, "hfRepo", where, _opt_str, None)
-    hf_revision: str | None = None
-    if source.scheme == "s3" and hf_repo is not None and _SHA.match(revision or ""):
-        # on an S3 mirror, the file's `revision` is the commit to publish under
-        hf_revision, revision = revision, None
+    revision, hf_revision = publish_revision(source, hf_repo, revision)
     try:
         return ModelSpec(
             source=source,
@@ -444,7 +447,12 @@ def _model(value: Any, where: str) -> ModelSpec:
             hub_fallback=_get(m, "hubFallback", where, _bool, True),
         )
     except SpecError as exc:
-        raise ConfigError(exc.render(_SPEC_KEYS, prefix=f"{where}."), hint=exc.hint) from exc
+        raise render_spec_error(exc, f"{where}.") from exc
+
+
+def render_spec_error(exc: SpecError, prefix: str) -> ConfigError:
+    """``exc`` as the config file's users know its fields (``hfRepo``), after ``prefix``."""
+    return ConfigError(exc.render(_SPEC_KEYS, prefix=prefix), hint=exc.hint)
 
 
 def _proxy(value: Any, path: str) -> str | None:
