@@ -130,8 +130,6 @@ class TransferConfig:
             raise ConfigError("hash workers: must be at least 1")
         if self.piece_size < 64 * 1024:
             raise ConfigError(f"piece size: must be at least 64KiB, got {self.piece_size}")
-        if self.retry.attempts < 1:
-            raise ConfigError("attempts: must be at least 1")
         if self.min_rate < 0:
             raise ConfigError(f"min rate: must be 0 (off) or more, got {self.min_rate}")
         if not self.stall_window > 0:
@@ -783,7 +781,7 @@ def retry_read(
             read()
             return
         except TransientSourceError as exc:
-            if attempt >= policy.attempts:
+            if policy.gives_up(attempt, exc):
                 raise TransientSourceError(
                     f"{what}: giving up after {attempt} attempts: {exc}"
                 ) from exc

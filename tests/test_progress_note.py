@@ -286,6 +286,8 @@ def test_annotate_is_one_merge_patch_that_keeps_other_annotations(stub: KubeStub
 
 
 class _Backoff:
+    initial = max = 1.0
+
     def delay(self, failures: int) -> float:
         return 1.0
 
