@@ -96,6 +96,9 @@ class _PhaseClock:
         self.last_byte = time.monotonic()
         self._progress.advance(nbytes)
 
+    def chunk_done(self) -> None:
+        self._progress.chunk_done()
+
     def file_done(self, path: str, size: int) -> None:
         self._progress.file_done(path, size)
 
