@@ -460,9 +460,7 @@ class Transfer:
                 journal_path, header, partial_exists=exists, persist=len(job.chunks) > 1
             )
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise _no_space(job, exc) from exc
-            raise TransferError(f"cannot write {journal_path}: {exc.strerror}") from exc
+            raise _write_failed(job, journal_path, exc) from exc
         fd = os.open(job.staged, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             if not job.journal.done:
@@ -472,10 +470,8 @@ class Transfer:
         except OSError as exc:
             os.close(fd)
             job.journal.close()
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise _no_space(job, exc) from exc
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise TransferError(f"cannot write {job.staged}: {exc.strerror}") from exc
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # (no fallocate here)
+                raise _write_failed(job, job.staged, exc) from exc
             fd = os.open(job.staged, os.O_RDWR)
             os.ftruncate(fd, job.file.size)
         job.fd = fd
@@ -538,9 +534,7 @@ class Transfer:
         try:
             os.fsync(job.fd)
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise _no_space(job, exc) from exc
-            raise TransferError(f"cannot write {job.staged}: {exc.strerror}") from exc
+            raise _write_failed(job, job.staged, exc) from exc
         self._close(job)
         values: dict[int, str] = {}
         if job.seq is not None:
@@ -680,9 +674,7 @@ class Transfer:
         try:
             job.fd = os.open(job.staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise _no_space(job, exc) from exc
-            raise TransferError(f"cannot write {job.staged}: {exc.strerror}") from exc
+            raise _write_failed(job, job.staged, exc) from exc
         if job.chunks:
             self._run_chunk(job, [0])
         return self._seal(job)
@@ -1019,26 +1011,36 @@ def _pwrite_all(job: _FileJob, data: memoryview, offset: int) -> None:
         try:
             written = os.pwrite(job.dfd if direct else job.fd, data, offset)
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise _no_space(job, exc) from exc
             if direct and exc.errno == errno.EINVAL:
                 # the filesystem opened O_DIRECT but refuses this write: buffered from now on
                 # (the descriptor stays open until the file is closed: other threads may use it)
                 log.debug("O_DIRECT write refused for %s: buffered writes", job.staged)
                 job.direct_refused = True
                 continue
-            raise TransferError(f"cannot write {job.staged}: {exc.strerror}") from exc
+            raise _write_failed(job, job.staged, exc) from exc
         data = data[written:]
         offset += written
 
 
-def _no_space(job: _FileJob, exc: OSError) -> InsufficientSpaceError:
+def no_space(exc: OSError, under: Path, writing: str = "") -> InsufficientSpaceError | None:
+    """The one error for a write the disk refused for want of space (ENOSPC, or EDQUOT: over
+    quota) under ``under``, while writing ``writing``; None for any other OSError."""
+    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
     return InsufficientSpaceError(
-        f"no space left on the device under {job.staged.parent} while writing "
-        f"{job.file.path} ({job.file.size} bytes): {exc.strerror}",
-        hint="free some space (prefetch gc) or point DEST at a larger volume; "
-        "the partial download is kept and the next pull resumes it",
+        f"no space left on the device under {under}"
+        + (f" while writing {writing}" if writing else "")
+        + f": {exc.strerror or exc}",
+        hint="free some space (prefetch gc) or point DEST at a larger volume; finished files "
+        "and partial downloads are kept and the next pull resumes",
     )
+
+
+def _write_failed(job: _FileJob, path: Path, exc: OSError) -> PrefetchError:
+    """A write for ``job`` to ``path`` failed: out of space, or another reason."""
+    writing = f"{job.file.path} ({job.file.size} bytes)"
+    full = no_space(exc, job.staged.parent, writing)
+    return full or TransferError(f"cannot write {path}: {exc.strerror}")
 
 
 #: The stall/deadline/stop watchdog, for other drivers of ranged reads (prefetch.mirror streams
@@ -1048,7 +1050,6 @@ Watchdog = _Watchdog
 __all__ = [
     "Cancelled",
     "Filled",
-    "PrefetchError",
     "Transfer",
     "TransferConfig",
     "TransferStats",
@@ -1056,6 +1057,7 @@ __all__ = [
     "connection_closed",
     "fill_watched",
     "group_chunks",
+    "no_space",
     "plan_chunks",
     "read_slice",
     "retry_read",
