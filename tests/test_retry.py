@@ -91,11 +91,15 @@ class RecordingStop(threading.Event):
 
 
 def test_call_with_retries_waits_as_the_policy_says(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("prefetch.retry.random.uniform", high)
     stop = RecordingStop()
     policy = RetryPolicy(attempts=4, base_delay=0.5, max_delay=10.0)
+    monkeypatch.setattr("prefetch.retry.random.uniform", high)
     assert call_with_retries(Flaky(3), policy, what="x", stop=stop) == "ok"
     assert stop.waits == [0.5, 1.0, 2.0]
+    stop.waits.clear()
+    monkeypatch.setattr("prefetch.retry.random.uniform", low)  # full jitter: down to 0
+    assert call_with_retries(Flaky(3), policy, what="x", stop=stop) == "ok"
+    assert stop.waits == [0.0, 0.0, 0.0]
     stop.waits.clear()
     assert call_with_retries(Flaky(1, retry_after=3.0), policy, what="x", stop=stop) == "ok"
     assert stop.waits == [3.0]
