@@ -11,7 +11,6 @@ point has a private copy of any stage.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import shutil
 import threading
@@ -38,6 +37,7 @@ from prefetch.transfer import (
     Transfer,
     TransferConfig,
     TransferStats,
+    no_space,
     staged_name,
 )
 from prefetch.units import format_bytes
@@ -95,6 +95,9 @@ class _PhaseClock:
     def advance(self, nbytes: int) -> None:
         self.last_byte = time.monotonic()
         self._progress.advance(nbytes)
+
+    def chunk_done(self) -> None:
+        self._progress.chunk_done()
 
     def file_done(self, path: str, size: int) -> None:
         self._progress.file_done(path, size)
@@ -326,13 +329,10 @@ def execute(
         )
         result.timings = clock.timings(plan.resolve_seconds, began, ended, time.monotonic())
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or isinstance(exc, PrefetchError):
+        full = None if isinstance(exc, PrefetchError) else no_space(exc, layout.root)
+        if full is None:
             raise
-        raise InsufficientSpaceError(
-            f"no space left under {layout.root}: {exc}",
-            hint="free some space (prefetch gc); finished files and partial downloads are "
-            "kept and the next pull resumes",
-        ) from exc
+        raise full from exc
     finally:
         progress.finish()
     result.seconds = round(time.monotonic() - plan.started, 3)

@@ -71,11 +71,13 @@ def test_metrics_sink_feeds_the_registry() -> None:
     registry = CollectorRegistry()
     now = [1000.0]
     metrics = AgentMetrics(registry, rate_window=10, clock=lambda: now[0])
-    sink = metrics.sink("m", "s3", chunk_size=4)
+    sink = metrics.sink("m", "s3")
     sink.start("m", 20, 2)
     for _ in range(5):
         sink.advance(2)
-    sink.file_done("a", 10)  # 3 chunks of at most 4 bytes
+    for _ in range(3):  # the engine tells each ranged request it completed
+        sink.chunk_done()
+    sink.file_done("a", 10)
     sink.retry("reset")
     sink.checksum_failure("b")
     assert sink.remaining == 10

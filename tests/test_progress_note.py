@@ -55,7 +55,7 @@ def state(name: str, *, required: bool = True) -> ModelState:
 
 def syncing(metrics: AgentMetrics, name: str, total: int, done: int) -> ModelState:
     ms = state(name)
-    sink = metrics.sink(name, "s3", chunk_size=8 << 20)
+    sink = metrics.sink(name, "s3")
     ms.start_sync(Job(JobKind.SYNC, cast(Any, None), threading.Event(), 0.0), sink)
     sink.start(name, total, 3)
     sink.advance(done)
@@ -114,7 +114,7 @@ def test_the_eta_is_unknown_until_bytes_flow_and_the_total_until_the_plan() -> N
     resolving = state("m")
     resolving.start_sync(
         Job(JobKind.SYNC, cast(Any, None), threading.Event(), 0.0),
-        metrics.sink("m", "s3", chunk_size=1 << 20),
+        metrics.sink("m", "s3"),
     )
     entry = note_of([resolving], rate=0.0)["models"][0]
     assert entry == {
@@ -132,7 +132,7 @@ def test_a_ready_model_only_checked_or_reverified_shows_ready() -> None:
     checked = ready("checked", 10)
     checked.start_sync(
         Job(JobKind.SYNC, cast(Any, None), threading.Event(), 0.0),
-        metrics.sink("checked", "s3", chunk_size=1 << 20),
+        metrics.sink("checked", "s3"),
     )
     checked.sink.start("checked", 0, 0)  # type: ignore[union-attr]  # up to date: nothing to fetch
     verifying = ready("verifying", 10)
@@ -140,7 +140,7 @@ def test_a_ready_model_only_checked_or_reverified_shows_ready() -> None:
     updating = ready("updating", 10)
     updating.start_sync(
         Job(JobKind.SYNC, cast(Any, None), threading.Event(), 0.0),
-        metrics.sink("updating", "s3", chunk_size=1 << 20),
+        metrics.sink("updating", "s3"),
     )
     updating.sink.start("updating", 500, 1)  # type: ignore[union-attr]  # a new revision
 
@@ -286,6 +286,8 @@ def test_annotate_is_one_merge_patch_that_keeps_other_annotations(stub: KubeStub
 
 
 class _Backoff:
+    initial = max = 1.0
+
     def delay(self, failures: int) -> float:
         return 1.0
 

@@ -465,7 +465,7 @@ class Agent:
             spec = ms.spec
             ms.start_sync(
                 job,
-                self.metrics.sink(spec.name, spec.source.scheme, chunk_size=self.config.chunk_size),
+                self.metrics.sink(spec.name, spec.source.scheme),
             )
         else:
             ms.start_verify(job)

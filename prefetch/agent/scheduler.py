@@ -35,6 +35,7 @@ from prefetch.errors import (
 )
 from prefetch.logjson import scrub
 from prefetch.metrics import MetricsSink
+from prefetch.retry import RetryPolicy
 from prefetch.spec import ModelSpec
 from prefetch.sync import SyncResult
 
@@ -182,7 +183,7 @@ class ModelState:
     ) -> float:
         """Count the failure, back off, keep a ready copy ready; returns the delay (seconds)."""
         self.failures += 1
-        delay = backoff.delay(self.failures) * jitter(0.9, 1.1)
+        delay = sync_retry_policy(backoff).delay(self.failures, uniform=jitter)
         self.next_attempt = now + delay
         self.last_error = scrub(str(exc))
         self.error_reason = failure_reason(exc)
@@ -276,3 +277,12 @@ class Scheduler:
         due = [(ms, kind) for ms in self._models.values() if (kind := ms.due(now, intervals))]
         due.sort(key=lambda d: (not d[0].spec.required, d[0].ready, d[0].index))
         return due[:slots]
+
+
+def sync_retry_policy(backoff: Backoff) -> RetryPolicy:
+    """The wait after a model's failed sync: full jitter up to ``initial * 2**(failures-1)``
+    (at most ``max``), never less than half of ``initial``, so a model that fails at once (a
+    wrong bucket) is not tried again in a tight loop."""
+    return RetryPolicy(
+        base_delay=backoff.initial, max_delay=backoff.max, min_delay=backoff.initial / 2
+    )
