@@ -103,7 +103,7 @@ def test_the_note_gives_each_models_phase_bytes_rate_and_eta_and_when_it_was_wri
                 "eta": 4,  # 3 GiB at 1000 MiB/s is 3.072 s, rounded up
             },
             {"name": "qwen", "phase": "ready", "done": 2 * GiB, "total": 2 * GiB},
-            {"name": "broken", "phase": "failed", "reason": "internal"},
+            {"name": "broken", "phase": "failed", "reason": "os_error"},
         ],
     }
     assert " " not in encode(note)  # compact: every watcher of the Node gets a copy

@@ -88,7 +88,7 @@ def model_note(ms: ModelState, rate: float) -> Note:
         }
     elif ms.ready:
         entry |= {"done": ms.bytes_total, "total": ms.bytes_total}
-    if phase == "failed" and ms.error_reason:
+    if phase in ("failed", "syncing") and ms.error_reason:  # syncing: a retry, and why
         entry["reason"] = ms.error_reason
     return entry
 
