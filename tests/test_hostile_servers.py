@@ -8,6 +8,7 @@ misbehaviours).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -450,3 +451,82 @@ def test_a_trickling_small_object_get_is_cut_and_retried(s3: MisbehavingS3, tmp_
     assert (tmp_path / "dest" / "tokenizer.json").read_bytes() == data
     assert results[0].files_verified == 1
     assert [m for m, k, _ in s3.requests if k == "m/tokenizer.json"] == ["GET", "GET"]
+
+
+def test_a_trickling_model_is_bounded_by_its_sync_deadline_and_a_healthy_one_gets_ready(
+    s3: MisbehavingS3, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The issue's case: one sync slot, model A's server trickles for ever and the stall rule
+    cannot help (off here: its retries would trickle again), model B is healthy. Each of A's
+    attempts ends at its syncDeadline, resumably, as a failure with reason ``deadline``; the
+    slot passes to B, which gets ready; A keeps the gate closed and says why."""
+    from prefetch.agent.reconcile import Agent
+
+    from .support import AgentThread, config_text, is_ready, model_status, wait_for
+
+    slow_key = "slow/weights.bin"
+    s3.put(BUCKET, slow_key, os.urandom(2 * MiB), md5_etag=True)
+    s3.put(BUCKET, "fast/weights.bin", os.urandom(2 * MiB), md5_etag=True)
+    s3.misbehave(key=slow_key, trickle=(16 * 1024, 0.1))  # 160 KiB/s for ever: 13 s of body
+    config = tmp_path / "models.yaml"
+    config.write_text(
+        config_text(
+            tmp_path / "cache",
+            [
+                {"name": "slow", "source": f"s3://{BUCKET}/slow/", "syncDeadline": "1s"},
+                {"name": "fast", "source": f"s3://{BUCKET}/fast/"},  # default: scaled, >= 10m
+            ],
+            parallelModels=1,
+            concurrency=1,
+            chunkSize="64KiB",  # pieces a 1 s attempt completes, to see the next one resume
+            minRate=0,  # no stall rule: only the deadline ends an attempt
+            listen="127.0.0.1:0",
+        )
+    )
+    caplog.set_level(logging.INFO)
+    agent = Agent(config, s3_client=s3.client(), tick=0.2)
+    began = time.time()  # log records carry the wall clock
+    with AgentThread(agent):
+        wait_for(
+            lambda: is_ready(agent, "fast") and model_status(agent, "slow")["failures"] >= 2,
+            "the healthy model ready and two bounded attempts of the trickling one",
+            timeout=60,
+            dump=agent.status,
+        )
+        slow = model_status(agent, "slow")
+        code, body = agent.readiness()
+        failures = agent.registry.get_sample_value(
+            "model_prefetch_sync_failures_total", {"model": "slow", "reason": "deadline"}
+        )
+    assert not slow["ready"] and slow["error_reason"] == "deadline", slow
+    assert "syncDeadline of 1s" in slow["last_error"] and "resumes" in slow["last_error"]
+    assert code == 503 and body["summary"] == "waiting for 1 required model(s): slow"
+    assert failures is not None and failures >= 2
+
+    # the story, from the log: A's first attempt ends at its deadline, then B is ready, then
+    # A tries again (after its backoff) and is bounded again
+    def at(record: logging.LogRecord) -> float:
+        return record.created - began
+
+    deadline_events = [
+        r for r in caplog.records
+        if r.getMessage().startswith("SyncFailed: Sync of model slow") and "(deadline)" in r.getMessage()
+    ]  # fmt: skip
+    ready_events = [r for r in caplog.records if r.getMessage().startswith("ModelReady: ")]
+    assert [r.getMessage().split()[2] for r in ready_events] == ["fast"]
+    assert len(deadline_events) >= 2
+    assert at(deadline_events[0]) < at(ready_events[0]) < at(deadline_events[1])
+    starts = [at(r) for r in caplog.records if r.getMessage().startswith("slow: 1 of 1 files")]
+    for start, end in zip(starts, (at(r) for r in deadline_events), strict=False):
+        assert end - start < 10, (start, end)  # the trickle alone: 13 s; each attempt ~1 s
+    print(
+        "timeline (s from agent start): slow bounded at",
+        [round(at(r), 2) for r in deadline_events],
+        "after starting at",
+        [round(s, 2) for s in starts],
+        "; fast ready at",
+        round(at(ready_events[0]), 2),
+    )
+    # resumably: the second attempt asked for the bytes after what the first one kept
+    firsts = ranges_asked(s3, slow_key)
+    assert firsts[0] == 0 and max(firsts) >= 64 * 1024, firsts
