@@ -510,6 +510,7 @@ def test_a_trickling_model_is_bounded_by_its_sync_deadline_and_a_healthy_one_get
         )
     assert not slow["ready"] and slow["error_reason"] == "deadline", slow
     assert "syncDeadline of 1s" in slow["last_error"] and "resumes" in slow["last_error"]
+    assert "(deadline)" in slow["detail"]  # backing off, or trying again: /readyz says why
     assert code == 503 and body["summary"] == "waiting for 1 required model(s): slow"
     assert failures is not None and failures >= 2
 
