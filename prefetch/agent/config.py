@@ -148,11 +148,6 @@ class SyncDeadline:
             return self.seconds
         return max(self.MINIMUM, bytes_to_fetch / self.FLOOR_RATE)
 
-    def describe(self) -> str:
-        if self.off:
-            return "off"
-        return "auto" if self.seconds is None else f"{self.seconds:g}s"
-
 
 @dataclass(frozen=True)
 class AgentConfig:

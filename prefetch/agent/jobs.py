@@ -154,7 +154,7 @@ class SyncJob:
 
     def _blocking(self, ms: ModelState, config: AgentConfig, stop: threading.Event) -> SyncResult:
         """In a worker thread: resolve and plan under the model's lock, make room, sync, all
-        within the attempt's ``syncDeadline`` (see :meth:`_transfer_config`)."""
+        within the attempt's ``syncDeadline``, counted from here (see :func:`_bounded`)."""
         began = time.monotonic()
         parts = self._parts
         store, space = parts.store, parts.space
@@ -183,7 +183,9 @@ class SyncJob:
                         sink=sink,
                     )
                 )
-                bound = config.deadline_for(spec.name).for_bytes(plan.bytes_to_fetch)
+                # nothing to fetch (a refresh that finds the copy current): nothing to bound
+                deadline = config.deadline_for(spec.name)
+                bound = deadline.for_bytes(plan.bytes_to_fetch) if plan.files else None
                 try:
                     result = execute(
                         plan,
@@ -195,7 +197,8 @@ class SyncJob:
                         check_space=False,  # room was made, keeping minFreeSpace
                     )
                 except DeadlineExceededError as exc:
-                    assert bound is not None
+                    if bound is None:
+                        raise
                     raise _deadline_passed(bound) from exc
             store.record_sync(
                 spec,

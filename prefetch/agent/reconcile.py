@@ -24,10 +24,11 @@ or at start-up when the copy recorded by an earlier run is still whole (sizes ch
 refresh of a ready model keeps it ready (the copy is still there) and shows the error. One model's
 failure never holds up another: each has its own state and exponential backoff
 (``retryBackoff``), and a source that trickles or goes silent fails by the engine's stall rule
-(``minRate`` over ``stallTimeout``, each attempt) instead of holding a ``parallelModels`` slot,
-so the slot passes to the next due model while the stalled one backs off. SIGTERM sets every
-job's stop event (the engine starts no new chunk, interrupts reads in flight and leaves
-resumable partials), closes the server and returns within the grace period.
+(``minRate`` over ``stallTimeout``, each attempt) or, trickling just fast enough, at the
+attempt's ``syncDeadline`` (resumably, reason ``deadline``) instead of holding a
+``parallelModels`` slot, so the slot passes to the next due model while that one backs off.
+SIGTERM sets every job's stop event (the engine starts no new chunk, interrupts reads in flight
+and leaves resumable partials), closes the server and returns within the grace period.
 
 The parts, one job each: :mod:`~prefetch.agent.jobs` (the sync and verify jobs' bodies),
 :mod:`~prefetch.agent.scheduler` (the model table, phases, backoff, what is due),
