@@ -434,12 +434,14 @@ def test_a_trickling_model_never_keeps_a_healthy_one_waiting(
                  dump=agent.status)  # fmt: skip
         slow = model_status(agent, "slow")
         assert not slow["ready"] and "stalled" in (slow.get("last_error") or ""), slow
-    assert slow["failures"] == 1, slow  # one bounded attempt, then the slot went to fast
     lines = [r.getMessage() for r in caplog.records]
+    slow_began = [i for i, m in enumerate(lines) if m.startswith("slow: 1 of 1 files")]
     slow_failed = next(i for i, m in enumerate(lines) if m.startswith("slow: sync failed"))
     fast_began = next(i for i, m in enumerate(lines) if m.startswith("fast: 1 of 1 files"))
     fast_ready = next(i for i, m in enumerate(lines) if m.startswith("ModelReady: Model fast"))
+    # one attempt of the slow model, ended by the stall rule; the slot went to the fast one
     assert "stalled" in lines[slow_failed] and slow_failed < fast_began < fast_ready
+    assert slow_began[0] < slow_failed and all(i > fast_began for i in slow_began[1:])
 
 
 def test_a_trickling_small_object_get_is_cut_and_retried(s3: MisbehavingS3, tmp_path: Path) -> None:
@@ -475,9 +477,9 @@ def test_a_trickling_model_is_bounded_by_its_sync_deadline_and_a_healthy_one_get
     from .support import AgentThread, config_text, is_ready, model_status, wait_for
 
     slow_key = "slow/weights.bin"
-    s3.put(BUCKET, slow_key, os.urandom(16 * MiB), md5_etag=True)
+    s3.put(BUCKET, slow_key, os.urandom(32 * MiB), md5_etag=True)
     s3.put(BUCKET, "fast/weights.bin", os.urandom(2 * MiB), md5_etag=True)
-    s3.misbehave(key=slow_key, trickle=(16 * 1024, 0.1))  # 160 KiB/s for ever: 100 s of body
+    s3.misbehave(key=slow_key, trickle=(32 * 1024, 0.1))  # 320 KiB/s for ever: 100 s of body
     config = tmp_path / "models.yaml"
     config.write_text(
         config_text(
@@ -540,6 +542,7 @@ def test_a_trickling_model_is_bounded_by_its_sync_deadline_and_a_healthy_one_get
         "; fast ready at",
         round(at(ready_events[0]), 2),
     )
-    # resumably: the second attempt asked for the bytes after what the first one kept
+    # resumably: the next attempt asks for the bytes after what the first one kept (~300 KiB
+    # in 64 KiB pieces), never byte 0 again
     firsts = ranges_asked(s3, slow_key)
-    assert firsts[0] == 0 and max(firsts) >= 64 * 1024, firsts
+    assert firsts[0] == 0 and firsts.count(0) == 1, firsts
