@@ -22,23 +22,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from prefetch import __version__, settings
+from prefetch import __version__, errors, settings
 from prefetch.errors import (
-    AccessDeniedError,
-    ChecksumMismatchError,
     ConfigError,
-    InsufficientSpaceError,
     LayoutError,
-    LockTimeoutError,
-    MissingChecksumError,
-    NodeGateError,
-    NoMatchingFilesError,
-    NotFoundError,
     PrefetchError,
-    SourceChangedError,
-    SourceError,
-    TransferError,
-    TransientSourceError,
     VerifyError,
 )
 from prefetch.progress import NullProgress, ProgressSink, TerminalProgress
@@ -46,7 +34,7 @@ from prefetch.redact import install_filter, printable, redact
 from prefetch.retry import RetryPolicy
 from prefetch.spec import ModelSpec, SpecError, layout_kind, parse_source_uri
 from prefetch.sync import SyncResult, VerifyReport
-from prefetch.transfer import Cancelled, TransferConfig
+from prefetch.transfer import TransferConfig
 from prefetch.units import format_bytes, parse_duration, parse_size
 
 if TYPE_CHECKING:
@@ -63,29 +51,12 @@ def fail(exc: PrefetchError) -> None:
 
 
 #: ``error_reason`` in a failed command's ``--json`` object: a stable name per kind of failure,
-#: for scripts (the ``error`` line is for people and may change). Subclasses first: the first
-#: class the exception is an instance of names it.
+#: for scripts (the ``error`` line is for people and may change): the package's one vocabulary
+#: (:data:`prefetch.errors.ERROR_REASONS`, which the agent's failure labels use too), plus the
+#: command line's own usage errors.
 ERROR_REASONS: tuple[tuple[type[BaseException], str], ...] = (
-    (ChecksumMismatchError, "checksum_mismatch"),
-    (MissingChecksumError, "missing_checksum"),
-    (VerifyError, "verify_failed"),
-    (NoMatchingFilesError, "no_matching_files"),
-    (NotFoundError, "not_found"),
-    (AccessDeniedError, "access_denied"),
-    (SourceChangedError, "source_changed"),
-    (TransientSourceError, "transient"),
-    (SourceError, "source_error"),
-    (InsufficientSpaceError, "insufficient_space"),
-    (Cancelled, "cancelled"),
-    (TransferError, "transfer_failed"),
-    (LockTimeoutError, "lock_timeout"),
-    (LayoutError, "layout"),
-    (ConfigError, "config"),
     (click.ClickException, "config"),
-    (NodeGateError, "node_gate"),
-    (PrefetchError, "error"),
-    (KeyboardInterrupt, "cancelled"),
-    (OSError, "os_error"),
+    *errors.ERROR_REASONS,
 )
 
 

@@ -11,7 +11,9 @@ point has a private copy of any stage.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import os
 import shutil
 import threading
 import time
@@ -24,6 +26,7 @@ from prefetch import verify
 from prefetch.errors import (
     ChecksumMismatchError,
     InsufficientSpaceError,
+    LayoutError,
     PrefetchError,
     VerifyError,
 )
@@ -329,15 +332,31 @@ def execute(
         )
         result.timings = clock.timings(plan.resolve_seconds, began, ended, time.monotonic())
     except OSError as exc:
-        full = None if isinstance(exc, PrefetchError) else no_space(exc, layout.root)
-        if full is None:
+        if isinstance(exc, PrefetchError):
             raise
+        full = no_space(exc, layout.root)
+        if full is None:
+            raise _unexpected(exc, layout) from exc
         raise full from exc
     finally:
         progress.finish()
     result.seconds = round(time.monotonic() - plan.started, 3)
     result.up_to_date = not todo and not result.deleted
     return result
+
+
+def _unexpected(exc: OSError, layout: Layout) -> LayoutError:
+    """An OSError nothing expected while fetching into or publishing ``layout`` (DEST deleted
+    or moved by another process mid-pull, a read-only remount): one named error saying which
+    path and what happened, instead of a bare ``[Errno 2] ...`` line."""
+    what = exc.strerror or str(exc)
+    if exc.filename is not None and Path(os.fsdecode(exc.filename)) != layout.root:
+        what = f"{os.fsdecode(exc.filename)}: {what}"
+    hint = None
+    if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+        what += " (did another process delete or move the destination?)"
+        hint = "run the pull again: what is missing is fetched again"
+    return LayoutError(f"cannot write into {layout.root}: {what}", hint=hint)
 
 
 def sync(

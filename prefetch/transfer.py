@@ -60,6 +60,7 @@ from typing import Any
 from prefetch import verify
 from prefetch.coordinator import Coordinator
 from prefetch.errors import (
+    Cancelled,
     ChecksumMismatchError,
     ConfigError,
     DeadlineExceededError,
@@ -156,10 +157,6 @@ class TransferStats:
     def add_bytes(self, n: int) -> None:
         with self._lock:
             self.bytes_downloaded += n
-
-
-class Cancelled(TransferError):
-    """The transfer was asked to stop (SIGTERM); resumable state is left on disk."""
 
 
 #: publish(file, staged_path, checksums_verified) -> None; called once a file is complete and

@@ -79,6 +79,26 @@ def note_of(models: list[ModelState], *, rate: float = 0.0, all_ready: bool = Fa
     )
 
 
+def test_a_retry_after_a_deadline_says_why_in_the_note_and_in_readyz() -> None:
+    """`prefetch status` (the note) and /readyz tell why a model is not ready yet, both while it
+    backs off and while it tries again: most of a trickling model's time is spent trying."""
+    from prefetch.agent.status import model_status
+    from prefetch.errors import DeadlineExceededError
+
+    metrics = AgentMetrics(CollectorRegistry())
+    ms = state("slow")
+    ms.sync_failed(DeadlineExceededError("syncDeadline passed"), 0.0, cast(Any, _Backoff()))
+    assert note_of([ms])["models"][0] == {"name": "slow", "phase": "failed", "reason": "deadline"}
+    assert model_status(ms, 0.0)["detail"].startswith("failed (deadline): syncDeadline passed")
+    sink = metrics.sink("slow", "s3", chunk_size=8 << 20)
+    ms.start_sync(Job(JobKind.SYNC, cast(Any, None), threading.Event(), 0.0), sink)
+    sink.start("slow", GiB, 1)
+    assert note_of([ms])["models"][0]["reason"] == "deadline"
+    assert model_status(ms, 0.0)["detail"] == (
+        "downloading: 1.0 GiB left in 1 file(s); attempt 2, the last failed (deadline)"
+    )
+
+
 def test_the_note_gives_each_models_phase_bytes_rate_and_eta_and_when_it_was_written() -> None:
     metrics = AgentMetrics(CollectorRegistry())
     failed = state("broken")
@@ -103,7 +123,7 @@ def test_the_note_gives_each_models_phase_bytes_rate_and_eta_and_when_it_was_wri
                 "eta": 4,  # 3 GiB at 1000 MiB/s is 3.072 s, rounded up
             },
             {"name": "qwen", "phase": "ready", "done": 2 * GiB, "total": 2 * GiB},
-            {"name": "broken", "phase": "failed", "reason": "internal"},
+            {"name": "broken", "phase": "failed", "reason": "os_error"},
         ],
     }
     assert " " not in encode(note)  # compact: every watcher of the Node gets a copy

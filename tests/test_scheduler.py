@@ -112,7 +112,7 @@ def test_verify_then_drop_ready_leaves_the_model_pending_and_unverified(job: Job
     ms.start_verify(job)
     assert ms.phase is ModelPhase.VERIFYING
     ms.drop_ready("re-verification failed: bad")
-    assert not ms.ready and ms.last_verified is None and ms.error_reason == "verify"
+    assert not ms.ready and ms.last_verified is None and ms.error_reason == "verify_failed"
     ms.verify_finished(now=7.0, current=True)
     assert ms.phase is ModelPhase.PENDING and ms.job is None and ms.last_verified == 7.0
 

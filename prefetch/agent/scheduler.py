@@ -19,48 +19,17 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from prefetch.agent.config import Backoff
-from prefetch.errors import (
-    AccessDeniedError,
-    ConfigError,
-    InsufficientSpaceError,
-    LayoutError,
-    LockTimeoutError,
-    NotFoundError,
-    PrefetchError,
-    SourceChangedError,
-    SourceError,
-    TransferError,
-    TransientSourceError,
-    VerifyError,
-)
+from prefetch.errors import error_reason
 from prefetch.logjson import scrub
 from prefetch.metrics import MetricsSink
 from prefetch.retry import RetryPolicy
 from prefetch.spec import ModelSpec
 from prefetch.sync import SyncResult
 
-_REASONS: tuple[tuple[type[BaseException], str], ...] = (
-    (InsufficientSpaceError, "insufficient_space"),
-    (NotFoundError, "not_found"),
-    (AccessDeniedError, "access_denied"),
-    (TransientSourceError, "transient"),
-    (SourceChangedError, "source_changed"),
-    (SourceError, "source"),
-    (VerifyError, "verify"),
-    (LockTimeoutError, "locked"),
-    (LayoutError, "layout"),
-    (TransferError, "transfer"),
-    (ConfigError, "config"),
-    (PrefetchError, "error"),
-)
-
 
 def failure_reason(exc: BaseException) -> str:
-    """A small fixed vocabulary for the ``reason`` label of failures."""
-    for cls, reason in _REASONS:
-        if isinstance(exc, cls):
-            return reason
-    return "internal"
+    """The ``reason`` label of a failure: the package's one vocabulary (``prefetch.errors``)."""
+    return error_reason(exc)
 
 
 class ModelPhase(StrEnum):
@@ -200,7 +169,7 @@ class ModelState:
         """The copy is damaged or gone: not ready, and verified again only after a sync."""
         self.ready = False
         self.last_error = reason
-        self.error_reason = "verify"
+        self.error_reason = "verify_failed"
         self.last_verified = None
 
     def verify_finished(self, now: float, *, current: bool) -> None:
