@@ -90,7 +90,7 @@ def test_a_retry_after_a_deadline_says_why_in_the_note_and_in_readyz() -> None:
     ms.sync_failed(DeadlineExceededError("syncDeadline passed"), 0.0, cast(Any, _Backoff()))
     assert note_of([ms])["models"][0] == {"name": "slow", "phase": "failed", "reason": "deadline"}
     assert model_status(ms, 0.0)["detail"].startswith("failed (deadline): syncDeadline passed")
-    sink = metrics.sink("slow", "s3", chunk_size=8 << 20)
+    sink = metrics.sink("slow", "s3")
     ms.start_sync(Job(JobKind.SYNC, cast(Any, None), threading.Event(), 0.0), sink)
     sink.start("slow", GiB, 1)
     assert note_of([ms])["models"][0]["reason"] == "deadline"
