@@ -361,6 +361,43 @@ def test_sigterm_interrupts_a_stalled_read_and_the_next_pull_resumes(
     assert min(ranges_asked(s3)) >= 8 * MiB and result.bytes_downloaded <= 12 * MiB
 
 
+def test_sigterm_while_waiting_for_response_headers_exits_in_seconds_resumably(
+    s3: MisbehavingS3, tmp_path: Path
+) -> None:
+    # issue 22: a server that never sends the headers of a ranged GET held a SIGTERM'd pull
+    # for the 60 s socket read timeout
+    data = upload(s3, size=20 * MiB, md5_etag=True)
+    s3.misbehave(key=KEY, no_headers=True, from_byte=8 * MiB)  # the first 8 MiB piece lands
+    dest = tmp_path / "dest"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefetch.cli", "pull", f"s3://{BUCKET}/m/", str(dest),
+         "--concurrency", "1", "--chunk-size", "8MiB", "--min-rate", "0"],
+        env=cli_env(s3, tmp_path), cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not any(r[2] and not r[2].startswith("bytes=0-") for r in list(s3.requests)):
+            assert time.monotonic() < deadline, "the second range was never asked for"
+            assert proc.poll() is None, proc.communicate()[1]
+            time.sleep(0.05)
+        time.sleep(0.3)  # now waiting for headers that never come
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)  # 60 s (the read timeout) without the fix
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert took < 5, took
+    assert proc.returncode == 1 and "stopped" in stderr, stderr
+    s3.clear()
+    s3.requests.clear()
+    result = s3_pull(s3, dest, TransferConfig(concurrency=1, chunk_size=8 * MiB))
+    assert (dest / "weights.bin").read_bytes() == data
+    assert min(ranges_asked(s3)) >= 8 * MiB and result.bytes_downloaded <= 12 * MiB
+
+
 # -- configuration -------------------------------------------------------------------------------
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import time
 from typing import Any
 
 import boto3
@@ -208,26 +207,3 @@ def test_an_object_deleted_after_the_listing_is_a_changed_source(s3_client, buck
         with pytest.raises(SourceChangedError, match=r"disappeared|changed"):
             source.describe(listed[path])
     assert calls == []
-
-
-def test_the_small_get_alarms_run_on_time_skip_cancelled_ones_and_end_their_thread_when_idle():
-    """One alarm thread per S3 source bounds its small GETs; an agent makes a source per sync,
-    so the thread must not outlive its work (it ends when idle and starts again when needed)."""
-    import threading
-
-    from prefetch.sources.s3 import _Alarms
-
-    alarms = _Alarms(idle=0.2)
-    fired = threading.Event()
-    cancelled = threading.Event()
-    handle = alarms.schedule(0.05, cancelled.set)
-    alarms.cancel(handle)
-    alarms.schedule(0.1, fired.set)
-    assert fired.wait(5) and not cancelled.is_set()
-    deadline = time.monotonic() + 5
-    while alarms.running and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not alarms.running
-    again = threading.Event()
-    alarms.schedule(0.0, again.set)
-    assert again.wait(5)

@@ -16,8 +16,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import http.client
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -27,6 +29,7 @@ from urllib.parse import urlsplit
 import urllib3
 
 from prefetch import settings
+from prefetch.deadline import current_watch
 from prefetch.errors import (
     AccessDeniedError,
     NotFoundError,
@@ -74,10 +77,55 @@ def make_http_pool(size: int = 32, *, proxies: settings.Proxies | None = None) -
     the proxies (default: the environment's, read now) honoured per host."""
     kwargs: dict[str, Any] = {"num_pools": 8, "maxsize": size, "block": False, "retries": False}
     proxies = settings.proxies() if proxies is None else proxies
-    direct = urllib3.PoolManager(**kwargs)
+    direct = watched_pools(urllib3.PoolManager(**kwargs))
     if not proxies.by_scheme:
         return direct
     return ProxyRouter(direct, proxies, kwargs)
+
+
+# ---- stop and deadlines reach the header wait ----------------------------------------------------
+
+
+def _interrupt_socket(sock: object) -> Callable[[], None]:
+    def interrupt() -> None:
+        if isinstance(sock, socket.socket):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    return interrupt
+
+
+class _WatchedHTTPConnection(urllib3.connection.HTTPConnection):
+    """A connection whose wait for response headers a watch can interrupt: the calling
+    thread's current watch (:func:`prefetch.deadline.current_watch`: a ranged read the engine
+    watches, a metadata call under a deadline) gets the socket, so a stop, a stall or a
+    deadline shuts it down instead of waiting out the read timeout (60 s). The socket stays
+    attached until the watch ends, so the body read is covered too."""
+
+    def getresponse(self) -> urllib3.response.HTTPResponse:  # type: ignore[override]
+        watch = current_watch()
+        if watch is not None:
+            watch.attach(_interrupt_socket(self.sock))
+        return super().getresponse()
+
+
+class _WatchedHTTPSConnection(urllib3.connection.HTTPSConnection):
+    getresponse = _WatchedHTTPConnection.getresponse  # type: ignore[assignment]
+
+
+class _WatchedHTTPPool(urllib3.HTTPConnectionPool):
+    ConnectionCls = _WatchedHTTPConnection
+
+
+class _WatchedHTTPSPool(urllib3.HTTPSConnectionPool):
+    ConnectionCls = _WatchedHTTPSConnection
+
+
+def watched_pools(manager: urllib3.PoolManager) -> urllib3.PoolManager:
+    """``manager`` making connections whose header wait a watch can interrupt (urllib3's
+    documented per-scheme pool classes)."""
+    manager.pool_classes_by_scheme = {"http": _WatchedHTTPPool, "https": _WatchedHTTPSPool}
+    return manager
 
 
 class ProxyRouter:
@@ -89,7 +137,8 @@ class ProxyRouter:
         self._direct = direct
         self._proxies = proxies
         self._proxied = {
-            url: urllib3.ProxyManager(url, **kwargs) for url in set(proxies.by_scheme.values())
+            url: watched_pools(urllib3.ProxyManager(url, **kwargs))
+            for url in set(proxies.by_scheme.values())
         }
 
     def manager_for(self, url: str) -> HttpClient:

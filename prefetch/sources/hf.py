@@ -44,6 +44,7 @@ from urllib.parse import parse_qs, quote, urljoin, urlsplit
 import urllib3
 
 from prefetch import __version__, settings
+from prefetch.deadline import Alarms, call_with_deadline
 from prefetch.errors import (
     AccessDeniedError,
     ConfigError,
@@ -56,7 +57,7 @@ from prefetch.errors import (
     SourceError,
     TransientSourceError,
 )
-from prefetch.retry import RetryPolicy, call_with_deadline, call_with_retries
+from prefetch.retry import RetryPolicy, call_with_retries
 from prefetch.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.sources._http import (
     BodyReader,
@@ -69,6 +70,7 @@ from prefetch.sources._http import (
     shared_http_pool,
     status_error,
     transport_error,
+    watched_pools,
 )
 from prefetch.spec import ModelSpec, SourceURI
 
@@ -346,7 +348,10 @@ class HubSource:
         self._endpoint = endpoint.rstrip("/")
         self._origin = _origin(self._endpoint)
         self._token = token
+        if isinstance(http, urllib3.PoolManager):
+            watched_pools(http)  # a deadline or a stop interrupts its header waits too
         self._http = http
+        self._alarms = Alarms(name="hub-deadlines")
         self._retry = retry or RetryPolicy()
         self._timeout = timeout or urllib3.Timeout(connect=10.0, read=60.0)
         self._redirect_ttl = redirect_ttl
@@ -405,7 +410,9 @@ class HubSource:
 
         def once() -> T:
             deadline = time.monotonic() + self._metadata_timeout
-            return call_with_deadline(lambda: fn(deadline), self._metadata_timeout, what=what)
+            return call_with_deadline(
+                lambda: fn(deadline), self._metadata_timeout, what=what, alarms=self._alarms
+            )
 
         return call_with_retries(once, self._retry, what=what)
 

@@ -13,20 +13,18 @@ without its per-request cost (~1.5 ms of CPU each).
 
 from __future__ import annotations
 
-import contextlib
-import heapq
 import http.client
 import logging
 import re
 import sys
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import urllib3.exceptions
 
 from prefetch import settings
+from prefetch.deadline import Alarms, Watch
 from prefetch.errors import (
     AccessDeniedError,
     BucketNotFoundError,
@@ -365,61 +363,6 @@ def _lean_body_reader(answer: LeanResponse, what: str, length: int) -> BodyReade
     )
 
 
-class _Alarms:
-    """Callbacks run at deadlines by one daemon thread. The whole-object GET of every small
-    object is bounded in time (see ``_read_small_body``); a ``threading.Timer`` each would
-    start and stop one OS thread per file (~7% of the CPU of 1000 small files, measured). Each
-    S3 source has its own; the thread ends after ``idle`` seconds with nothing scheduled (the
-    agent makes a source per sync) and starts again with the next alarm."""
-
-    def __init__(self, idle: float = 30.0) -> None:
-        self._cond = threading.Condition()
-        self._heap: list[tuple[float, int, list[Callable[[], None] | None]]] = []
-        self._seq = 0
-        self._thread: threading.Thread | None = None
-        self._idle = idle
-
-    def schedule(self, delay: float, fn: Callable[[], None]) -> list[Callable[[], None] | None]:
-        """Run ``fn`` in ``delay`` seconds unless the returned handle is cancelled first."""
-        handle: list[Callable[[], None] | None] = [fn]
-        with self._cond:
-            self._seq += 1
-            heapq.heappush(self._heap, (time.monotonic() + delay, self._seq, handle))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="s3-alarms", daemon=True)
-                self._thread.start()
-            self._cond.notify()
-        return handle
-
-    @staticmethod
-    def cancel(handle: list[Callable[[], None] | None]) -> None:
-        handle[0] = None
-
-    @property
-    def running(self) -> bool:
-        with self._cond:
-            return self._thread is not None
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._heap or self._heap[0][0] > time.monotonic():
-                    if self._heap and self._heap[0][2][0] is None:
-                        heapq.heappop(self._heap)  # cancelled: forget it now
-                        continue
-                    if not self._heap:
-                        if not self._cond.wait(self._idle) and not self._heap:
-                            self._thread = None  # idle: the next schedule starts another
-                            return
-                        continue
-                    self._cond.wait(self._heap[0][0] - time.monotonic())
-                _, _, handle = heapq.heappop(self._heap)
-            fn = handle[0]
-            if fn is not None:
-                with contextlib.suppress(Exception):
-                    fn()
-
-
 class _BytesReader:
     """A range of an object already in memory (a small object fetched whole by describe)."""
 
@@ -451,7 +394,7 @@ class S3Source:
         self._small_lock = threading.Lock()
         #: Seconds a whole-object GET of a small object (see SMALL_OBJECT) may take.
         self.small_get_limit = SMALL_GET_LIMIT
-        self._alarms = _Alarms()
+        self._alarms = Alarms(name="s3-alarms")
         #: Object GETs and HEADs without botocore's per-request machinery: the bucket's
         #: DirectBucket when the listing was made without botocore (s3_direct), else set up
         #: from the listing request botocore signed (s3_lean); None until the first listing,
@@ -783,24 +726,20 @@ class S3Source:
         """The whole body of a small object's GET, then ``finish()``. A trickling server would
         hold this read for ever (each byte resets the socket's read timeout), and the engine's
         stall rule only watches ranged reads: so the read is bounded by ``small_get_limit``."""
-        fired = threading.Event()
-
-        def too_slow() -> None:
-            fired.set()
-            shutdown_socket_of(body)
-
-        cut = self._alarms.schedule(self.small_get_limit, too_slow)
+        watch = Watch(f"GET {what}")
+        watch.attach(lambda: shutdown_socket_of(body))
+        limit = self.small_get_limit
+        too_slow = TransientSourceError(
+            f"GET {what}: the body took longer than {limit:g}s (a stalled server)"
+        )
+        alarm = self._alarms.schedule(limit, lambda: watch.abort(too_slow))
         try:
             return bytes(body.read())
-        except Exception as exc:
-            if fired.is_set():
-                raise TransientSourceError(
-                    f"GET {what}: the body took longer than {self.small_get_limit:g}s "
-                    "(a stalled server)"
-                ) from exc
+        except Exception:
+            watch.raise_if_aborted()
             raise
         finally:
-            self._alarms.cancel(cut)
+            alarm.cancel()
             finish()
 
     def _reserve_small(self, size: int) -> bool:
