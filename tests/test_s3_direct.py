@@ -20,8 +20,9 @@ import pytest
 
 from prefetch.errors import AccessDeniedError, BucketNotFoundError
 from prefetch.sources.s3 import LazyS3Client, S3Source, lazy_s3_client
+from prefetch.sources.s3_botocore import BotocoreObjects
 from prefetch.sources.s3_direct import (
-    DirectBucket,
+    S3Bucket,
     StaticCredentials,
     canonical_query,
     direct_settings,
@@ -120,7 +121,7 @@ def _botocore_keys(s3_client: Any, bucket: str, prefix: str) -> list[tuple[str, 
     return out
 
 
-def _direct_keys(lister: DirectBucket, bucket: str, prefix: str) -> tuple[list[Any], int]:
+def _direct_keys(lister: S3Bucket, bucket: str, prefix: str) -> tuple[list[Any], int]:
     out, token, pages = [], None, 0
     while True:
         page = lister.list_objects_v2(Bucket=bucket, Prefix=prefix, ContinuationToken=token)
@@ -188,11 +189,12 @@ def test_a_key_with_a_dot_segment_is_read_through_botocore(s3_server, s3_client,
     source = S3Source(client, spec.source)
     put(s3_client, bucket, "m/w.bin", b"w" * 70_000)
     source.resolve(spec)  # sets up the direct object path
-    dotted = source._lean_for("m/./w.bin")
-    assert dotted is None and source._lean_for("m/w.bin") is not None
+    dotted = source._objects_for("m/./w.bin")
+    assert isinstance(dotted, BotocoreObjects)
+    assert isinstance(source._objects_for("m/w.bin"), S3Bucket)
 
 
-def test_a_pull_after_a_direct_listing_reads_objects_on_the_lean_path(
+def test_a_pull_after_a_direct_listing_reads_objects_on_the_seam(
     s3_server, s3_client, bucket, tmp_path
 ):
     """The listing says where the objects are: describe and the GETs sign there themselves."""
@@ -374,7 +376,7 @@ def test_a_client_with_a_profile_lists_through_botocore(s3_server, s3_client, bu
 
 
 @pytest.mark.parametrize("client_kind", ["botocore", "static keys"])
-def test_a_pull_through_a_mirror_reads_everything_but_a_listing_on_the_lean_path(
+def test_a_pull_through_a_mirror_reads_everything_but_a_listing_on_the_seam(
     s3_server, s3_client, bucket, tmp_path, client_kind
 ):
     """The mirror source lists nothing of the model, yet its ref, commit metadata, blob HEADs

@@ -40,7 +40,7 @@ from prefetch.errors import (
     TransientSourceError,
 )
 from prefetch.redact import redact
-from prefetch.sources.base import shutdown_socket_of
+from prefetch.sources.base import range_answer_problem, shutdown_socket_of
 
 #: A redirect's body is read (so its connection goes back to the pool) only up to this size.
 DRAIN_LIMIT = 64 * 1024
@@ -368,19 +368,138 @@ class BodyReader:
         self._on_close(self._clean and not self._aborted)
 
 
+# ---- one request, one answer ---------------------------------------------------------------------
+
+
+class Response:
+    """One answer on the seam: the status, the headers (case-insensitive), and ``raw``, the
+    response whose body is still unread (None when a library already consumed it). ``error``:
+    the (code, message) a library parsed from an error answer, when it did."""
+
+    def __init__(
+        self, status: int, headers: Any, raw: Any, *, error: tuple[str, str] | None = None
+    ) -> None:
+        self.status = status
+        self.headers = headers
+        self.raw = raw
+        self.error = error
+
+    def read(self, limit: int) -> bytes:
+        """At most ``limit`` bytes of the body."""
+        data: bytes = self.raw.read(limit) if self.raw is not None else b""
+        return data
+
+    def release(self) -> None:
+        """The body was read to its end: the connection goes back to the pool."""
+        if self.raw is not None:
+            release = getattr(self.raw, "release_conn", None)
+            if release is not None:
+                release()
+            else:
+                self.raw.close()
+
+    def discard(self) -> None:
+        """Close the connection without reading (it may be the one that failed)."""
+        if self.raw is None:
+            return
+        try:
+            self.raw.close()
+        finally:
+            release = getattr(self.raw, "release_conn", None)
+            if release is not None:
+                release()
+
+
+def send(
+    http: HttpClient,
+    method: str,
+    url: str,
+    *,
+    headers: Mapping[str, str],
+    timeout: Any = None,
+    decode: bool = False,
+) -> Response:
+    """Send one request on the pool: no redirects, no urllib3 retries (the callers do both), the
+    body left unread. Transport failures raise urllib3's errors (see :func:`transport_error`);
+    the wait for the headers is interrupted by the calling thread's watch (see above)."""
+    kwargs: dict[str, Any] = {
+        "headers": dict(headers),
+        "preload_content": False,
+        "redirect": False,
+        "retries": False,
+        "decode_content": decode,
+    }
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    resp = http.request(method, url, **kwargs)
+    return Response(int(resp.status), resp.headers, resp)
+
+
+def check_range_answer(
+    what: str,
+    start: int,
+    end: int,
+    size: int,
+    status: int | None,
+    content_range: str | None,
+    content_length: int | str | None,
+) -> None:
+    """THE range rule of every source: the answer to a GET of bytes ``[start, end)`` of a
+    ``size``-byte object must be exactly that range (:func:`range_answer_problem`); anything else
+    would write wrong bytes at this offset, so it is a SourceChangedError (the partial file is
+    dropped: its bytes can no longer be trusted)."""
+    problem = range_answer_problem(start, end, size, status, content_range, content_length)
+    if problem is not None:
+        raise SourceChangedError(f"{what}: {problem}")
+
+
+def range_body_reader(
+    answer: Response,
+    what: str,
+    length: int,
+    *,
+    translate: Callable[[Exception, str], Exception] = transport_error,
+) -> BodyReader:
+    """The reader of a checked ranged answer: straight from the ``http.client`` response when
+    the seam sent it (else through the library's body object); the connection goes back to the
+    pool only after a clean read."""
+
+    def finish(reusable: bool) -> None:
+        if reusable:
+            answer.release()
+        else:
+            answer.discard()
+
+    return BodyReader(
+        answer.raw,
+        what,
+        length,
+        raw=http_client_response(answer.raw),
+        socket_owner=answer.raw,
+        on_close=finish,
+        length_known=answer.headers.get("Content-Length") is not None,
+        translate=translate,
+    )
+
+
 __all__ = [
     "BodyReader",
     "HttpClient",
     "ProxyRouter",
+    "Response",
+    "check_range_answer",
     "discard",
     "error_class",
     "http_client_response",
     "make_http_pool",
     "no_proxy_matches",
     "parse_retry_after",
+    "range_body_reader",
     "redact_url",
     "release_small_body",
+    "send",
     "shared_http_pool",
     "status_error",
     "transport_error",
+    "watched_pools",
 ]

@@ -62,11 +62,13 @@ from prefetch.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.sources._http import (
     BodyReader,
     HttpClient,
+    check_range_answer,
     discard,
     error_class,
     http_client_response,
     redact_url,
     release_small_body,
+    send,
     shared_http_pool,
     status_error,
     transport_error,
@@ -562,16 +564,10 @@ class HubSource:
         if self._token and _origin(url) == self._origin:
             headers = {**headers, "Authorization": f"Bearer {self._token}"}
         try:
-            return self._http.request(
-                "GET",
-                url,
-                headers=headers,
-                redirect=False,
-                retries=False,
-                preload_content=False,
-                decode_content=decode,
-                timeout=self._timeout,
+            answer = send(
+                self._http, "GET", url, headers=headers, timeout=self._timeout, decode=decode
             )
+            return answer.raw
         except Exception as exc:
             raise transport_error(exc, what) from exc
 
@@ -605,26 +601,18 @@ class HubSource:
         self, file: RemoteFile, resp: Any, url: str, start: int, end: int, what: str
     ) -> BodyReader:
         status = resp.status
-        if status != 206:
+        if not 200 <= status < 300:  # a 2xx that is not 206 breaks the range rule, below
             error = self._status_error(file, resp, url, what)
             discard(resp)
             raise error
         self._check_pins(file, resp, url, what)
         h = resp.headers
-        expected = f"bytes {start}-{end - 1}/{file.size}"
-        content_range = (h.get("Content-Range") or "").strip()
-        if content_range != expected:
-            discard(resp)
-            raise SourceChangedError(
-                f"{what}: the server answered Content-Range {content_range!r}, expected "
-                f"{expected!r} (the file is not the size the listing stated)"
-            )
         length = h.get("Content-Length")
-        if length is not None and length.strip() != str(end - start):
+        try:
+            check_range_answer(what, start, end, file.size, status, h.get("Content-Range"), length)
+        except SourceChangedError:
             discard(resp)
-            raise SourceChangedError(
-                f"{what}: the body is {length.strip()} bytes, the range is {end - start}"
-            )
+            raise
         encoding = (h.get("Content-Encoding") or "identity").strip().lower()
         if encoding != "identity":
             discard(resp)

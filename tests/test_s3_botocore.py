@@ -1,5 +1,6 @@
-"""The S3 source's lean object requests (prefetch/sources/s3_lean.py): signed like botocore
-signs, addressed where botocore addresses, credentials as fresh as botocore's, errors the same."""
+"""The S3 source's object requests with botocore's credential chain (sources/s3_botocore.py:
+botocore's public signer on the transport seam): signed like botocore signs, addressed where
+botocore addresses, credentials as fresh as botocore's, errors the same."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from prefetch.errors import AccessDeniedError, SourceChangedError
 from prefetch.locals3 import REGION
 from prefetch.snapshot import RemoteFile
 from prefetch.sources.s3 import S3Source
-from prefetch.sources.s3_lean import capture_listing_requests, endpoint_of_listing
+from prefetch.sources.s3_botocore import capture_listing_requests, endpoint_of_listing
 from prefetch.spec import ModelSpec, parse_source_uri
 
 from .support import pull_s3 as pull
@@ -62,7 +63,7 @@ def _botocore_urls(region: str, key: str, **client_kwargs: Any) -> tuple[Any, st
     with capture_listing_requests(client) as listings:
         client.list_objects_v2(Bucket="bkt", Prefix="m/")
     client.get_object(Bucket="bkt", Key=key)
-    return listings[-1], sent[-1].url
+    return listings.requests[-1], sent[-1].url
 
 
 @pytest.mark.parametrize(
@@ -157,7 +158,7 @@ class _RotatingProvider(CredentialProvider):
         return RefreshableCredentials.create_from_metadata(self._fresh(), self._fresh, self.METHOD)
 
 
-def test_lean_requests_use_credentials_as_refreshed_at_each_request(s3_server, s3_client, bucket):
+def test_signed_requests_use_credentials_as_refreshed_at_each_request(s3_server, s3_client, bucket):
     data = os.urandom(5000)
     put(s3_client, bucket, "m/a.bin", data)
     provider = _RotatingProvider(s3_server.access_key, s3_server.secret_key)
