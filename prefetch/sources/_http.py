@@ -55,27 +55,34 @@ class HttpClient(Protocol):
     def request(self, method: str, url: str, **kwargs: Any) -> Any: ...
 
 
-_SHARED_POOLS: dict[tuple[int, object], HttpClient] = {}
+_SHARED_POOLS: dict[tuple[int, object, str | None], HttpClient] = {}
 _SHARED_LOCK = threading.Lock()
 
 
-def shared_http_pool(size: int = 32, proxies: settings.Proxies | None = None) -> HttpClient:
-    """One pooled client per process, pool size and proxy settings (default: the environment's,
-    read now), so the agent reuses connections across syncs and a model with its own proxy
-    never shares a pool with one that goes direct."""
+def shared_http_pool(
+    size: int = 32, proxies: settings.Proxies | None = None, *, ca_certs: str | None = None
+) -> HttpClient:
+    """One pooled client per process, pool size, proxy settings (default: the environment's,
+    read now) and CA bundle, so the agent reuses connections across syncs and a model with its
+    own proxy never shares a pool with one that goes direct."""
     proxies = settings.proxies() if proxies is None else proxies
-    key = (size, proxies.key())
+    key = (size, proxies.key(), ca_certs)
     with _SHARED_LOCK:
         pool = _SHARED_POOLS.get(key)
         if pool is None:
-            pool = _SHARED_POOLS[key] = make_http_pool(size, proxies=proxies)
+            pool = _SHARED_POOLS[key] = make_http_pool(size, proxies=proxies, ca_certs=ca_certs)
         return pool
 
 
-def make_http_pool(size: int = 32, *, proxies: settings.Proxies | None = None) -> HttpClient:
+def make_http_pool(
+    size: int = 32, *, proxies: settings.Proxies | None = None, ca_certs: str | None = None
+) -> HttpClient:
     """A urllib3 pool for ranged GETs: no urllib3 retries or redirects (done by the caller), and
-    the proxies (default: the environment's, read now) honoured per host."""
+    the proxies (default: the environment's, read now) honoured per host; ``ca_certs``: a CA
+    bundle to verify TLS with instead of the system's."""
     kwargs: dict[str, Any] = {"num_pools": 8, "maxsize": size, "block": False, "retries": False}
+    if ca_certs:
+        kwargs["ca_certs"] = ca_certs
     proxies = settings.proxies() if proxies is None else proxies
     direct = watched_pools(urllib3.PoolManager(**kwargs))
     if not proxies.by_scheme:

@@ -453,11 +453,12 @@ class S3Source:
             return page
         with capture_listing_requests(self._client) as sent:
             page = self._call(what, self._client.list_objects_v2, Bucket=bucket, **kwargs)
-        if self.signed_requests and self._bucket is None and not self._own_ca_bundle():
+        ca_certs = self._ca_bundle() if self.signed_requests and self._bucket is None else False
+        if ca_certs is not False and ca_certs is not True:
             found = botocore_signed_endpoint(sent)
             if found is not None:
                 endpoint, signer = found
-                http, timeout = self._seam_pool()
+                http, timeout = self._seam_pool(ca_certs)
                 self._bucket = S3Bucket(
                     bucket, base_url=lambda _region: endpoint.base_url, region=endpoint.region,
                     signer=signer, http=http, timeout=timeout,
@@ -465,31 +466,38 @@ class S3Source:
                 )  # fmt: skip
         return page
 
-    def _own_ca_bundle(self) -> bool:
-        """Does botocore verify TLS with a CA bundle of its own (``AWS_CA_BUNDLE``, a profile's
-        ``ca_bundle``)? Then its client sends every request: the seam's pool trusts the
-        system's CAs. An unreadable configuration counts as yes."""
+    def _ca_bundle(self) -> str | bool | None:
+        """The CA bundle botocore verifies TLS with (``AWS_CA_BUNDLE``, a profile's
+        ``ca_bundle``): None for the system's, False when the configuration cannot be read
+        (then botocore's client sends every request)."""
         env = settings.aws_environ()
         if env.get("AWS_CA_BUNDLE"):
-            return True
+            return env["AWS_CA_BUNDLE"]
         profile = getattr(self._client, "settings", {}).get("profile")
         section = profile_section({**env, "AWS_PROFILE": profile} if profile else env)
-        return section is None or bool(section.get("ca_bundle"))
+        if section is None:
+            return False
+        return section.get("ca_bundle") or None
 
-    def _seam_pool(self) -> tuple[HttpClient, urllib3.Timeout]:
+    def _seam_pool(self, ca_certs: str | None) -> tuple[HttpClient, urllib3.Timeout]:
         """The seam's pool and timeouts for requests botocore's signer signs: the lazy
         client's settings, or a client's own public configuration."""
         if isinstance(self._client, LazyS3Client):
-            return self._client.http(), self._client.timeout()
-        config = getattr(getattr(self._client, "meta", None), "config", None)
-        chosen = getattr(config, "proxies", None) or {}
-        proxy = chosen.get("https") or chosen.get("http") if isinstance(chosen, dict) else None
-        size = int(getattr(config, "max_pool_connections", None) or 32)
-        timeout = urllib3.Timeout(
-            connect=float(getattr(config, "connect_timeout", None) or 10),
-            read=float(getattr(config, "read_timeout", None) or 60),
-        )
-        return shared_http_pool(size, settings.proxies(override=proxy)), timeout
+            opts = self._client.settings
+            proxy = opts.get("proxy")
+            size = int(opts.get("max_pool_connections", 32))
+            timeout = self._client.timeout()
+        else:
+            config = getattr(getattr(self._client, "meta", None), "config", None)
+            chosen = getattr(config, "proxies", None) or {}
+            proxy = chosen.get("https") or chosen.get("http") if isinstance(chosen, dict) else None
+            size = int(getattr(config, "max_pool_connections", None) or 32)
+            timeout = urllib3.Timeout(
+                connect=float(getattr(config, "connect_timeout", None) or 10),
+                read=float(getattr(config, "read_timeout", None) or 60),
+            )
+        pool = shared_http_pool(size, settings.proxies(override=proxy), ca_certs=ca_certs)
+        return pool, timeout
 
     def ensure_signed_path(self) -> None:
         """Set up the seam's bucket for a reader that lists nothing (the mirror source reads

@@ -6,9 +6,9 @@ identity, SSO, instance roles...): the listing, and the signer of every object r
   prepared and signed for the bucket: the object URL is the listing's URL without its query,
   plus the quoted key (:func:`endpoint_of_listing`);
 * **signing** is :class:`BotocoreSigner`: the client's request signer, handed to the public
-  ``before-sign`` event, asked per request for botocore's public ``S3SigV4Auth``
-  (``RequestSigner.get_auth_instance``, which freezes the credentials then, so refreshable
-  ones keep refreshing as under botocore);
+  ``before-sign`` event, asked per request for its signer (``RequestSigner.get_auth_instance``,
+  which freezes the credentials then, so refreshable ones keep refreshing as under botocore),
+  whose credentials sign with botocore's public ``S3SigV4Auth``;
 * **sending** is the transport seam (:mod:`prefetch.sources._http`), like every other request.
 
 Anything this cannot reproduce (no SigV4 on the listing, another signing service such as S3
@@ -130,11 +130,14 @@ class BotocoreSigner:
         from botocore.auth import S3SigV4Auth
         from botocore.awsrequest import AWSRequest
 
-        auth = self._request_signer.get_auth_instance("s3", region, "s3v4")
-        if not isinstance(auth, S3SigV4Auth):
-            raise TypeError(f"botocore gave a {type(auth).__name__} signer for s3v4")
+        # the signer botocore would use (S3SigV4Auth, or awscrt's twin when installed) carries
+        # the credentials it froze just now: signed here with the pure-Python S3SigV4Auth
+        chosen = self._request_signer.get_auth_instance("s3", region, "s3v4")
+        credentials = getattr(chosen, "credentials", None)
+        if credentials is None:
+            raise TypeError(f"botocore gave a {type(chosen).__name__} signer without credentials")
         request = AWSRequest(method, url, headers=dict(headers))
-        auth.add_auth(request)
+        S3SigV4Auth(credentials, "s3", region).add_auth(request)
         return {name.lower(): _text(value) for name, value in request.headers.items()}
 
 
