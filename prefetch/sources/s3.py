@@ -489,8 +489,12 @@ class S3Source:
             timeout = self._client.timeout()
         else:
             config = getattr(getattr(self._client, "meta", None), "config", None)
-            chosen = getattr(config, "proxies", None) or {}
-            proxy = chosen.get("https") or chosen.get("http") if isinstance(chosen, dict) else None
+            # botocore's explicit proxies (make_s3_client always sets them; {} is "direct"),
+            # or None: the environment's, as botocore would read them
+            chosen = getattr(config, "proxies", None)
+            proxy = (
+                (chosen.get("https") or chosen.get("http") or "") if chosen is not None else None
+            )
             size = int(getattr(config, "max_pool_connections", None) or 32)
             timeout = urllib3.Timeout(
                 connect=float(getattr(config, "connect_timeout", None) or 10),
