@@ -4,15 +4,20 @@ calls; a stop or a deadline interrupts a wait for response headers through the H
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from prefetch.deadline import Alarms, Watchdog, call_with_deadline
 from prefetch.errors import NotFoundError, TransientSourceError
 from prefetch.logjson import JsonFormatter, sync_context
+from prefetch.retry import RetryPolicy
 from prefetch.sources._http import make_http_pool
+from prefetch.sources.s3 import S3Source, lazy_s3_client
+from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.transfer import Cancelled, TransferConfig, engine_watchdog, open_watched
 from tests.fakes.misbehaving import SilentServer
 
@@ -116,3 +121,27 @@ def test_the_watchdogs_abort_lines_carry_the_sync_id(caplog: pytest.LogCaptureFi
     lines = [r for r in caplog.records if r.getMessage().startswith("aborting w.bin")]
     assert len(lines) == 1
     assert '"sync_id": "5eed1d00"' in JsonFormatter().format(lines[0])
+
+
+def test_an_s3_listing_that_never_answers_is_bounded_by_the_metadata_deadline(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """S3 metadata calls (listing pages, metadata objects) had no overall bound: each byte of a
+    trickle, or a server that never answers, waited on the socket timeout alone."""
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    with SilentServer() as server:
+        client = lazy_s3_client(
+            endpoint_url=server.url, access_key="k", secret_key="s", region="us-east-1",
+            read_timeout=30,
+        )  # fmt: skip
+        spec = ModelSpec(source=parse_source_uri("s3://bkt/m/"))
+        source = S3Source(client, spec.source, retry=RetryPolicy(attempts=1))
+        source.metadata_timeout = 0.3
+        t0 = time.monotonic()
+        with pytest.raises(TransientSourceError, match=r"no answer within 0.3 s"):
+            source.resolve(spec)
+        assert time.monotonic() - t0 < 3  # not the 30 s read timeout
+        assert not client.created  # static keys: the seam, no botocore client

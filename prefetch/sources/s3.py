@@ -24,7 +24,7 @@ from typing import Any
 import urllib3.exceptions
 
 from prefetch import settings
-from prefetch.deadline import Alarms, Watch
+from prefetch.deadline import Alarms, Watch, call_with_deadline
 from prefetch.errors import (
     AccessDeniedError,
     BucketNotFoundError,
@@ -113,6 +113,9 @@ _ERROR_MESSAGE = re.compile(rb"<Message>([^<]{0,500})</Message>")
 _ERROR_BODY_LIMIT = 64 * 1024
 #: A small object's body must arrive within this many seconds (at least 17 KiB/s for 1 MiB).
 SMALL_GET_LIMIT = 60.0
+#: A listing page or a metadata object (sidecar, mirror refs and commits) must arrive within this
+#: many seconds per attempt (as the Hub's metadata calls).
+METADATA_TIMEOUT = 120.0
 
 
 def make_s3_client(
@@ -412,6 +415,8 @@ class S3Source:
         self._small_lock = threading.Lock()
         #: Seconds a whole-object GET of a small object (see SMALL_OBJECT) may take.
         self.small_get_limit = SMALL_GET_LIMIT
+        #: Seconds one attempt at a listing page or a metadata object may take in all.
+        self.metadata_timeout = METADATA_TIMEOUT
         self._alarms = Alarms(name="s3-alarms")
         #: The bucket on the transport seam (addressing + a signer), set up by the first
         #: listing; None until then, or when the seam cannot reproduce botocore's requests.
@@ -421,14 +426,25 @@ class S3Source:
         #: False: every request goes through botocore's client (for comparisons; see bench/).
         self.signed_requests = True
 
-    def _call(self, what: str, fn: Any, **kwargs: Any) -> Any:
-        def once() -> Any:
+    def _call(self, what: str, fn: Any, *, bounded: bool = False, **kwargs: Any) -> Any:
+        """``fn(**kwargs)`` retried per the policy, its errors the package's; ``bounded``: each
+        attempt as a whole within ``metadata_timeout`` (a listing page or metadata object
+        trickled byte by byte resets the socket timeout at every byte)."""
+
+        def attempt() -> Any:
             try:
                 return fn(**kwargs)
             except PrefetchError:
                 raise  # already one of ours (e.g. a stalled small-object GET)
             except Exception as exc:
                 raise translate(exc, what) from exc
+
+        def once() -> Any:
+            if not bounded:
+                return attempt()
+            return call_with_deadline(
+                attempt, self.metadata_timeout, what=what, alarms=self._alarms
+            )
 
         return call_with_retries(once, self._retry, what=what)
 
@@ -447,12 +463,16 @@ class S3Source:
         bucket = self._uri.location
         lister = self._client.direct_bucket(bucket) if self._lists_directly() else None
         if lister is not None:
-            page: dict[str, Any] = self._call(what, lister.list_objects_v2, Bucket=bucket, **kwargs)
+            page: dict[str, Any] = self._call(
+                what, lister.list_objects_v2, bounded=True, Bucket=bucket, **kwargs
+            )
             if self.signed_requests and self._bucket is None:
                 self._bucket = lister  # its object requests need no botocore either
             return page
         with capture_listing_requests(self._client) as sent:
-            page = self._call(what, self._client.list_objects_v2, Bucket=bucket, **kwargs)
+            page = self._call(
+                what, self._client.list_objects_v2, bounded=True, Bucket=bucket, **kwargs
+            )
         ca_certs = self._ca_bundle() if self.signed_requests and self._bucket is None else False
         if ca_certs is not False and ca_certs is not True:
             found = botocore_signed_endpoint(sent)
@@ -589,7 +609,7 @@ class S3Source:
             answer.release()
             return data
 
-        found: bytes | None = self._call(what, read)
+        found: bytes | None = self._call(what, read, bounded=True)
         return found
 
     def _apply_sidecar(self, sidecar: RemoteFile, files: list[RemoteFile]) -> list[RemoteFile]:
