@@ -114,6 +114,7 @@ class Watch:
         self.reason: PrefetchError | None = None
         self._lock = threading.Lock()
         self._interrupts: list[Callable[[], None]] = []
+        self._closed = False
 
     @property
     def aborted(self) -> bool:
@@ -137,15 +138,22 @@ class Watch:
     def abort(self, reason: PrefetchError) -> None:
         """Abort the operation (once): the reason is what it raises, and whatever it is blocked
         on is interrupted now."""
-        with self._lock:
-            if self.reason is not None:
+        with self._lock:  # held while interrupting: after close() returns, nothing is
+            if self.reason is not None or self._closed:
                 return
             self.reason = reason
             interrupts, self._interrupts = self._interrupts, []
-        log.debug("aborting %s: %s", self.what, reason, extra={"sync_id": self.sync_id})
-        for interrupt in interrupts:
-            with contextlib.suppress(Exception):
-                interrupt()
+            log.debug("aborting %s: %s", self.what, reason, extra={"sync_id": self.sync_id})
+            for interrupt in interrupts:
+                with contextlib.suppress(Exception):
+                    interrupt()
+
+    def close(self) -> None:
+        """The operation is over: an abort from now on does nothing (its sockets may be back
+        in a pool, serving someone else)."""
+        with self._lock:
+            self._closed = True
+            self._interrupts = []
 
     def raise_if_aborted(self) -> None:
         if self.reason is not None:
@@ -153,33 +161,89 @@ class Watch:
 
 
 class _Current(threading.local):
-    watch: Watch | None = None
+    def __init__(self) -> None:
+        self.watches: list[Watch] = []
 
 
 class Scope:
-    """The watch of the operation each thread runs now (see :func:`watching`). One per process
-    is enough; it is a value passed around only so tests can make their own."""
+    """The watches of the operations each thread runs now, innermost last (see
+    :func:`watching`): a metadata call under its own deadline inside a resolve that a stop
+    interrupts is watched by both. One per process is enough; a value so tests can make their
+    own."""
 
     def __init__(self) -> None:
         self._local = _Current()
 
     def current(self) -> Watch | None:
-        return self._local.watch
+        watches = self._local.watches
+        return watches[-1] if watches else None
+
+    def active(self) -> tuple[Watch, ...]:
+        return tuple(self._local.watches)
+
+    def attach(self, interrupt: Callable[[], None]) -> None:
+        """Register ``interrupt`` with every watch of this thread (the HTTP seam: a socket)."""
+        for watch in self._local.watches:
+            watch.attach(interrupt)
+
+    def raise_if_aborted(self) -> None:
+        """Raise the reason of the outermost aborted watch of this thread, if any."""
+        for watch in self._local.watches:
+            watch.raise_if_aborted()
 
     @contextlib.contextmanager
     def watching(self, watch: Watch) -> Iterator[Watch]:
-        previous = self._local.watch
-        self._local.watch = watch
+        self._local.watches.append(watch)
         try:
             yield watch
         finally:
-            self._local.watch = previous
+            self._local.watches.remove(watch)
 
 
-#: The process's scope: a thread-local slot, so no state is shared between threads.
+#: The process's scope: a thread-local stack, so no state is shared between threads.
 SCOPE = Scope()
 watching = SCOPE.watching
 current_watch = SCOPE.current
+attach_to_watches = SCOPE.attach
+
+
+@contextlib.contextmanager
+def stop_interrupts(
+    stop: threading.Event | None,
+    cancelled: Callable[[], PrefetchError],
+    *,
+    what: str = "stopped",
+    alarms: Alarms | None = None,
+    poll: float = 0.2,
+) -> Iterator[None]:
+    """Inside the block, a set ``stop`` interrupts what this thread waits for through the HTTP
+    seam (a header wait, a body) within ``poll`` seconds, and the block raises ``cancelled()``:
+    for the calls before a transfer's watchdog runs (a resolve). No-op when ``stop`` is None."""
+    if stop is None:
+        yield
+        return
+    own = alarms or Alarms(idle=1.0, name="prefetch-stop")
+    watch = Watch(what)
+    state: dict[str, Alarm] = {}
+
+    def look() -> None:
+        if stop.is_set():
+            watch.abort(cancelled())
+        else:
+            state["alarm"] = own.schedule(poll, look)
+
+    state["alarm"] = own.schedule(0.0, look)
+    try:
+        with watching(watch):
+            try:
+                yield
+            except Exception:
+                watch.raise_if_aborted()
+                raise
+        watch.raise_if_aborted()
+    finally:
+        state["alarm"].cancel()
+        watch.close()
 
 
 def call_with_deadline(fn: Callable[[], T], seconds: float, *, what: str, alarms: Alarms) -> T:
@@ -188,6 +252,7 @@ def call_with_deadline(fn: Callable[[], T], seconds: float, *, what: str, alarms
     call raises TransientSourceError. For calls made of several requests that must end in
     bounded time as a whole (metadata: redirects, then every page of a listing): a socket
     timeout bounds each wait, not the sum."""
+    SCOPE.raise_if_aborted()  # an outer watch (a stop) already fired: do not start
     watch = Watch(what)
     alarm = alarms.schedule(
         seconds,
@@ -198,12 +263,13 @@ def call_with_deadline(fn: Callable[[], T], seconds: float, *, what: str, alarms
             try:
                 result = fn()
             except Exception:
-                watch.raise_if_aborted()
+                SCOPE.raise_if_aborted()  # a stop outside wins over this call's deadline
                 raise
         watch.raise_if_aborted()
         return result
     finally:
         alarm.cancel()
+        watch.close()
 
 
 class StallRule(Protocol):
@@ -273,6 +339,7 @@ class Watchdog:
         cleanly may hand its connection back to the pool)."""
         with self._lock:
             self._watches.discard(w)
+        w.close()
 
     def _tick(self) -> None:
         self.check(time.monotonic())
@@ -315,7 +382,9 @@ __all__ = [
     "StallRule",
     "Watch",
     "Watchdog",
+    "attach_to_watches",
     "call_with_deadline",
     "current_watch",
+    "stop_interrupts",
     "watching",
 ]

@@ -13,11 +13,13 @@ import pytest
 
 from prefetch.deadline import Alarms, Watchdog, call_with_deadline
 from prefetch.errors import NotFoundError, TransientSourceError
+from prefetch.layout import PlainLayout
 from prefetch.logjson import JsonFormatter, sync_context
 from prefetch.retry import RetryPolicy
 from prefetch.sources._http import make_http_pool
 from prefetch.sources.s3 import S3Source, lazy_s3_client
 from prefetch.spec import ModelSpec, parse_source_uri
+from prefetch.sync import sync
 from prefetch.transfer import Cancelled, TransferConfig, engine_watchdog, open_watched
 from tests.fakes.misbehaving import SilentServer
 
@@ -145,3 +147,26 @@ def test_an_s3_listing_that_never_answers_is_bounded_by_the_metadata_deadline(
             source.resolve(spec)
         assert time.monotonic() - t0 < 3  # not the 30 s read timeout
         assert not client.created  # static keys: the seam, no botocore client
+
+
+def test_a_stop_interrupts_a_resolve_waiting_for_response_headers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Issue 22: SIGTERM (the pull's stop) during the listing waited out the read timeout."""
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    with SilentServer() as server:
+        client = lazy_s3_client(
+            endpoint_url=server.url, access_key="k", secret_key="s", region="us-east-1",
+            read_timeout=30,
+        )  # fmt: skip
+        spec = ModelSpec(source=parse_source_uri("s3://bkt/m/"))
+        source = S3Source(client, spec.source, retry=RetryPolicy(attempts=3))
+        stop = threading.Event()
+        threading.Timer(0.5, stop.set).start()
+        t0 = time.monotonic()
+        with pytest.raises(Cancelled, match="stopped"):
+            sync(spec, source, PlainLayout(tmp_path / "dest"), TransferConfig(), stop=stop)
+        assert time.monotonic() - t0 < 3  # not the 30 s read timeout, nor retries after it

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 import urllib3
 
 from prefetch import settings
-from prefetch.deadline import current_watch
+from prefetch.deadline import attach_to_watches
 from prefetch.errors import (
     AccessDeniedError,
     NotFoundError,
@@ -104,15 +104,13 @@ def _interrupt_socket(sock: object) -> Callable[[], None]:
 
 class _WatchedHTTPConnection(urllib3.connection.HTTPConnection):
     """A connection whose wait for response headers a watch can interrupt: the calling
-    thread's current watch (:func:`prefetch.deadline.current_watch`: a ranged read the engine
-    watches, a metadata call under a deadline) gets the socket, so a stop, a stall or a
+    thread's watches (:mod:`prefetch.deadline`: a ranged read the engine watches, a metadata
+    call under a deadline, a resolve a stop interrupts) get the socket, so a stop, a stall or a
     deadline shuts it down instead of waiting out the read timeout (60 s). The socket stays
     attached until the watch ends, so the body read is covered too."""
 
     def getresponse(self) -> urllib3.response.HTTPResponse:  # type: ignore[override]
-        watch = current_watch()
-        if watch is not None:
-            watch.attach(_interrupt_socket(self.sock))
+        attach_to_watches(_interrupt_socket(self.sock))
         return super().getresponse()
 
 

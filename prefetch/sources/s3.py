@@ -769,6 +769,7 @@ class S3Source:
             raise
         finally:
             alarm.cancel()
+            watch.close()  # from here no abort: the connection may go back to the pool
             if clean and not watch.aborted:
                 answer.release()
             else:
