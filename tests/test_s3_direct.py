@@ -417,3 +417,31 @@ def test_a_pull_through_a_mirror_reads_everything_but_a_listing_on_the_seam(
         assert through_botocore and all("list-type=2" in u for u in through_botocore)
     else:
         assert not through_botocore and not client.created
+
+
+@pytest.mark.parametrize("token", [None, "FQoGZXIvYXdzEXAMPLETOKEN"])
+def test_the_two_signers_sign_an_object_request_alike(monkeypatch, token):
+    """One signer interface, two implementations: static keys (signed here) and botocore's
+    credential chain (its request signer's frozen credentials, botocore's S3SigV4Auth) give the
+    same headers for the same request."""
+    import botocore.auth
+    from botocore.credentials import Credentials
+
+    from prefetch.sources.s3_botocore import BotocoreSigner
+    from prefetch.sources.s3_direct import StaticKeySigner
+
+    class _RequestSigner:  # botocore's RequestSigner.get_auth_instance, as the client's gives it
+        def get_auth_instance(self, signing_name, region_name, signature_version=None, **_):
+            assert signature_version == "s3v4"
+            creds = Credentials(KEYS.access_key, KEYS.secret_key, token)
+            return botocore.auth.S3SigV4Auth(creds, signing_name, region_name)
+
+    monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda: WHEN.replace(tzinfo=None))
+    url = "http://127.0.0.1:8333/bkt/m/sub%20dir/w%2Bv2.bin?partNumber=2"
+    headers = {"Range": "bytes=0-1048575", "If-Match": "0123abcd", "x-amz-checksum-mode": "ENABLED"}
+    static = StaticKeySigner(
+        StaticCredentials(KEYS.access_key, KEYS.secret_key, token), clock=lambda: WHEN
+    ).sign("GET", url, "eu-west-1", headers)
+    chained = BotocoreSigner(_RequestSigner()).sign("GET", url, "eu-west-1", headers)
+    chained.pop("host", None)  # http.client sends it; the static signer does not return it
+    assert static == chained

@@ -211,7 +211,7 @@ class MirrorSource:
         return file.with_(described=True)
 
     def _prepare_signed_path(self) -> None:
-        """Metadata and blob requests on the S3 source's lean path (~1.5 ms of CPU less each
+        """Metadata and blob requests on the S3 source's transport seam (~1.5 ms of CPU less each
         than botocore's; with static keys, no botocore client at all), set up once, before the
         first read. A listing the credentials may not make leaves the reads on botocore; any
         other failure (no such bucket, an unreachable endpoint) is the mirror's answer, and

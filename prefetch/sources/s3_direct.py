@@ -158,13 +158,20 @@ class Signer(Protocol):
 class StaticKeySigner:
     """Static keys, signed here (:func:`sign_v4`): no botocore import."""
 
-    def __init__(self, credentials: StaticCredentials) -> None:
+    def __init__(
+        self,
+        credentials: StaticCredentials,
+        *,
+        clock: Callable[[], datetime.datetime] | None = None,
+    ) -> None:
         self.credentials = credentials
+        self._clock = clock  # tests: a fixed time (None: now)
 
     def sign(
         self, method: str, url: str, region: str, headers: Mapping[str, str]
     ) -> dict[str, str]:
-        return sign_v4(method, url, self.credentials, region, headers=headers)
+        now = self._clock() if self._clock is not None else None
+        return sign_v4(method, url, self.credentials, region, now=now, headers=headers)
 
 
 def bucket_base_url(bucket: str, endpoint_url: str | None, region: str) -> str:
