@@ -415,6 +415,14 @@ class Response:
                 release()
 
 
+def origin_of(url: str) -> tuple[str, str, int]:
+    """Scheme, host and port of a URL (the default port when none is written)."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    port = parts.port or (443 if scheme == "https" else 80)
+    return scheme, (parts.hostname or "").lower(), port
+
+
 def send(
     http: HttpClient,
     method: str,
@@ -423,10 +431,21 @@ def send(
     headers: Mapping[str, str],
     timeout: Any = None,
     decode: bool = False,
+    credentials: Mapping[str, str] | None = None,
+    credentials_origin: str | None = None,
 ) -> Response:
     """Send one request on the pool: no redirects, no urllib3 retries (the callers do both), the
     body left unread. Transport failures raise urllib3's errors (see :func:`transport_error`);
-    the wait for the headers is interrupted by the calling thread's watch (see above)."""
+    the wait for the headers is interrupted by the calling thread's watch (see above).
+
+    ``credentials`` (headers such as Authorization) go only to ``credentials_origin``'s scheme,
+    host and port: a redirect or a next-page link to another host never receives them."""
+    if (
+        credentials
+        and credentials_origin is not None
+        and origin_of(url) == origin_of(credentials_origin)
+    ):
+        headers = {**headers, **credentials}
     kwargs: dict[str, Any] = {
         "headers": dict(headers),
         "preload_content": False,
@@ -498,6 +517,7 @@ __all__ = [
     "http_client_response",
     "make_http_pool",
     "no_proxy_matches",
+    "origin_of",
     "parse_retry_after",
     "range_body_reader",
     "redact_url",

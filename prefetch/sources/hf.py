@@ -66,6 +66,7 @@ from prefetch.sources._http import (
     discard,
     error_class,
     http_client_response,
+    origin_of,
     redact_url,
     release_small_body,
     send,
@@ -142,11 +143,7 @@ def _token_of(option: str | bool | None) -> str | None:
     return None if option is False else hub_token()
 
 
-def _origin(url: str) -> tuple[str, str, int]:
-    parts = urlsplit(url)
-    scheme = parts.scheme.lower()
-    port = parts.port or (443 if scheme == "https" else 80)
-    return scheme, (parts.hostname or "").lower(), port
+_origin = origin_of
 
 
 def _normalize_etag(value: str | None) -> str | None:
@@ -561,12 +558,12 @@ class HubSource:
     def _get(self, url: str, headers: dict[str, str], what: str, *, decode: bool = False) -> Any:
         """GET ``url`` on the pool (no redirects, no urllib3 retries, the body left unread), the
         token added only on the endpoint's origin; ``decode``: undo a gzip Content-Encoding."""
-        if self._token and _origin(url) == self._origin:
-            headers = {**headers, "Authorization": f"Bearer {self._token}"}
+        token = {"Authorization": f"Bearer {self._token}"} if self._token else None
         try:
             answer = send(
-                self._http, "GET", url, headers=headers, timeout=self._timeout, decode=decode
-            )
+                self._http, "GET", url, headers=headers, timeout=self._timeout, decode=decode,
+                credentials=token, credentials_origin=self._endpoint,
+            )  # fmt: skip
             return answer.raw
         except Exception as exc:
             raise transport_error(exc, what) from exc
