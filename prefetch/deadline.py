@@ -112,6 +112,7 @@ class Watch:
         self.window_start = time.monotonic() if now is None else now
         self.window_mark = 0
         self.reason: PrefetchError | None = None
+        self.stalls = True  #: does the stall rule apply (see Watchdog)?
         self._lock = threading.Lock()
         self._interrupts: list[Callable[[], None]] = []
         self._closed = False
@@ -325,9 +326,11 @@ class Watchdog:
                 self._alarm.cancel()
                 self._alarm = None
 
-    def watch(self, what: str) -> Watch:
-        """A new watch, looked after until :meth:`unwatch`; aborted at once when stopping."""
+    def watch(self, what: str, *, stalls: bool = True) -> Watch:
+        """A new watch, looked after until :meth:`unwatch`; aborted at once when stopping.
+        ``stalls=False``: stop and the deadline only (a call whose bytes are not counted)."""
         w = Watch(what)
+        w.stalls = stalls
         with self._lock:
             self._watches.add(w)
         if self._stop.is_set():
@@ -362,7 +365,7 @@ class Watchdog:
                     w.abort(self._cancelled())
                     continue
                 elapsed = now - w.window_start
-                if elapsed < cfg.stall_window:
+                if not w.stalls or elapsed < cfg.stall_window:
                     continue
                 got = w.received - w.window_mark
                 if cfg.min_rate and got < cfg.min_rate * cfg.stall_window:

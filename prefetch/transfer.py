@@ -615,7 +615,7 @@ class Transfer:
         coordinator in between cost each small file a second round trip through it, behind the
         io threads for the GIL. Returns the job and, for a file fetched here, what ``_seal``
         returns (None: the coordinator starts the file's chunks)."""
-        job = self._plan(self._source.describe(file))
+        job = self._plan(call_watched(self._watchdog, file.path, self._source.describe, file))
         if not _fits_one_write(job):
             return job, None
         _prepare_whole(job)
@@ -811,6 +811,24 @@ def open_watched(
     return reader, watch
 
 
+def call_watched(
+    watchdog: Watchdog, what: str, fn: Callable[[RemoteFile], RemoteFile], file: RemoteFile
+) -> RemoteFile:
+    """``fn(file)`` (a describe: a HEAD, or a small object's whole GET) under a new watch of
+    ``watchdog``: a stop or the deadline interrupts its requests (the stall rule does not: its
+    bytes are not counted)."""
+    watch = watchdog.watch(f"describing {what}", stalls=False)
+    try:
+        with watching(watch):
+            try:
+                return fn(file)
+            except Exception:
+                watch.raise_if_aborted()
+                raise
+    finally:
+        watchdog.unwatch(watch)
+
+
 def fill_watched(
     reader: Any,
     watch: Watch,
@@ -935,6 +953,7 @@ __all__ = [
     "Transfer",
     "TransferConfig",
     "TransferStats",
+    "call_watched",
     "connection_closed",
     "engine_watchdog",
     "fill_watched",

@@ -24,7 +24,7 @@ from typing import Any
 import urllib3.exceptions
 
 from prefetch import settings
-from prefetch.deadline import Alarms, Watch, call_with_deadline
+from prefetch.deadline import SCOPE, Alarms, Watch, call_with_deadline
 from prefetch.errors import (
     AccessDeniedError,
     BucketNotFoundError,
@@ -437,6 +437,7 @@ class S3Source:
             except PrefetchError:
                 raise  # already one of ours (e.g. a stalled small-object GET)
             except Exception as exc:
+                SCOPE.raise_if_aborted()  # a stop interrupted it: not a failure to retry
                 raise translate(exc, what) from exc
 
         def once() -> Any:

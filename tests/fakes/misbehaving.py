@@ -57,6 +57,8 @@ class Misbehaviour:
     no_headers: bool = False
     #: Apply only to GETs whose range starts at or after this byte.
     from_byte: int = 0
+    #: Apply to HEADs instead of GETs (only ``no_headers`` means anything there).
+    head: bool = False
     key: str | None = None
     count: int | None = None
 
@@ -115,10 +117,12 @@ class MisbehavingS3:
             "AWS_DEFAULT_REGION": "us-east-1",
         }
 
-    def _take_rule(self, key: str, start: int = 0) -> Misbehaviour | None:
+    def _take_rule(self, key: str, start: int = 0, *, head: bool = False) -> Misbehaviour | None:
         with self._lock:
             for rule in self._rules:
                 if rule.key is not None and rule.key != key:
+                    continue
+                if rule.head != head:
                     continue
                 if start < rule.from_byte:
                     continue
@@ -207,6 +211,11 @@ def _handler_for(s3: MisbehavingS3) -> type[BaseHTTPRequestHandler]:
                 return
             headers = {"ETag": f'"{obj.etag}"', "Last-Modified": "Thu, 01 Jan 2026 00:00:00 GMT"}
             if head:
+                rule = s3._take_rule(key, head=True)
+                if rule is not None and rule.no_headers:
+                    self.close_connection = True
+                    self._hold()
+                    return
                 self._send(200, {**headers, "Content-Length": str(len(obj.data))}, b"", head=True)
                 return
             self._get(obj, key, headers)
