@@ -113,8 +113,10 @@ def warm_files(
     """Read ``paths`` in order into the page cache, within ``limits``; never raises for a read
     error (a warm-up is an optimisation: the report says what failed)."""
     t0 = time.monotonic()
-    sizes = [p.stat().st_size for p in paths]
-    total = sum(sizes)
+    try:
+        total = sum(p.stat().st_size for p in paths)
+    except OSError as exc:
+        return _failed(WarmReport("failed"), f"{exc.filename}: {exc.strerror or exc}", model)
     free = available()
     budget = int(free * limits.memory_share)
     report = WarmReport("warm", bytes_total=total, available=free, budget=budget)
@@ -147,15 +149,7 @@ def warm_files(
                         return report
             report.files += 1
     except OSError as exc:
-        report.state = "failed"
-        report.reason = f"{path}: {exc.strerror or exc}"
-        log.warning(
-            "%s: page-cache warm-up failed: %s",
-            name,
-            report.reason,
-            extra={"model": model, "phase": "warm", "error": report.reason},
-        )
-        return report
+        return _failed(report, f"{path}: {exc.strerror or exc}", model)
     finally:
         report.seconds = time.monotonic() - t0
     log.info(
@@ -166,6 +160,17 @@ def warm_files(
         report.seconds,
         format_bytes(budget),
         extra={"model": model, "phase": "warm", "bytes": report.bytes_read},
+    )
+    return report
+
+
+def _failed(report: WarmReport, reason: str, model: str) -> WarmReport:
+    report.state, report.reason = "failed", reason
+    log.warning(
+        "%s: page-cache warm-up failed: %s",
+        model or "warm-up",
+        reason,
+        extra={"model": model, "phase": "warm", "error": reason},
     )
     return report
 

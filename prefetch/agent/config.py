@@ -16,6 +16,8 @@
     resolveInterval: 10m                  # re-resolve branches / S3 listings this often (0: never)
     retryBackoff: {initial: 10s, max: 10m}    # per-model backoff after a failed sync (doubles)
     minFreeSpace: 1GiB                    # kept free on the cache filesystem
+    warmMemoryShare: 0.5                  # a warm-up fills at most this share of free memory
+    warmReadRate: 2GB                     # bytes/s bound for warm-up reads (0: unbounded)
     s3: {endpointUrl: null}               # default: AWS_ENDPOINT_URL, else AWS
     models:
       - name: llama-3-70b-awq             # DNS label; used in node labels
@@ -30,6 +32,8 @@
                                           # direct); default HTTP(S)_PROXY; NO_PROXY applies
         mirrors: [s3://bucket/hf/org/name/]   # hf only: `prefetch mirror` prefixes tried first,
         hubFallback: true                 # in order; then the Hub unless this is false
+        warmPageCache: false              # read the files into the page cache once published
+        gateOnWarm: false                 # ready only after that warm-up (implies warmPageCache)
 
 One model per Hub repo: two models that publish into the same ``hub/models--org--name`` (two
 ``hf://`` sources of one repo, whatever their revisions, or an S3 mirror whose ``hfRepo`` is
@@ -58,6 +62,7 @@ from prefetch.retry import RetryPolicy
 from prefetch.spec import ModelSpec, SourceURI, SpecError, parse_source_uri, validate_name
 from prefetch.transfer import TransferConfig
 from prefetch.units import parse_duration, parse_size
+from prefetch.warm import DEFAULT_MEMORY_SHARE, DEFAULT_READ_RATE, WarmLimits
 
 DEFAULT_CONFIG_PATH = "/etc/model-prefetch/models.yaml"
 DEFAULT_CACHE_DIR = "/var/cache/model-prefetch"
@@ -80,12 +85,14 @@ _TOP_KEYS = (
     "supersededGrace",
     "retryBackoff",
     "minFreeSpace",
+    "warmMemoryShare",
+    "warmReadRate",
     "s3",
     "models",
 )
 _MODEL_KEYS = (
     "name", "source", "revision", "include", "exclude", "required", "hfRepo", "pin", "proxy",
-    "mirrors", "hubFallback",
+    "mirrors", "hubFallback", "warmPageCache", "gateOnWarm",
 )  # fmt: skip
 _BACKOFF_KEYS = ("initial", "max")
 _S3_KEYS = ("endpointUrl",)
@@ -131,6 +138,12 @@ class AgentConfig:
     min_free_space: int = 1 * GiB
     s3_endpoint_url: str | None = None
     models: tuple[ModelSpec, ...] = ()
+    #: Models whose files are read into the page cache once published (``warmPageCache``), and
+    #: those of them whose readiness waits for that warm-up (``gateOnWarm``): by model name.
+    warm_page_cache: frozenset[str] = frozenset()
+    gate_on_warm: frozenset[str] = frozenset()
+    warm_memory_share: float = DEFAULT_MEMORY_SHARE
+    warm_read_rate: int | None = DEFAULT_READ_RATE
     #: The file this came from (None when built in code), and a digest of its bytes.
     path: Path | None = None
     digest: str = ""
@@ -140,6 +153,9 @@ class AgentConfig:
             if m.name == name:
                 return m
         return None
+
+    def warm_limits(self) -> WarmLimits:
+        return WarmLimits(memory_share=self.warm_memory_share, read_rate=self.warm_read_rate)
 
     def transfer_config(self) -> TransferConfig:
         return TransferConfig(
@@ -491,6 +507,8 @@ def _parse(doc: Any) -> AgentConfig:
     _check_keys(m, _TOP_KEYS, "")
     d = AgentConfig()
     verify_rate = _get(m, "verifyReadRate", "", _size, d.verify_read_rate or 0)
+    warm_rate = _get(m, "warmReadRate", "", _size, d.warm_read_rate or 0)
+    models = _get(m, "models", "", _models, ())
     return AgentConfig(
         cache_dir=Path(_get(m, "cacheDir", "", _str, str(d.cache_dir))),
         label_prefix=_get(m, "labelPrefix", "", _label_prefix, d.label_prefix),
@@ -508,8 +526,28 @@ def _parse(doc: Any) -> AgentConfig:
         retry_backoff=_get(m, "retryBackoff", "", _backoff, d.retry_backoff),
         min_free_space=_get(m, "minFreeSpace", "", _size, d.min_free_space),
         s3_endpoint_url=_get(m, "s3", "", _s3, None),
-        models=_get(m, "models", "", _models, ()),
+        models=models,
+        warm_page_cache=frozenset(_flagged(m, ("warmPageCache", "gateOnWarm"))),
+        gate_on_warm=frozenset(_flagged(m, ("gateOnWarm",))),
+        warm_memory_share=_get(m, "warmMemoryShare", "", _share, d.warm_memory_share),
+        warm_read_rate=warm_rate or None,
     )
+
+
+def _flagged(doc: Mapping[str, Any], keys: tuple[str, ...]) -> list[str]:
+    """The names of the models (already validated) with any of the boolean ``keys`` true."""
+    entries = doc.get("models") or []
+    return [
+        str(e["name"])
+        for i, e in enumerate(entries)
+        if any(_get(e, k, f"models[{i}]", _bool, False) for k in keys)
+    ]
+
+
+def _share(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise ConfigError(f"{path}: expected a number in (0, 1], got {value!r}")
+    return float(value)
 
 
 def _chunk_size(value: Any, path: str) -> int:

@@ -20,6 +20,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 
 from prefetch.agent.config import AgentConfig
 from prefetch.agent.events import (
@@ -50,6 +51,7 @@ from prefetch.sync import (
 )
 from prefetch.transfer import Cancelled
 from prefetch.units import format_bytes
+from prefetch.warm import WarmReport, published_files, warm_files
 
 # The jobs' lines keep the logger name they have always had, so log queries keep matching.
 log = logging.getLogger("prefetch.agent.reconcile")
@@ -136,6 +138,9 @@ class SyncJob:
         else:
             if parts.scheduler.current(ms):
                 self._ok(ms, result)
+                if self._wants_warm(ms, result, parts.config()):  # reported, not gating
+                    parts.publish(ms)
+                    await asyncio.to_thread(self._warm, ms, result, parts.config(), stop)
         finally:
             ms.job = None
             if parts.scheduler.current(ms):
@@ -149,9 +154,38 @@ class SyncJob:
         """:meth:`_blocking`, then tell the warming story this sync is over (before the loop
         hears how it went, so WarmingStarted is told before the model's ModelReady)."""
         try:
-            return self._blocking(ms, config, stop)
+            result = self._blocking(ms, config, stop)
+            if ms.spec.name in config.gate_on_warm and self._wants_warm(ms, result, config):
+                self._warm(ms, result, config, stop)  # before the model is ready: gating
+            return result
         finally:
             self._parts.warming.settled(ms.spec.name)
+
+    @staticmethod
+    def _wants_warm(ms: ModelState, result: SyncResult, config: AgentConfig) -> bool:
+        """``warmPageCache`` models warm once per revision and agent process."""
+        return ms.spec.name in config.warm_page_cache and ms.warmed_revision != result.revision
+
+    def _warm(
+        self, ms: ModelState, result: SyncResult, config: AgentConfig, stop: threading.Event
+    ) -> None:
+        """In a worker thread: read the model's published files into the page cache. A failed
+        or skipped warm-up is reported (log, /readyz, metrics), never a sync failure."""
+        parts, name = self._parts, ms.spec.name
+        ms.warming = True
+        try:
+            files = published_files(parts.store.layout(ms.spec), Path(result.path))
+            report = warm_files(files, config.warm_limits(), stop=stop, model=name)
+        except (OSError, PrefetchError) as exc:  # the records could not be read
+            report = WarmReport("failed", reason=str(exc))
+            log.warning("%s: page-cache warm-up failed: %s", name, exc,
+                        extra={"model": name, "phase": "warm", "error": str(exc)})  # fmt: skip
+        finally:
+            ms.warming = False
+        ms.warm = report
+        if report.state != "stopped":
+            ms.warmed_revision = result.revision
+        parts.metrics.observe_warm(name, report.state, report.seconds, report.bytes_read)
 
     def _blocking(self, ms: ModelState, config: AgentConfig, stop: threading.Event) -> SyncResult:
         """In a worker thread: resolve and plan under the model's lock, make room, sync."""

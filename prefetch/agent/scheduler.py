@@ -37,6 +37,7 @@ from prefetch.logjson import scrub
 from prefetch.metrics import MetricsSink
 from prefetch.spec import ModelSpec
 from prefetch.sync import SyncResult
+from prefetch.warm import WarmReport
 
 _REASONS: tuple[tuple[type[BaseException], str], ...] = (
     (InsufficientSpaceError, "insufficient_space"),
@@ -124,6 +125,11 @@ class ModelState:
     last_change: SyncResult | None = None
     #: The source that served the last successful sync (a mirror, the Hub, the S3 prefix).
     served_by: str | None = None
+    #: Page-cache warm-up (``warmPageCache``): running now, the last one's report, and the
+    #: revision it warmed (once per revision and agent process: a restarted node is cold).
+    warming: bool = False
+    warm: WarmReport | None = None
+    warmed_revision: str | None = None
 
     @property
     def syncing(self) -> bool:
