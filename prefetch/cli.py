@@ -766,6 +766,7 @@ _LazyGroup.lazy_commands.update(
         for name in ("agent", "ls", "gc", "status")  # each defined there as <name>_cmd
     }
 )
+_LazyGroup.lazy_commands["cache"] = ("prefetch.cache_cli", "cache")
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -32,8 +32,10 @@ builtin where that is true, so callers can also catch them as ``FileNotFoundErro
     ├── LayoutError                          the destination cannot be written / is not ours
     │   └── LockTimeoutError                 another pull holds the model's lock for too long
     ├── NodeGateError                        the Kubernetes API refused a node label/taint change
-    └── ClusterReadError                     prefetch status could not read the Nodes (no
-                                             kubeconfig, unreachable API server, 401/403)
+    ├── ClusterReadError                     prefetch status could not read the Nodes (no
+    │                                        kubeconfig, unreachable API server, 401/403)
+    └── CompileCacheError                    a compile cache that cannot be pushed (not
+                                             finished, still changing) or a bad cache key
 """
 
 from __future__ import annotations
@@ -156,3 +158,7 @@ class NodeGateError(PrefetchError):
 
 class ClusterReadError(PrefetchError):
     """Reading the cluster with the user's kubeconfig failed (``prefetch status``)."""
+
+
+class CompileCacheError(PrefetchError):
+    """A compile cache that cannot be published as asked (see prefetch.compile_cache)."""

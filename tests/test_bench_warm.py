@@ -1,6 +1,7 @@
 """bench/warm_load.py in a tiny size (shards of 10 MiB: over the engine's O_DIRECT size), so that
 it cannot rot: the plain pull leaves the model out of the page cache, the warm pull puts all of
-it in, within its bound, and the loader reads every tensor both times. The times are not checked (at this size they measure process start-up)."""
+it in, within its bound, and the loader reads every tensor both times. The times are not
+checked (at this size they measure process start-up)."""
 
 from __future__ import annotations
 
