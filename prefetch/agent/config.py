@@ -56,8 +56,9 @@ from typing import Any, TypeVar
 
 import yaml
 
+from prefetch.compile_cache import CacheKey
 from prefetch.constants import DEFAULT_LABEL_PREFIX, DEFAULT_LISTEN, DEFAULT_STARTUP_TAINT_KEY
-from prefetch.errors import ConfigError
+from prefetch.errors import ConfigError, PrefetchError
 from prefetch.retry import RetryPolicy
 from prefetch.spec import ModelSpec, SourceURI, SpecError, parse_source_uri, validate_name
 from prefetch.transfer import TransferConfig
@@ -89,10 +90,15 @@ _TOP_KEYS = (
     "warmReadRate",
     "s3",
     "models",
+    "compileCaches",
 )
 _MODEL_KEYS = (
     "name", "source", "revision", "include", "exclude", "required", "hfRepo", "pin", "proxy",
     "mirrors", "hubFallback", "warmPageCache", "gateOnWarm",
+)  # fmt: skip
+_COMPILE_CACHE_KEYS = (
+    "name", "source", "target", "vllm", "model", "revision", "tensorParallelSize", "gpuProduct",
+    "torch", "cuda", "required",
 )  # fmt: skip
 _BACKOFF_KEYS = ("initial", "max")
 _S3_KEYS = ("endpointUrl",)
@@ -144,6 +150,9 @@ class AgentConfig:
     gate_on_warm: frozenset[str] = frozenset()
     warm_memory_share: float = DEFAULT_MEMORY_SHARE
     warm_read_rate: int | None = DEFAULT_READ_RATE
+    #: ``compileCaches`` entries, by name: each is also in ``models`` (its source the entry's
+    #: prefix + key), and a sync that finds no published cache there is not a failure.
+    compile_caches: tuple[tuple[str, CacheKey], ...] = ()
     #: The file this came from (None when built in code), and a digest of its bytes.
     path: Path | None = None
     digest: str = ""
@@ -153,6 +162,9 @@ class AgentConfig:
             if m.name == name:
                 return m
         return None
+
+    def is_compile_cache(self, name: str) -> bool:
+        return any(n == name for n, _key in self.compile_caches)
 
     def warm_limits(self) -> WarmLimits:
         return WarmLimits(memory_share=self.warm_memory_share, read_rate=self.warm_read_rate)
@@ -509,6 +521,11 @@ def _parse(doc: Any) -> AgentConfig:
     verify_rate = _get(m, "verifyReadRate", "", _size, d.verify_read_rate or 0)
     warm_rate = _get(m, "warmReadRate", "", _size, d.warm_read_rate or 0)
     models = _get(m, "models", "", _models, ())
+    caches = _get(m, "compileCaches", "", _compile_caches, ())
+    taken = {spec.name for spec in models}
+    for i, (spec, _key) in enumerate(caches):
+        if spec.name in taken:
+            raise ConfigError(f"compileCaches[{i}].name: {spec.name!r} is also a model's name")
     return AgentConfig(
         cache_dir=Path(_get(m, "cacheDir", "", _str, str(d.cache_dir))),
         label_prefix=_get(m, "labelPrefix", "", _label_prefix, d.label_prefix),
@@ -526,7 +543,8 @@ def _parse(doc: Any) -> AgentConfig:
         retry_backoff=_get(m, "retryBackoff", "", _backoff, d.retry_backoff),
         min_free_space=_get(m, "minFreeSpace", "", _size, d.min_free_space),
         s3_endpoint_url=_get(m, "s3", "", _s3, None),
-        models=models,
+        models=models + tuple(spec for spec, _key in caches),
+        compile_caches=tuple((spec.name, key) for spec, key in caches),
         warm_page_cache=frozenset(_flagged(m, ("warmPageCache", "gateOnWarm"))),
         gate_on_warm=frozenset(_flagged(m, ("gateOnWarm",))),
         warm_memory_share=_get(m, "warmMemoryShare", "", _share, d.warm_memory_share),
@@ -542,6 +560,49 @@ def _flagged(doc: Mapping[str, Any], keys: tuple[str, ...]) -> list[str]:
         for i, e in enumerate(entries)
         if any(_get(e, k, f"models[{i}]", _bool, False) for k in keys)
     ]
+
+
+def _compile_caches(value: Any, path: str) -> tuple[tuple[ModelSpec, CacheKey], ...]:
+    """``compileCaches``: each entry a plain model at ``source`` + the entry's key + ``/``."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ConfigError(f"{path}: expected a list of compile caches, got {_kind(value)}")
+    out: list[tuple[ModelSpec, CacheKey]] = []
+    for i, item in enumerate(value):
+        where = f"{path}[{i}]"
+        e = _mapping(item, where)
+        _check_keys(e, _COMPILE_CACHE_KEYS, where)
+        for required in ("name", "source", "vllm", "model", "revision", "gpuProduct"):
+            if required not in e:
+                raise ConfigError(f"{where}.{required}: missing")
+        if _get(e, "target", where, _str, "vllm") != "vllm":
+            raise ConfigError(f"{where}.target: only vllm is supported")
+        try:
+            key = CacheKey(
+                vllm=_get(e, "vllm", where, _str, ""),
+                model=_get(e, "model", where, _str, ""),
+                revision=_get(e, "revision", where, _str, ""),
+                tensor_parallel=_get(e, "tensorParallelSize", where, _int_range(1, 1024), 1),
+                gpu_product=_get(e, "gpuProduct", where, _str, ""),
+                torch=_get(e, "torch", where, _opt_str, None),
+                cuda=_get(e, "cuda", where, _opt_str, None),
+            )
+        except PrefetchError as exc:
+            raise ConfigError(f"{where}: {exc}") from exc
+        source = _get(e, "source", where, _source_uri, None)
+        assert source is not None
+        if source.scheme != "s3":
+            raise ConfigError(f"{where}.source: expected s3://bucket/prefix/")
+        name = _get(e, "name", where, _str, "")
+        validate_name(name, field_name=f"{where}.name")
+        spec = ModelSpec(
+            source=parse_source_uri(f"{str(source).rstrip('/')}/{key.key}/"),
+            name=name,
+            required=_get(e, "required", where, _bool, False),
+        )
+        out.append((spec, key))
+    return tuple(out)
 
 
 def _share(value: Any, path: str) -> float:

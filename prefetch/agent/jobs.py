@@ -34,7 +34,8 @@ from prefetch.agent.events import (
 from prefetch.agent.gate_driver import GateDriver
 from prefetch.agent.scheduler import ModelState, Scheduler
 from prefetch.agent.space import SpaceManager
-from prefetch.errors import ChecksumMismatchError, PrefetchError
+from prefetch.compile_cache import COMPLETE
+from prefetch.errors import ChecksumMismatchError, NoMatchingFilesError, PrefetchError
 from prefetch.layout import Layout
 from prefetch.logjson import scrub, sync_context
 from prefetch.metrics import AgentMetrics
@@ -134,9 +135,13 @@ class SyncJob:
                 ms.sync_cancelled()
         except Exception as exc:
             if parts.scheduler.current(ms):
-                self._failed(ms, exc)
+                if _nothing_published(ms, exc, parts.config()):
+                    self._nothing_published(ms)
+                else:
+                    self._failed(ms, exc)
         else:
             if parts.scheduler.current(ms):
+                ms.nothing_published = False
                 self._ok(ms, result)
                 if self._wants_warm(ms, result, parts.config()):  # reported, not gating
                     parts.publish(ms)
@@ -205,6 +210,10 @@ class SyncJob:
                 try:
                     if stop.is_set():
                         raise Cancelled("stopped")
+                    if config.is_compile_cache(spec.name) and not any(
+                        f.path == COMPLETE for f in plan.snapshot.files
+                    ):  # a push in progress (or one that died): never pull half a cache
+                        raise _NothingPublished(f"{spec.source}: no {COMPLETE}")
                     if ms.ready and not store.copy_intact(spec, ms.digest):
                         parts.in_loop(parts.drop_ready(ms, "cached files are missing or truncated"))
                     room.enter_context(
@@ -272,6 +281,20 @@ class SyncJob:
                 "rate": round(rate),
                 "source": served_by,
             },
+        )
+
+    def _nothing_published(self, ms: ModelState) -> None:
+        """A compile cache whose key has nothing complete published: not a failure (the first
+        node of its kind compiles and publishes); looked for again at the next resolve."""
+        spec = ms.spec
+        ms.sync_succeeded(SyncResult(model=spec.name, source=str(spec.source), up_to_date=True),
+                          time.monotonic())  # fmt: skip
+        ms.nothing_published = True
+        log.info(
+            "%s: no compile cache published at %s yet; vLLM compiles from scratch",
+            spec.name,
+            scrub(str(spec.source)),
+            extra={"model": spec.name, "phase": "sync"},
         )
 
     def _tell_ok(self, ms: ModelState, result: SyncResult, *, became_ready: bool) -> None:
@@ -391,6 +414,17 @@ class VerifyJob:
         await asyncio.to_thread(forget_failures, layout, report)
         await asyncio.to_thread(parts.store.record_verify, spec, ok=False)
         ms.refetch = True
+
+
+class _NothingPublished(Exception):
+    """A compile cache's key holds files but not the push's completion marker."""
+
+
+def _nothing_published(ms: ModelState, exc: BaseException, config: AgentConfig) -> bool:
+    """Whether ``exc`` only says that a compile cache entry has nothing published yet."""
+    return config.is_compile_cache(ms.spec.name) and isinstance(
+        exc, _NothingPublished | NoMatchingFilesError
+    )
 
 
 def _served_by(result: SyncResult, spec: ModelSpec) -> str:

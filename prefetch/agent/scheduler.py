@@ -130,6 +130,8 @@ class ModelState:
     warming: bool = False
     warm: WarmReport | None = None
     warmed_revision: str | None = None
+    #: A ``compileCaches`` entry with nothing published under its key yet (ready all the same).
+    nothing_published: bool = False
 
     @property
     def syncing(self) -> bool:

@@ -100,6 +100,7 @@ def model_status(ms: ModelState, now: float) -> JsonObject:
         "last_success": iso_utc(ms.last_success),
         "last_sync": _last_sync(ms),
         "warm": _warm(ms),
+        "nothing_published": ms.nothing_published,
     }
 
 
@@ -133,6 +134,8 @@ def _warm_phase(ms: ModelState, revision: str) -> dict[str, float]:
 def _detail(ms: ModelState, now: float, remaining: int | None, files_left: int | None) -> str:
     """What a person reading /readyz wants to know about the model, in one line."""
     sink = ms.sink
+    if ms.ready and ms.nothing_published:
+        return "no compile cache published for this key yet (vLLM compiles from scratch)"
     if ms.ready:
         detail = "verified copy in the cache"
         if ms.phase is ModelPhase.UPDATING:
