@@ -531,6 +531,7 @@ def pull(
         out = result.to_json()
         if warmed is not None:
             out["warm"] = warmed.to_json()
+            out["timings"]["warm"] = round(warmed.seconds, 3)
         click.echo(json.dumps(out, sort_keys=True))
         return
     if warmed is not None and warmed.state != "warm":

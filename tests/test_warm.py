@@ -112,6 +112,7 @@ def test_pull_warm_page_cache_reads_the_pulled_model_into_memory(
     first = run_cli("pull", f"s3://{bucket}/warm", str(dest), "--json", env=s3_env)
     assert first.returncode == 0, first.stderr
     assert "warm" not in json.loads(first.stdout)
+    assert "warm" not in json.loads(first.stdout)["timings"]
     pulled = [dest / f.path for f in files]
     for p in pulled:
         drop_from_page_cache(p)
@@ -121,7 +122,9 @@ def test_pull_warm_page_cache_reads_the_pulled_model_into_memory(
         "pull", f"s3://{bucket}/warm", str(dest), "--json", "--warm-page-cache", env=s3_env
     )
     assert proc.returncode == 0, proc.stderr
-    warm = json.loads(proc.stdout)["warm"]
+    summary = json.loads(proc.stdout)
+    warm = summary["warm"]
+    assert summary["timings"]["warm"] == round(warm["seconds"], 3)
     total = sum(f.size for f in files)
     assert warm["state"] == "warm"
     assert warm["files"] == len(files) and warm["bytes_read"] == total
@@ -151,3 +154,19 @@ def test_pull_refuses_a_warm_memory_share_out_of_range(s3_env, tmp_path):
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
     assert "--warm-memory-share" in proc.stderr
+
+
+def test_pull_warm_page_cache_in_the_hf_layout_warms_the_snapshot_files(
+    s3_client, bucket, s3_env, tmp_path
+):
+    files = generate_model(tmp_path / "src", 10 * MiB, shards=1)
+    upload_model(s3_client, bucket, "hfm", files, create_bucket=False)
+    home = tmp_path / "hf-home"
+    proc = run_cli(
+        "pull", f"s3://{bucket}/hfm", str(home), "--layout", "hf", "--hf-repo", "org/hfm",
+        "--json", "--warm-page-cache", env=s3_env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    warm = json.loads(proc.stdout)["warm"]
+    assert warm["state"] == "warm" and warm["files"] == len(files)
+    assert warm["bytes_read"] == sum(f.size for f in files)
