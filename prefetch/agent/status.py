@@ -134,7 +134,7 @@ def _warm_phase(ms: ModelState, revision: str) -> dict[str, float]:
 def _detail(ms: ModelState, now: float, remaining: int | None, files_left: int | None) -> str:
     """What a person reading /readyz wants to know about the model, in one line."""
     sink = ms.sink
-    if ms.ready and ms.nothing_published:
+    if ms.ready and ms.nothing_published and not ms.last_error:
         return "no compile cache published for this key yet (vLLM compiles from scratch)"
     if ms.ready:
         detail = "verified copy in the cache"
