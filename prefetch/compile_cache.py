@@ -36,6 +36,8 @@ CACHE_READY = ".cache_ready"
 #: (the last). Neither is a vLLM file; both are small JSON.
 CLAIM = ".prefetch-claim.json"
 COMPLETE = ".prefetch-complete.json"
+#: The node label GPU feature discovery sets to the GPU product (e.g. NVIDIA-H100-80GB-HBM3).
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 #: How long a push watches the files for changes before uploading.
 DEFAULT_SETTLE = 2.0
 
@@ -43,6 +45,7 @@ __all__ = [
     "CACHE_READY",
     "CLAIM",
     "COMPLETE",
+    "GPU_PRODUCT_LABEL",
     "CacheKey",
     "PushResult",
     "finished_files",

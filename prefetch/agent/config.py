@@ -122,6 +122,32 @@ class Backoff:
         return min(self.max, self.initial * 2.0 ** max(failures - 1, 0))
 
 
+#: Stands for the node's GPU product in an entry that has no ``gpuProduct`` (never in a key).
+_NODE_GPU = "<node>"
+
+
+@dataclass(frozen=True)
+class CompileCacheEntry:
+    """A ``compileCaches`` entry: a plain model at ``prefix`` + its key + ``/``. ``key`` holds
+    every field; without ``gpu_configured`` its GPU product is the node's."""
+
+    name: str
+    prefix: str
+    key: CacheKey
+    gpu_configured: bool
+    required: bool
+
+    def spec(self, node_gpu: str | None) -> tuple[ModelSpec, CacheKey] | None:
+        """The entry as a model and its key; None without any GPU product to key it by."""
+        key = self.key
+        if not self.gpu_configured:
+            if not node_gpu or not node_gpu.strip():
+                return None
+            key = replace(key, gpu_product=node_gpu)
+        source = parse_source_uri(f"{self.prefix.rstrip('/')}/{key.key}/")
+        return ModelSpec(source=source, name=self.name, required=self.required), key
+
+
 @dataclass(frozen=True)
 class AgentConfig:
     cache_dir: Path = Path(DEFAULT_CACHE_DIR)
@@ -153,6 +179,11 @@ class AgentConfig:
     #: ``compileCaches`` entries, by name: each is also in ``models`` (its source the entry's
     #: prefix + key), and a sync that finds no published cache there is not a failure.
     compile_caches: tuple[tuple[str, CacheKey], ...] = ()
+    #: Every ``compileCaches`` entry as written; those without a ``gpuProduct`` are in
+    #: ``models`` only once the node's GPU product is known (:meth:`with_gpu_product`).
+    compile_cache_entries: tuple[CompileCacheEntry, ...] = ()
+    #: Entries left out for want of a GPU product (no ``gpuProduct``, no node label).
+    unkeyed_compile_caches: tuple[str, ...] = ()
     #: The file this came from (None when built in code), and a digest of its bytes.
     path: Path | None = None
     digest: str = ""
@@ -162,6 +193,27 @@ class AgentConfig:
             if m.name == name:
                 return m
         return None
+
+    def with_gpu_product(self, gpu_product: str | None) -> AgentConfig:
+        """This config with its compile cache entries keyed: those without a ``gpuProduct``
+        of their own take ``gpu_product`` (the node label ``nvidia.com/gpu.product``)."""
+        names = {e.name for e in self.compile_cache_entries}
+        models = [m for m in self.models if m.name not in names]
+        keyed: list[tuple[str, CacheKey]] = []
+        unkeyed: list[str] = []
+        for entry in self.compile_cache_entries:
+            found = entry.spec(gpu_product)
+            if found is None:
+                unkeyed.append(entry.name)
+                continue
+            models.append(found[0])
+            keyed.append((entry.name, found[1]))
+        return replace(
+            self,
+            models=tuple(models),
+            compile_caches=tuple(keyed),
+            unkeyed_compile_caches=tuple(unkeyed),
+        )
 
     def is_compile_cache(self, name: str) -> bool:
         return any(n == name for n, _key in self.compile_caches)
@@ -180,16 +232,22 @@ class AgentConfig:
         )
 
     def with_overrides(
-        self, *, cache_dir: Path | None = None, listen: str | None = None
+        self,
+        *,
+        cache_dir: Path | None = None,
+        listen: str | None = None,
+        gpu_product: str | None = None,
     ) -> AgentConfig:
-        """This config with the command line's ``--cache-dir`` / ``--listen`` applied."""
+        """This config with the command line's ``--cache-dir`` / ``--listen`` applied, and
+        its compile caches keyed by ``gpu_product`` (``--gpu-product`` or the node's label)."""
         changes: dict[str, Any] = {}
         if cache_dir is not None:
             changes["cache_dir"] = cache_dir
         if listen is not None:
             parse_listen(listen, field_name="--listen")
             changes["listen"] = listen
-        return replace(self, **changes) if changes else self
+        config = replace(self, **changes) if changes else self
+        return config.with_gpu_product(gpu_product) if gpu_product else config
 
 
 def load_config(path: str | Path) -> AgentConfig:
@@ -515,6 +573,10 @@ def _s3(value: Any, path: str) -> str | None:
 
 
 def _parse(doc: Any) -> AgentConfig:
+    return _parse_fields(doc).with_gpu_product(None)
+
+
+def _parse_fields(doc: Any) -> AgentConfig:
     m = _mapping(doc, "")
     _check_keys(m, _TOP_KEYS, "")
     d = AgentConfig()
@@ -523,9 +585,9 @@ def _parse(doc: Any) -> AgentConfig:
     models = _get(m, "models", "", _models, ())
     caches = _get(m, "compileCaches", "", _compile_caches, ())
     taken = {spec.name for spec in models}
-    for i, (spec, _key) in enumerate(caches):
-        if spec.name in taken:
-            raise ConfigError(f"compileCaches[{i}].name: {spec.name!r} is also a model's name")
+    for i, entry in enumerate(caches):
+        if entry.name in taken:
+            raise ConfigError(f"compileCaches[{i}].name: {entry.name!r} is also a model's name")
     return AgentConfig(
         cache_dir=Path(_get(m, "cacheDir", "", _str, str(d.cache_dir))),
         label_prefix=_get(m, "labelPrefix", "", _label_prefix, d.label_prefix),
@@ -543,8 +605,8 @@ def _parse(doc: Any) -> AgentConfig:
         retry_backoff=_get(m, "retryBackoff", "", _backoff, d.retry_backoff),
         min_free_space=_get(m, "minFreeSpace", "", _size, d.min_free_space),
         s3_endpoint_url=_get(m, "s3", "", _s3, None),
-        models=models + tuple(spec for spec, _key in caches),
-        compile_caches=tuple((spec.name, key) for spec, key in caches),
+        models=models,
+        compile_cache_entries=caches,
         warm_page_cache=frozenset(_flagged(m, ("warmPageCache", "gateOnWarm"))),
         gate_on_warm=frozenset(_flagged(m, ("gateOnWarm",))),
         warm_memory_share=_get(m, "warmMemoryShare", "", _share, d.warm_memory_share),
@@ -562,29 +624,30 @@ def _flagged(doc: Mapping[str, Any], keys: tuple[str, ...]) -> list[str]:
     ]
 
 
-def _compile_caches(value: Any, path: str) -> tuple[tuple[ModelSpec, CacheKey], ...]:
+def _compile_caches(value: Any, path: str) -> tuple[CompileCacheEntry, ...]:
     """``compileCaches``: each entry a plain model at ``source`` + the entry's key + ``/``."""
     if value is None:
         return ()
     if not isinstance(value, list):
         raise ConfigError(f"{path}: expected a list of compile caches, got {_kind(value)}")
-    out: list[tuple[ModelSpec, CacheKey]] = []
+    out: list[CompileCacheEntry] = []
     for i, item in enumerate(value):
         where = f"{path}[{i}]"
         e = _mapping(item, where)
         _check_keys(e, _COMPILE_CACHE_KEYS, where)
-        for required in ("name", "source", "vllm", "model", "revision", "gpuProduct"):
-            if required not in e:
-                raise ConfigError(f"{where}.{required}: missing")
+        for needed in ("name", "source", "vllm", "model", "revision"):
+            if needed not in e:
+                raise ConfigError(f"{where}.{needed}: missing")
         if _get(e, "target", where, _str, "vllm") != "vllm":
             raise ConfigError(f"{where}.target: only vllm is supported")
+        gpu = _get(e, "gpuProduct", where, _opt_str, None)
         try:
             key = CacheKey(
                 vllm=_get(e, "vllm", where, _str, ""),
                 model=_get(e, "model", where, _str, ""),
                 revision=_get(e, "revision", where, _str, ""),
                 tensor_parallel=_get(e, "tensorParallelSize", where, _int_range(1, 1024), 1),
-                gpu_product=_get(e, "gpuProduct", where, _str, ""),
+                gpu_product=gpu or _NODE_GPU,
                 torch=_get(e, "torch", where, _opt_str, None),
                 cuda=_get(e, "cuda", where, _opt_str, None),
             )
@@ -596,12 +659,8 @@ def _compile_caches(value: Any, path: str) -> tuple[tuple[ModelSpec, CacheKey], 
             raise ConfigError(f"{where}.source: expected s3://bucket/prefix/")
         name = _get(e, "name", where, _str, "")
         validate_name(name, field_name=f"{where}.name")
-        spec = ModelSpec(
-            source=parse_source_uri(f"{str(source).rstrip('/')}/{key.key}/"),
-            name=name,
-            required=_get(e, "required", where, _bool, False),
-        )
-        out.append((spec, key))
+        required = _get(e, "required", where, _bool, False)
+        out.append(CompileCacheEntry(name, str(source), key, bool(gpu), required))
     return tuple(out)
 
 
