@@ -167,7 +167,7 @@ class MirrorSource:
         copy of a Hugging Face cache folder has ``snapshots/<commit>/...`` instead: not one."""
         start = snapshots_prefix(self._uri.path)
         page = self._objects.list_page(
-            f"listing {self._where(start)}", Prefix=start, Delimiter="/", MaxKeys=100
+            f"listing {self.uri}", Prefix=start, Delimiter="/", MaxKeys=100
         )
         names = (str(o["Key"])[len(start) :] for o in page.get("Contents", []))
         return any(n.endswith(".json") and is_commit(n.removesuffix(".json")) for n in names)

@@ -59,6 +59,7 @@ from prefetch.sources.s3_lean import (
     capture_listing_requests,
     lean_requests_for,
 )
+from prefetch.sources.s3_xml import ListingPages
 from prefetch.spec import SIDECAR_MANIFEST, ModelSpec, SourceURI
 from prefetch.verify import STRENGTH
 
@@ -516,6 +517,7 @@ class S3Source:
         sidecar: RemoteFile | None = None
         seen_any = False
         token: str | None = None
+        pages = ListingPages(where)
         while True:
             kwargs: dict[str, Any] = {"Prefix": prefix, "MaxKeys": 1000}
             if token:
@@ -537,9 +539,9 @@ class S3Source:
                     sidecar = remote
                 elif spec.wants(rel):
                     files.append(remote)
-            if not page.get("IsTruncated"):
+            token = pages.next_token(page)
+            if token is None:
                 break
-            token = page.get("NextContinuationToken")
         if not seen_any:
             raise NoMatchingFilesError(f"no objects under {where}")
         if not files:
