@@ -42,22 +42,24 @@ def load_json(
     nested deeper than ``max_depth``, not JSON, or holds NaN, an infinity or an out-of-range
     number."""
     if len(data) > max_bytes:
-        raise error(f"{where}: {len(data)} bytes of JSON, more than the {max_bytes} allowed")
+        raise error(f"{where} is {len(data)} bytes of JSON, more than the {max_bytes} allowed")
     try:
         text = data.decode("utf-8") if isinstance(data, bytes) else data
     except UnicodeDecodeError as exc:
-        raise error(f"{where}: not UTF-8 JSON ({exc.reason} at byte {exc.start})") from None
+        raise error(f"{where} is not JSON (not UTF-8: {exc.reason} at byte {exc.start})") from None
     depth = _depth(text)
     if depth > max_depth:
-        raise error(f"{where}: JSON nested {depth} levels deep, more than the {max_depth} allowed")
+        raise error(f"{where} is JSON nested {depth} deep, more than the {max_depth} allowed")
     try:
         return json.loads(text, parse_constant=_constant, parse_float=_float, parse_int=_int)
     except _Refused as exc:
-        raise error(f"{where}: {exc}") from None
+        raise error(f"{where} is not JSON ({exc})") from None
     except json.JSONDecodeError as exc:
-        raise error(f"{where}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
+        raise error(
+            f"{where} is not JSON ({exc.msg}: line {exc.lineno} column {exc.colno})"
+        ) from None
     except (ValueError, RecursionError) as exc:
-        raise error(f"{where}: not valid JSON ({type(exc).__name__})") from None
+        raise error(f"{where} is not JSON ({type(exc).__name__})") from None
 
 
 def _depth(text: str) -> int:
@@ -74,7 +76,7 @@ def _depth(text: str) -> int:
 
 
 def _constant(name: str) -> Any:
-    raise _Refused(f"{name} is not a number JSON allows")
+    raise _Refused(f"{name} is no JSON number")
 
 
 def _float(text: str) -> float:
