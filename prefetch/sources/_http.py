@@ -38,6 +38,7 @@ from prefetch.errors import (
 )
 from prefetch.redact import redact
 from prefetch.sources.base import shutdown_socket_of
+from prefetch.sources.proxy_auth import proxy_failure, proxy_headers
 
 #: A redirect's body is read (so its connection goes back to the pool) only up to this size.
 DRAIN_LIMIT = 64 * 1024
@@ -89,7 +90,8 @@ class ProxyRouter:
         self._direct = direct
         self._proxies = proxies
         self._proxied = {
-            url: urllib3.ProxyManager(url, **kwargs) for url in set(proxies.by_scheme.values())
+            url: urllib3.ProxyManager(url, proxy_headers=proxy_headers(url), **kwargs)
+            for url in set(proxies.by_scheme.values())
         }
 
     def manager_for(self, url: str) -> HttpClient:
@@ -222,7 +224,8 @@ def transport_error(exc: BaseException, what: str) -> SourceError:
     if isinstance(exc, urllib3.exceptions.SSLError):
         return SourceError(f"{what}: TLS error: {exc}")
     if isinstance(exc, urllib3.exceptions.ProxyError):
-        return TransientSourceError(f"{what}: proxy error: {exc}")
+        reason, transient = proxy_failure(exc)
+        return (TransientSourceError if transient else SourceError)(f"{what}: {reason}")
     if isinstance(exc, urllib3.exceptions.HTTPError | http.client.HTTPException | OSError):
         return TransientSourceError(f"{what}: {type(exc).__name__}: {exc}")
     return SourceError(f"{what}: {type(exc).__name__}: {exc}")

@@ -268,6 +268,8 @@ def translate(exc: Exception, what: str) -> Exception:
 def _transport_or_other(exc: Exception, what: str) -> SourceError:
     """A failure that is not botocore's: urllib3's and http.client's (and socket errors) are
     transient, anything else a SourceError naming it."""
+    if isinstance(exc, urllib3.exceptions.ProxyError):
+        return transport_error(exc, what)
     if isinstance(
         exc,
         urllib3.exceptions.HTTPError | http.client.HTTPException | ConnectionError | TimeoutError,
