@@ -36,6 +36,7 @@ class ListingServer:
 
     def __init__(self, answer: Answer, *, probe_too: bool = False) -> None:
         self.answer, self.probe_too, self.requests = answer, probe_too, 0
+        self.status, self.headers = 200, dict[str, str]()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -47,7 +48,10 @@ class ListingServer:
                 server.requests += 1
                 probe = query.get("prefix", "").endswith("snapshots/")
                 body = page(b"") if probe and not server.probe_too else server.answer(query)
-                self.send_response(200)
+                status, headers = server.status, server.headers
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -195,3 +199,15 @@ def test_listing_pages_are_bounded() -> None:
     with pytest.raises(InvalidListingError, match="more than 3 pages"):
         pages.next_token({"IsTruncated": True, "NextContinuationToken": "c"})
     assert ListingPages("x").next_token({"IsTruncated": False}) is None
+
+
+def test_a_redirect_without_an_s3_error_document_says_where_it_points(
+    serve: Callable[..., ListingServer], tmp_path: Path
+) -> None:
+    server = serve(lambda q: b"", probe_too=True)
+    server.status = 307
+    server.headers = {"Location": "https://elsewhere.example/bkt?X-Amz-Signature=abc"}
+    code, lines = pull(server, tmp_path)
+    assert code == 1 and lines[0].startswith("Error: listing s3://bkt/m"), lines
+    assert "307: Temporary Redirect to https://elsewhere.example (not followed" in lines[0]
+    assert "307: 307" not in lines[0] and "X-Amz-Signature" not in lines[0]

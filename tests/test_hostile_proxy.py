@@ -139,3 +139,21 @@ def test_a_proxy_refusing_connect_is_one_clear_error(tmp_path: Path) -> None:
     assert "Unable to connect to proxy" not in first and "OSError" not in first
     assert "Traceback" not in proc.stderr
     assert_no_password(proc.stdout, proc.stderr)
+
+
+def test_wrong_proxy_credentials_on_the_s3_path_are_one_clear_error_line(
+    auth_proxy: ForwardProxy, s3_server: Any, tmp_path: Path, s3_env: dict[str, str]
+) -> None:
+    env = {k: v for k, v in s3_env.items() if "proxy" not in k.lower()}
+    wrong = auth_proxy.url.replace("http://", f"http://{USER}:wrong-{PASSWORD}@")
+    env["HTTP_PROXY"] = env["HTTPS_PROXY"] = wrong
+    env["NO_PROXY"] = ""
+    proc = run_cli("pull", "s3://bkt/m", str(tmp_path / "d"), "--attempts", "1", env=env)
+    assert proc.returncode == 1
+    first = proc.stderr.splitlines()[0]
+    assert first.startswith("Error: listing s3://bkt/m"), first
+    assert first.endswith(
+        ": 407: Proxy Authentication Required (a proxy in the way wants credentials: give them "
+        "in the proxy's URL, as user:password@ before its host)"
+    ), first
+    assert_no_password(proc.stdout, proc.stderr)

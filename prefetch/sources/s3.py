@@ -60,6 +60,7 @@ from prefetch.sources.s3_lean import (
     lean_requests_for,
 )
 from prefetch.sources.s3_xml import ListingPages
+from prefetch.sources.status_text import bare_status
 from prefetch.spec import SIDECAR_MANIFEST, ModelSpec, SourceURI
 from prefetch.verify import STRENGTH
 
@@ -336,6 +337,8 @@ def _answer_error(what: str, answer: LeanResponse, *, has_body: bool) -> SourceE
     """The error of a lean request's error answer, as :func:`translate` makes it of botocore's
     (plus the server's Retry-After on a transient one: S3 throttling may send it)."""
     code, msg = answer.error_code_and_message(has_body=has_body)
+    if code == msg == str(answer.status):  # no S3 error document: say what the status means
+        msg = bare_status(answer.status, answer.headers)
     if code == "NoSuchBucket":
         return BucketNotFoundError(f"{what}: bucket does not exist")
     error = _client_error(what, code, answer.status, msg)
