@@ -87,6 +87,10 @@ class RedactingFilter(logging.Filter):
         except Exception:  # a malformed call: logging reports it when formatting
             return True
         record.msg, record.args = printable(redact(message)), None
+        if record.name.startswith("urllib3.") and record.levelno < logging.ERROR:
+            # urllib3 attaches a traceback to its warnings (a header it could not parse): the
+            # caller reports the failure in one line, so the warning stays one line too
+            record.exc_info, record.exc_text = None, None
         if record.exc_info and not record.exc_text:
             record.exc_text = redact(logging.Formatter().formatException(record.exc_info))
         return True

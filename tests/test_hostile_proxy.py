@@ -157,3 +157,51 @@ def test_wrong_proxy_credentials_on_the_s3_path_are_one_clear_error_line(
         "in the proxy's URL, as user:password@ before its host)"
     ), first
     assert_no_password(proc.stdout, proc.stderr)
+
+
+class _BadHeaderHub:
+    """Answers every GET with a malformed header line placed before Content-Length, and keeps
+    the connection open (the body, as http.client would read it, never ends)."""
+
+    def __enter__(self) -> str:
+        import socket
+        import threading
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.stop = threading.Event()
+
+        def serve() -> None:
+            conns = []
+            while not self.stop.is_set():
+                try:
+                    conn, _ = self.sock.accept()
+                except OSError:
+                    return
+                conn.recv(65536)
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                    b"this line has no colon\r\nContent-Length: 2\r\n\r\n{}"
+                )
+                conns.append(conn)  # held open
+
+        threading.Thread(target=serve, daemon=True).start()
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.sock.close()
+
+
+def test_a_malformed_header_line_is_one_error_line_without_waiting(tmp_path: Path) -> None:
+    import time
+
+    with _BadHeaderHub() as endpoint:
+        started = time.monotonic()
+        proc = run_cli("pull", "hf://acme/x", str(tmp_path / "d"), "--endpoint", endpoint,
+                       env=clean_env(tmp_path / "hf"), timeout=40)  # fmt: skip
+        took = time.monotonic() - started
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr and "HeaderParsingError" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1 and "has a malformed header line" in errors[0], proc.stderr
+    assert took < 20, took

@@ -70,6 +70,7 @@ from prefetch.sources._http import (
     status_error,
     transport_error,
 )
+from prefetch.sources.status_text import header_problem
 from prefetch.spec import ModelSpec, SourceURI
 
 log = logging.getLogger(__name__)
@@ -550,7 +551,7 @@ class HubSource:
         if self._token and _origin(url) == self._origin:
             headers = {**headers, "Authorization": f"Bearer {self._token}"}
         try:
-            return self._http.request(
+            resp = self._http.request(
                 "GET",
                 url,
                 headers=headers,
@@ -562,6 +563,11 @@ class HubSource:
             )
         except Exception as exc:
             raise transport_error(exc, what) from exc
+        problem = header_problem(resp)
+        if problem is not None:  # its body would be read until the server closes
+            discard(resp)
+            raise SourceError(f"{what}: the answer of {redact_url(url)} {problem}")
+        return resp
 
     def _check_pins(self, file: RemoteFile, resp: Any, url: str, what: str) -> None:
         """The response (a redirect or the bytes) is for the commit and blob we listed."""
