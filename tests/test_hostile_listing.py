@@ -211,3 +211,47 @@ def test_a_redirect_without_an_s3_error_document_says_where_it_points(
     assert code == 1 and lines[0].startswith("Error: listing s3://bkt/m"), lines
     assert "307: Temporary Redirect to https://elsewhere.example (not followed" in lines[0]
     assert "307: 307" not in lines[0] and "X-Amz-Signature" not in lines[0]
+
+
+def test_a_trickled_listing_page_is_bounded_in_time(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import socket
+    import time
+
+    from prefetch.errors import TransientSourceError
+    from prefetch.sources import s3_xml
+    from prefetch.sources.s3 import lazy_s3_client
+
+    body = page()
+    sock = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def trickle() -> None:
+        conn, _ = sock.accept()
+        conn.recv(65536)
+        conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n\r\n".encode())
+        for byte in body:
+            if stop.wait(0.25):
+                break
+            conn.sendall(bytes([byte]))
+        conn.close()
+
+    threading.Thread(target=trickle, daemon=True).start()
+    monkeypatch.setattr(s3_xml, "PAGE_SECONDS", 1.5)
+    client = lazy_s3_client(
+        endpoint_url=f"http://127.0.0.1:{sock.getsockname()[1]}",
+        access_key="a",
+        secret_key="b",
+        region="us-east-1",
+    )
+    lister = client.direct_bucket("bkt")
+    assert lister is not None
+    started = time.monotonic()
+    try:
+        with pytest.raises((TimeoutError, TransientSourceError), match=r"more than 1\.5 s"):
+            lister.list_objects_v2(Bucket="bkt", Prefix="m/")
+    finally:
+        stop.set()
+        sock.close()
+    assert time.monotonic() - started < 5
