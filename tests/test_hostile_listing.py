@@ -255,3 +255,18 @@ def test_a_trickled_listing_page_is_bounded_in_time(
         stop.set()
         sock.close()
     assert time.monotonic() - started < 5
+
+
+def test_a_region_redirect_never_sends_the_listing_to_another_host(
+    serve: Callable[..., ListingServer], tmp_path: Path
+) -> None:
+    server = serve(lambda q: b"", probe_too=True)
+    server.status = 301
+    server.headers = {
+        "x-amz-bucket-region": "evil.example",  # not a region: never part of a host name
+        "Location": "http://127.0.0.2:9/bkt",
+    }
+    code, lines = pull(server, tmp_path)
+    assert code == 1 and lines[0].startswith("Error: listing s3://bkt/m"), lines
+    assert "301: Moved Permanently to http://127.0.0.2:9 (not followed" in lines[0]
+    assert server.requests == 1
