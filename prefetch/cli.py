@@ -483,14 +483,16 @@ def pull(
         from prefetch.sources import open_mirror_prefix
 
         # a mirror prefix (`prefetch mirror`'s output) publishes the Hub's layout
-        found = open_mirror_prefix(spec, s3_client=s3_client, concurrency=config.concurrency)
+        found = open_mirror_prefix(
+            spec, s3_client=s3_client, concurrency=config.concurrency, retry=config.retry
+        )
     if found is not None:
         spec, source, snapshot = found
         layout_kind = "hf"
     else:
         source = open_source(
             spec, s3_client=s3_client, endpoint_url=endpoint_url,
-            concurrency=config.concurrency, hub=hub,
+            concurrency=config.concurrency, hub=hub, retry=config.retry,
         )  # fmt: skip
         snapshot = None
     layout = layout_for(spec, root, layout_name=layout_kind)
@@ -696,7 +698,7 @@ def mirror(
                 src_client = make_s3_client(
                     endpoint_url=endpoint_url, max_pool_connections=concurrency + 8, proxy=proxy
                 )
-            source = open_source(spec, s3_client=src_client)
+            source = open_source(spec, s3_client=src_client, retry=transfer.retry)
             src_prefix = S3Prefix(
                 src_client, source_uri.location, source_uri.path, retry=transfer.retry
             )

@@ -270,3 +270,26 @@ def test_a_region_redirect_never_sends_the_listing_to_another_host(
     assert code == 1 and lines[0].startswith("Error: listing s3://bkt/m"), lines
     assert "301: Moved Permanently to http://127.0.0.2:9 (not followed" in lines[0]
     assert server.requests == 1
+
+
+@pytest.mark.parametrize("attempts", [1, 2])
+def test_attempts_applies_to_s3_listing_retries(
+    serve: Callable[..., ListingServer], tmp_path: Path, attempts: int
+) -> None:
+    server = serve(lambda q: b"<Error><Code>SlowDown</Code><Message>slow</Message></Error>",
+                   probe_too=True)  # fmt: skip
+    server.status = 503
+    env = clean_env(
+        tmp_path / "hf",
+        AWS_ENDPOINT_URL=server.endpoint,
+        AWS_ACCESS_KEY_ID="AKIAHOSTILE",
+        AWS_SECRET_ACCESS_KEY="hostile-secret",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_CONFIG_FILE=str(tmp_path / "none"),
+        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+    )
+    proc = run_cli("pull", "s3://bkt/m", str(tmp_path / "d"), "--attempts", str(attempts),
+                   env=env, timeout=60)  # fmt: skip
+    assert proc.returncode == 1
+    assert f"giving up after {attempts} attempts" in proc.stderr.splitlines()[0]
+    assert server.requests == attempts

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from prefetch.retry import RetryPolicy
 from prefetch.snapshot import Snapshot
 from prefetch.sources.base import RangeReader, Source
 from prefetch.spec import ModelSpec
@@ -19,6 +20,7 @@ def open_source(
     endpoint_url: str | None = None,
     concurrency: int = 16,
     hub: Any = None,
+    retry: RetryPolicy | None = None,
 ) -> Source:
     """The Source for ``spec.source``; clients given here are used as they are (tests pass
     local ones), otherwise one is built from the environment."""
@@ -28,7 +30,7 @@ def open_source(
         client = s3_client or lazy_s3_client(
             endpoint_url=endpoint_url, max_pool_connections=concurrency + 8, proxy=spec.proxy
         )
-        return S3Source(client, spec.source)
+        return S3Source(client, spec.source, retry=retry)
     if spec.source.scheme == "hf":
         from prefetch.sources import hf
 
@@ -66,6 +68,7 @@ def open_mirror_prefix(
     s3_client: Any = None,
     endpoint_url: str | None = None,
     concurrency: int = 16,
+    retry: RetryPolicy | None = None,
 ) -> tuple[ModelSpec, Source, Snapshot] | None:
     """For an ``s3://`` spec whose prefix is a mirror (it holds ``snapshots/*.json``): the spec
     published under the mirrored repo id (``hf_repo``, from the metadata), the mirror's source
@@ -79,7 +82,7 @@ def open_mirror_prefix(
     client = s3_client or lazy_s3_client(
         endpoint_url=endpoint_url, max_pool_connections=concurrency + 8, proxy=spec.proxy
     )
-    mirror = MirrorSource(client, spec.source)
+    mirror = MirrorSource(client, spec.source, retry=retry)
     if not mirror.is_mirror():
         return None
     snapshot = mirror.resolve(spec)
