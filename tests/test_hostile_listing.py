@@ -293,3 +293,50 @@ def test_attempts_applies_to_s3_listing_retries(
     assert proc.returncode == 1
     assert f"giving up after {attempts} attempts" in proc.stderr.splitlines()[0]
     assert server.requests == attempts
+
+
+def test_trickled_mirror_metadata_is_bounded_in_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+    import time
+
+    from prefetch.errors import TransientSourceError
+    from prefetch.retry import RetryPolicy
+    from prefetch.sources import s3_xml
+    from prefetch.sources.s3 import S3Source, lazy_s3_client
+    from prefetch.spec import parse_source_uri
+
+    listing, ref = page(), b"c" * 40
+    sock = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve_then_trickle() -> None:
+        conn, _ = sock.accept()
+        conn.recv(65536)  # the listing: answered at once, on a connection kept open
+        conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: {len(listing)}\r\n\r\n".encode())
+        conn.sendall(listing)
+        conn.recv(65536)  # the metadata GET: trickled
+        conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: {len(ref)}\r\n\r\n".encode())
+        for byte in ref:
+            if stop.wait(0.25):
+                break
+            conn.sendall(bytes([byte]))
+        conn.close()
+
+    threading.Thread(target=serve_then_trickle, daemon=True).start()
+    monkeypatch.setattr(s3_xml, "PAGE_SECONDS", 1.5)
+    client = lazy_s3_client(
+        endpoint_url=f"http://127.0.0.1:{sock.getsockname()[1]}",
+        access_key="a",
+        secret_key="b",
+        region="us-east-1",
+    )
+    source = S3Source(client, parse_source_uri("s3://bkt/m/"), retry=RetryPolicy(attempts=1))
+    source.ensure_lean_path()
+    started = time.monotonic()
+    try:
+        with pytest.raises(TransientSourceError, match=r"more than 1\.5 s"):
+            source.read_object("m/refs/main", "reading s3://bkt/m/refs/main", limit=100)
+    finally:
+        stop.set()
+        sock.close()
+    assert time.monotonic() - started < 5

@@ -59,7 +59,7 @@ from prefetch.sources.s3_lean import (
     capture_listing_requests,
     lean_requests_for,
 )
-from prefetch.sources.s3_xml import ListingPages
+from prefetch.sources.s3_xml import ListingPages, read_page
 from prefetch.sources.status_text import bare_status
 from prefetch.spec import SIDECAR_MANIFEST, ModelSpec, SourceURI
 from prefetch.verify import STRENGTH
@@ -585,7 +585,7 @@ class S3Source:
                     if code != "NoSuchBucket":
                         return None
                 raise _answer_error(what, answer, has_body=True)
-            data: bytes = answer.raw.read(limit + 1)
+            data: bytes = read_page(answer.raw, limit + 1)
             if len(data) > limit:
                 answer.discard()
                 raise over_limit()

@@ -173,8 +173,9 @@ def _entry(n: int, fields: Mapping[str, str], decode: Callable[[str], str]) -> d
 
 
 def read_page(raw: Any, limit: int, seconds: float | None = None) -> bytes:
-    """At most ``limit`` bytes of the urllib3 response ``raw``, read within ``seconds`` (default
-    :data:`PAGE_SECONDS`); TimeoutError past it (the caller's retry decides what next)."""
+    """At most ``limit`` bytes of the urllib3 response ``raw`` (a listing page, a mirror's
+    metadata), read within ``seconds`` (default :data:`PAGE_SECONDS`); TimeoutError past it
+    (the caller's retry decides what next)."""
     bound = PAGE_SECONDS if seconds is None else seconds
     deadline = time.monotonic() + bound
     chunks: list[bytes] = []
@@ -186,7 +187,7 @@ def read_page(raw: Any, limit: int, seconds: float | None = None) -> bytes:
         chunks.append(chunk)
         got += len(chunk)
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the listing page took more than {bound:g} s to arrive")
+            raise TimeoutError(f"the answer took more than {bound:g} s to arrive (trickled)")
     return b"".join(chunks)
 
 
