@@ -340,3 +340,27 @@ def test_trickled_mirror_metadata_is_bounded_in_time(monkeypatch: pytest.MonkeyP
         stop.set()
         sock.close()
     assert time.monotonic() - started < 5
+
+
+def test_a_listing_entry_without_a_key_on_the_botocore_path_is_one_error_line(
+    serve: Callable[..., ListingServer], tmp_path: Path
+) -> None:
+    server = serve(lambda q: page(b"<Contents><Size>3</Size></Contents>"), probe_too=True)
+    (tmp_path / "credentials").write_text(
+        "[hostile]\naws_access_key_id = AKIAHOSTILE\naws_secret_access_key = s\n"
+    )
+    env = clean_env(
+        tmp_path / "hf",
+        AWS_ENDPOINT_URL=server.endpoint,
+        AWS_PROFILE="hostile",  # a profile: botocore lists
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_CONFIG_FILE=str(tmp_path / "none"),
+        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "credentials"),
+    )
+    proc = run_cli("pull", "s3://bkt/m", str(tmp_path / "d"), "--attempts", "1", env=env,
+                   timeout=60)  # fmt: skip
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    first = proc.stderr.splitlines()[0]
+    assert first.startswith("Error: listing s3://bkt/m") and "entry 1 has no Key" in first, first
+    assert "KeyError" not in first

@@ -22,7 +22,7 @@ from prefetch import verify
 from prefetch.errors import BucketNotFoundError, PrefetchError, SourceError
 from prefetch.retry import RetryPolicy, call_with_retries
 from prefetch.sources.s3 import translate
-from prefetch.sources.s3_xml import ListingPages
+from prefetch.sources.s3_xml import ListingPages, listed_objects
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -170,7 +170,7 @@ class S3Prefix:
                 Prefix=self.prefix,
                 **token,
             )
-            for obj in page.get("Contents", []):
+            for obj in listed_objects(page, self.url(self.prefix)):
                 key = str(obj["Key"])
                 rel = key[len(self.prefix) :]
                 if rel and not rel.endswith("/"):

@@ -59,7 +59,7 @@ from prefetch.sources.s3_lean import (
     capture_listing_requests,
     lean_requests_for,
 )
-from prefetch.sources.s3_xml import ListingPages, read_page
+from prefetch.sources.s3_xml import ListingPages, listed_objects, read_page
 from prefetch.sources.status_text import bare_status
 from prefetch.spec import SIDECAR_MANIFEST, ModelSpec, SourceURI
 from prefetch.verify import STRENGTH
@@ -528,7 +528,7 @@ class S3Source:
             if token:
                 kwargs["ContinuationToken"] = token
             page = self.list_page(f"listing {where}", **kwargs)
-            for obj in page.get("Contents", []):
+            for obj in listed_objects(page, where):
                 key: str = obj["Key"]
                 rel = key[len(prefix) :]
                 if not rel or rel.endswith("/"):

@@ -29,6 +29,7 @@ __all__ = [
     "PAGE_SECONDS",
     "ListingPages",
     "MalformedListingPage",
+    "listed_objects",
     "parse_list_page",
     "read_page",
 ]
@@ -189,6 +190,27 @@ def read_page(raw: Any, limit: int, seconds: float | None = None) -> bytes:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the answer took more than {bound:g} s to arrive (trickled)")
     return b"".join(chunks)
+
+
+def listed_objects(page: Mapping[str, Any], where: str) -> list[Mapping[str, Any]]:
+    """The ``Contents`` of a page (botocore's or :func:`parse_list_page`'s), each with a
+    non-empty ``Key`` and a whole, non-negative ``Size``: InvalidListingError naming ``where``
+    (the prefix the user asked for) otherwise. botocore's parser passes through whatever the
+    endpoint sent, so an entry without a Key would be a ``KeyError`` further on."""
+    contents = page.get("Contents") or []
+    if not isinstance(contents, list):
+        raise InvalidListingError(f"listing {where}: Contents is not a list")
+    for n, obj in enumerate(contents, 1):
+        key = obj.get("Key") if isinstance(obj, Mapping) else None
+        if not isinstance(key, str) or not key:
+            raise InvalidListingError(f"listing {where}: entry {n} has no Key")
+        size = obj.get("Size")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise InvalidListingError(
+                f"listing {where}: the Size of {key[:200]!r} is {str(size)[:40]!r}, not a "
+                "byte count"
+            )
+    return contents
 
 
 class ListingPages:
