@@ -83,3 +83,19 @@ def test_vv_never_prints_the_session_token(
     assert TOKEN[:12] not in out
     assert "Signature=" not in out.replace("Signature=***", "")
     assert "Credential=prefetch" not in out  # the Authorization header's value is all masked
+
+
+def test_json_log_fields_of_any_type_are_redacted() -> None:
+    import json
+
+    from prefetch.logjson import JsonFormatter
+
+    record = logging.LogRecord("prefetch.x", logging.WARNING, __file__, 1, "failed", None, None)
+    record.error = ValueError(f"proxy http://user:{TOKEN}@127.0.0.1:3128 refused")
+    record.source = {"proxy": f"http://user:{TOKEN}@127.0.0.1:3128", "n": 3}
+    record.bytes = 42
+    line = JsonFormatter().format(record)
+    assert TOKEN[:12] not in line
+    doc = json.loads(line)
+    assert doc["bytes"] == 42 and doc["source"]["n"] == 3
+    assert doc["source"]["proxy"] == "http://user:***@127.0.0.1:3128"
