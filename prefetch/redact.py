@@ -45,7 +45,7 @@ _SECRETS = (
         ),
         r"\1\2***",
     ),
-    (re.compile(r"(?i)\b(bearer\s+|basic\s+)[A-Za-z0-9._~+/=-]{8,}"), r"\1***"),
+    (re.compile(r"(?i)\b(bearer\s+)[A-Za-z0-9._~+/=-]{8,}"), r"\1***"),
     # Hugging Face user/org tokens
     (re.compile(r"\bhf_[A-Za-z0-9]{16,}\b"), "hf_***"),
     # a password in a URL's user info (a proxy's http://user:password@host:3128)
