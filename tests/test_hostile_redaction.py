@@ -99,3 +99,8 @@ def test_json_log_fields_of_any_type_are_redacted() -> None:
     doc = json.loads(line)
     assert doc["bytes"] == 42 and doc["source"]["n"] == 3
     assert doc["source"]["proxy"] == "http://user:***@127.0.0.1:3128"
+
+
+def test_redaction_keeps_plain_words() -> None:
+    text = "a basic listing of 3 files; the HF cache's token file is absent"
+    assert redact(text) == text
