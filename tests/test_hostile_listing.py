@@ -331,7 +331,7 @@ def test_trickled_mirror_metadata_is_bounded_in_time(monkeypatch: pytest.MonkeyP
         region="us-east-1",
     )
     source = S3Source(client, parse_source_uri("s3://bkt/m/"), retry=RetryPolicy(attempts=1))
-    source.ensure_lean_path()
+    source.ensure_signed_path()
     started = time.monotonic()
     try:
         with pytest.raises(TransientSourceError, match=r"more than 1\.5 s"):
