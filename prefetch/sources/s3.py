@@ -60,7 +60,7 @@ from prefetch.sources.s3_direct import (
     profile_section,
     sends_as_signed,
 )
-from prefetch.sources.s3_xml import ListingPages, listed_objects, read_page
+from prefetch.sources.s3_xml import ListingPages, listed_objects
 from prefetch.sources.status_text import bare_status
 from prefetch.spec import SIDECAR_MANIFEST, ModelSpec, SourceURI
 from prefetch.verify import STRENGTH
@@ -610,7 +610,7 @@ class S3Source:
                         return None
                     raise BucketNotFoundError(f"{what}: bucket does not exist")
                 raise answer_error(what, answer, has_body=True)
-            data: bytes = read_page(answer.raw, limit + 1)
+            data = answer.read(limit + 1)
             if len(data) > limit:
                 answer.discard()
                 raise SourceError(f"{what}: larger than {limit} bytes")

@@ -34,7 +34,7 @@ from urllib.parse import SplitResult, quote, urlsplit
 
 from prefetch import __version__, settings
 from prefetch.sources._http import HttpClient, Response, send
-from prefetch.sources.s3_xml import parse_list_page, read_page
+from prefetch.sources.s3_xml import parse_list_page
 
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 _USER_AGENT = f"model-prefetch/{__version__}"
@@ -261,7 +261,7 @@ class S3Bucket:
         if answer.status != 200:
             raise self._on_error(f"listing s3://{self.bucket}/{Prefix}", answer)
         try:
-            body = read_page(answer.raw, MAX_PAGE_BYTES + 1)
+            body = answer.read(MAX_PAGE_BYTES + 1)
         finally:
             answer.release()
         if len(body) > MAX_PAGE_BYTES:

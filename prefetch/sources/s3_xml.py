@@ -16,7 +16,6 @@ ever) and more than :data:`MAX_PAGES` pages.
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import unquote_plus
@@ -26,19 +25,14 @@ from prefetch.errors import InvalidListingError
 
 __all__ = [
     "MAX_PAGES",
-    "PAGE_SECONDS",
     "ListingPages",
     "MalformedListingPage",
     "listed_objects",
     "parse_list_page",
-    "read_page",
 ]
 
 #: A listing is followed for at most this many pages (10 million keys at 1000 a page).
 MAX_PAGES = 10_000
-#: A listing page's body is read within this many seconds, however it trickles (the Hub's
-#: metadata calls have the same bound); the socket timeout alone restarts with every byte.
-PAGE_SECONDS = 120.0
 #: ListBucketResult > Contents > Owner > ID is 4 deep; S3 nests no deeper.
 _MAX_DEPTH = 8
 #: A key is at most 1024 bytes (3 times that URL-encoded); tokens and ETags are shorter.
@@ -171,25 +165,6 @@ def _entry(n: int, fields: Mapping[str, str], decode: Callable[[str], str]) -> d
     if not size.isascii() or not size.isdigit() or len(size) > 19:
         raise MalformedListingPage(f"the Size of {key[:200]!r} is {size[:40]!r}, not a byte count")
     return {"Key": key, "Size": int(size), "ETag": fields.get("ETag", "")}
-
-
-def read_page(raw: Any, limit: int, seconds: float | None = None) -> bytes:
-    """At most ``limit`` bytes of the urllib3 response ``raw`` (a listing page, a mirror's
-    metadata), read within ``seconds`` (default :data:`PAGE_SECONDS`); TimeoutError past it
-    (the caller's retry decides what next)."""
-    bound = PAGE_SECONDS if seconds is None else seconds
-    deadline = time.monotonic() + bound
-    chunks: list[bytes] = []
-    got = 0
-    while got < limit:
-        chunk = raw.read1(min(limit - got, 1 << 20))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        got += len(chunk)
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the answer took more than {bound:g} s to arrive (trickled)")
-    return b"".join(chunks)
 
 
 def listed_objects(page: Mapping[str, Any], where: str) -> list[Mapping[str, Any]]:
