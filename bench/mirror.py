@@ -138,15 +138,7 @@ class MirrorBench:
                 "" if self.args.sign_payloads else "s3 =\n    payload_signing_enabled = false\n"
             )
             (self.work / "aws-config").write_text(f"[default]\nregion = us-east-1\n{unsigned}")
-            env.update(
-                AWS_ENDPOINT_URL=self.s3.endpoint,
-                AWS_ACCESS_KEY_ID=self.s3.access_key,
-                AWS_SECRET_ACCESS_KEY=self.s3.secret_key,
-                AWS_DEFAULT_REGION="us-east-1",
-                AWS_CONFIG_FILE=str(self.work / "aws-config"),
-                AWS_SHARED_CREDENTIALS_FILE=str(self.work / "aws-credentials"),
-                AWS_EC2_METADATA_DISABLED="true",
-            )
+            env.update(self.s3.aws_env(self.work), AWS_EC2_METADATA_DISABLED="true")
         return env
 
     def server_pids(self) -> list[int]:

@@ -117,13 +117,8 @@ class Bench:
         (self.work / "aws-credentials").write_text("")
         (self.work / "rclone.conf").write_text("")
         env.update(
-            AWS_ENDPOINT_URL=server.endpoint,
-            AWS_ACCESS_KEY_ID=server.access_key,
-            AWS_SECRET_ACCESS_KEY=server.secret_key,
-            AWS_DEFAULT_REGION="us-east-1",
+            server.aws_env(self.work),
             AWS_REGION="us-east-1",
-            AWS_CONFIG_FILE=str(self.work / "aws-config"),
-            AWS_SHARED_CREDENTIALS_FILE=str(self.work / "aws-credentials"),
             AWS_EC2_METADATA_DISABLED="true",
             RCLONE_CONFIG=str(self.work / "rclone.conf"),
             RCLONE_CONFIG_BENCHS3_TYPE="s3",

@@ -122,14 +122,7 @@ def main() -> None:
         upload_model(server.client(), BUCKET, PREFIX, files)
         shutil.rmtree(work / "src")
         env = dict(os.environ)
-        env.update(
-            AWS_ENDPOINT_URL=server.endpoint,
-            AWS_ACCESS_KEY_ID=server.access_key,
-            AWS_SECRET_ACCESS_KEY=server.secret_key,
-            AWS_DEFAULT_REGION="us-east-1",
-            AWS_CONFIG_FILE=str(work / "aws-config"),
-            AWS_SHARED_CREDENTIALS_FILE=str(work / "aws-credentials"),
-        )
+        env.update(server.aws_env(work))
         for mode in ("plain", "warm"):
             dest = work / f"dest-{mode}"
             shutil.rmtree(dest, ignore_errors=True)

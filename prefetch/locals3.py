@@ -133,6 +133,19 @@ class SeaweedS3:
         self._wait_ready()
         return self
 
+    def aws_env(self, config_dir: Path) -> dict[str, str]:
+        """The AWS variables a client process (prefetch, the AWS CLI, s5cmd) needs to reach this
+        server: its endpoint, credentials and region; AWS config and credentials files under
+        ``config_dir``, never the user's own."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_DEFAULT_REGION": REGION,
+            "AWS_CONFIG_FILE": str(config_dir / "aws-config"),
+            "AWS_SHARED_CREDENTIALS_FILE": str(config_dir / "aws-credentials"),
+        }
+
     def client(
         self, *, max_pool_connections: int = 32, sign_payloads: bool | None = None
     ) -> Any:  # boto3's client: untyped

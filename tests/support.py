@@ -188,12 +188,7 @@ def s3_subprocess_env(server: SeaweedS3, work: Path) -> dict[str, str]:
     credentials, AWS and HF config files under ``work`` (never the user's), unbuffered output."""
     env = dict(os.environ)
     env.update(
-        AWS_ENDPOINT_URL=server.endpoint,
-        AWS_ACCESS_KEY_ID=server.access_key,
-        AWS_SECRET_ACCESS_KEY=server.secret_key,
-        AWS_DEFAULT_REGION="us-east-1",
-        AWS_CONFIG_FILE=str(work / "aws-config"),
-        AWS_SHARED_CREDENTIALS_FILE=str(work / "aws-credentials"),
+        server.aws_env(work),
         HF_HOME=str(work / "hf-home"),
         PYTHONUNBUFFERED="1",
     )
