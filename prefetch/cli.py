@@ -376,9 +376,10 @@ def pull_spec(
         if not exc.cross_field:
             raise
         raise ConfigError(exc.render(_FLAG_NAMES), hint=exc.hint) from exc
-    if source.scheme == "s3" and layout_name == "hf" and not hf_repo:
+    if source.scheme in ("s3", "oci") and layout_name == "hf" and not hf_repo:
         raise ConfigError(
-            "--layout hf needs --hf-repo org/name for an S3 source (the repo id to publish under)"
+            f"--layout hf needs --hf-repo org/name for an {source.scheme.upper()} source (the "
+            "repo id to publish under)"
         )
     return spec, layout_name_for(spec, layout_name)
 

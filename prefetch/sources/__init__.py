@@ -35,6 +35,10 @@ def open_source(
         if not spec.mirrors:
             return hf.open_hub_source(spec, hub)
         return _ordered(spec, hub, s3_client, endpoint_url=endpoint_url, concurrency=concurrency)
+    if spec.source.scheme == "oci":
+        from prefetch.sources.oci import open_oci_source
+
+        return open_oci_source(spec, pool_size=concurrency + 8)
     raise ValueError(f"no source for scheme {spec.source.scheme!r}")
 
 

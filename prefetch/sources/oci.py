@@ -1,0 +1,360 @@
+"""OCI registry source: model artifacts (ModelPack, KitOps, Docker models) by manifest digest.
+
+* ``resolve``: ``GET /v2/<repo>/manifests/<tag or digest>``; the bytes must hash to the digest
+  asked for (a tag: to the ``Docker-Content-Digest`` the registry states, when it states one),
+  and the tag is resolved here once: the snapshot's revision is the manifest digest. An index
+  is followed to its one model manifest (:func:`prefetch.sources.oci_manifest.pick_model`).
+  Each layer is a file at its ``org.cncf.model.filepath``; its sha256 digest is its checksum
+  and its version, so the engine verifies every byte and the Hugging Face layout names its blob
+  by it (as the Hub names LFS blobs).
+* ``open_range``: ``GET /v2/<repo>/blobs/<digest>`` with ``Range``, clamped to the descriptor's
+  size (a registry answers a range past the end with 416 yet states the whole length);
+  redirects (307 to object storage) are followed here with the Range sent again and the
+  ``Authorization`` only on the registry's own origin; a ``Docker-Content-Digest`` other than
+  the layer's is refused; the range rule of :mod:`prefetch.sources.base` applies.
+* Authentication: :mod:`prefetch.sources.oci_auth` (docker config, helpers, the token flow); a
+  401 mid-pull (an expired token) fetches a new token once and sends the request again.
+
+Loopback registries (and hosts in ``PREFETCH_OCI_PLAIN_HTTP``, comma-separated ``host[:port]``:
+a Spegel or pull-through mirror on the node) are spoken to over plain HTTP, as docker does for
+``localhost``; every other registry over HTTPS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urljoin, urlsplit
+
+import urllib3
+
+from prefetch import __version__
+from prefetch.errors import (
+    InvalidListingError,
+    NoMatchingFilesError,
+    RevisionNotFoundError,
+    SourceChangedError,
+    SourceError,
+)
+from prefetch.retry import RetryPolicy, call_with_retries
+from prefetch.snapshot import Checksum, RemoteFile, Snapshot
+from prefetch.sources import oci_manifest as om
+from prefetch.sources._http import (
+    BodyReader,
+    HttpClient,
+    discard,
+    http_client_response,
+    redact_url,
+    release_small_body,
+    shared_http_pool,
+    status_error,
+    transport_error,
+)
+from prefetch.sources.base import range_answer_problem
+from prefetch.sources.oci_auth import RegistryAuth
+from prefetch.spec import ModelSpec, SourceURI
+
+log = logging.getLogger(__name__)
+
+USER_AGENT = f"model-prefetch/{__version__}"
+PLAIN_HTTP_ENV = "PREFETCH_OCI_PLAIN_HTTP"
+_REDIRECTS = (301, 302, 303, 307, 308)
+_MAX_REDIRECTS = 5
+
+
+def registry_base(registry: str, plain_http: tuple[str, ...] = ()) -> str:
+    """``http://`` for a loopback host or one listed in ``plain_http`` (or the environment's
+    ``PREFETCH_OCI_PLAIN_HTTP``), else ``https://``; then the host."""
+    listed = {h.strip().lower() for h in os.environ.get(PLAIN_HTTP_ENV, "").split(",") if h}
+    listed |= set(plain_http)
+    host = urlsplit(f"//{registry}").hostname or ""
+    loopback = host == "localhost"
+    with contextlib.suppress(ValueError):
+        loopback = loopback or ipaddress.ip_address(host).is_loopback
+    plain = loopback or registry in listed or host in listed
+    return f"{'http' if plain else 'https'}://{registry}"
+
+
+def _origin(url: str) -> tuple[str, str, int]:
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    return scheme, (parts.hostname or "").lower(), parts.port or (443 if scheme == "https" else 80)
+
+
+class OciSource:
+    """One repository of one registry (``uri``: ``oci://registry/repo[:tag|@digest]``)."""
+
+    def __init__(
+        self,
+        uri: SourceURI,
+        *,
+        http: HttpClient,
+        auth: RegistryAuth | None = None,
+        retry: RetryPolicy | None = None,
+        timeout: urllib3.Timeout | None = None,
+        plain_http: tuple[str, ...] = (),
+    ) -> None:
+        self._uri = uri
+        self._repo = uri.path
+        self._base = registry_base(uri.location, plain_http)
+        self._origin = _origin(self._base)
+        self._http = http
+        self._auth = auth or RegistryAuth(uri.location, http)
+        self._retry = retry or RetryPolicy()
+        self._timeout = timeout or urllib3.Timeout(connect=10.0, read=60.0)
+        self._scope = f"repository:{self._repo}:pull"
+
+    @property
+    def uri(self) -> SourceURI:
+        return self._uri
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def _send(self, url: str, headers: Mapping[str, str], what: str) -> Any:
+        """GET ``url`` (no redirects followed), with the registry's authorization on its own
+        origin; a 401 there is answered (token or login) once and the request sent again."""
+        for attempt in (1, 2):
+            sent = dict(headers, **{"User-Agent": USER_AGENT})
+            own = _origin(url) == self._origin
+            auth = self._auth.header(self._scope) if own else None
+            if auth is not None:
+                sent["Authorization"] = auth
+            try:
+                resp = self._http.request(
+                    "GET", url, headers=sent, redirect=False, retries=False,
+                    preload_content=False, decode_content=False, timeout=self._timeout,
+                )  # fmt: skip
+            except Exception as exc:
+                raise transport_error(exc, what) from exc
+            if resp.status == 401 and own and attempt == 1:
+                challenge = resp.headers.get("WWW-Authenticate")
+                release_small_body(resp)
+                self._auth.forget(self._scope)
+                self._auth.answer(challenge, self._scope, what)
+                continue
+            return resp
+        raise AssertionError("unreachable")
+
+    def _get(self, path: str, headers: Mapping[str, str], what: str) -> tuple[Any, str]:
+        """GET ``/v2/<repo>/<path>``, following redirects (the headers sent again, the
+        authorization only to the registry); the answer and the URL that gave it."""
+        url = f"{self._base}/v2/{self._repo}/{path}"
+        for _ in range(_MAX_REDIRECTS + 1):
+            resp = self._send(url, headers, what)
+            if resp.status not in _REDIRECTS:
+                return resp, url
+            location = resp.headers.get("Location")
+            release_small_body(resp)
+            if not location:
+                raise SourceError(f"{what}: a redirect without a Location from {redact_url(url)}")
+            target = urljoin(url, str(location))
+            if urlsplit(target).scheme not in ("http", "https"):
+                raise SourceError(f"{what}: a redirect to {redact_url(target)}")
+            url = target
+        raise SourceError(f"{what}: more than {_MAX_REDIRECTS} redirects")
+
+    def _refusal(self, resp: Any, url: str, what: str) -> SourceError:
+        status = int(resp.status)
+        detail = _error_detail(resp)
+        discard(resp)
+        return status_error(
+            status, f"{what}: HTTP {status} from {redact_url(url)}{detail}",
+            retry_after=resp.headers.get("Retry-After"),
+        )  # fmt: skip
+
+    # -- resolve ---------------------------------------------------------------------------------
+
+    def fetch_manifest(self, reference: str) -> tuple[bytes, str, str | None]:
+        """The bytes of the manifest ``reference`` names, checked against its digest; its digest
+        and its Content-Type. Retried per the policy."""
+        what = f"{self._uri.location}/{self._repo}: manifest {reference}"
+        return call_with_retries(
+            lambda: self._fetch_manifest(reference, what), self._retry, what=what
+        )
+
+    def _fetch_manifest(self, reference: str, what: str) -> tuple[bytes, str, str | None]:
+        resp, url = self._get(f"manifests/{reference}", {"Accept": om.ACCEPT}, what)
+        if resp.status == 404:
+            discard(resp)
+            raise RevisionNotFoundError(f"{what}: not found in {redact_url(url)}")
+        if resp.status != 200:
+            raise self._refusal(resp, url, what)
+        try:
+            data = resp.read(om.MAX_MANIFEST_BYTES + 1)
+        except Exception as exc:
+            raise transport_error(exc, what) from exc
+        finally:
+            discard(resp)
+        if len(data) > om.MAX_MANIFEST_BYTES:
+            raise InvalidListingError(f"{what}: larger than {om.MAX_MANIFEST_BYTES} bytes")
+        stated = (resp.headers.get("Docker-Content-Digest") or "").strip() or None
+        if reference.startswith("sha256:"):
+            om.check_digest(data, reference, what)
+            digest = reference
+        else:
+            digest = om.digest_of(data)
+            if stated is not None and stated != digest:
+                raise SourceChangedError(
+                    f"{what}: the registry states digest {stated} for a manifest whose bytes "
+                    f"hash to {digest} (refused)"
+                )
+        return data, digest, resp.headers.get("Content-Type")
+
+    def model_manifest(self, reference: str) -> om.ModelManifest:
+        """The model manifest ``reference`` names (an index: its one model manifest)."""
+        data, digest, content_type = self.fetch_manifest(reference)
+        what = f"{self._uri.location}/{self._repo}@{digest}"
+        doc = om.parse_document(data, what)
+        media = om.document_type(doc, content_type)
+        if not om.is_index(media):
+            return om.parse_model_manifest(doc, digest, what)
+        return self._pick_model(om.index_entries(doc, what), what)
+
+    def _pick_model(self, entries: list[om.IndexEntry], what: str) -> om.ModelManifest:
+        """The one model manifest of an index: by ``artifactType`` when entries state one,
+        else each image manifest is read and the model ones kept; none or several: an error
+        naming what the index holds."""
+        typed = [e for e in entries if om.is_model_type(e.artifact_type)]
+        candidates = typed or [e for e in entries if not om.is_index(e.media_type)]
+        models: list[om.ModelManifest] = []
+        for entry in candidates:
+            data, digest, _ = self.fetch_manifest(entry.digest)
+            doc = om.parse_document(data, f"{what} -> {digest}")
+            try:
+                models.append(om.parse_model_manifest(doc, digest, f"{what} -> {digest}"))
+            except InvalidListingError:
+                if typed:
+                    raise
+        if len(models) == 1:
+            return models[0]
+        found = ", ".join(e.describe() for e in entries) or "no manifests"
+        if not models:
+            raise InvalidListingError(f"{what}: an index with no model manifest (it holds {found})")
+        raise InvalidListingError(
+            f"{what}: an index with {len(models)} model manifests (it holds {found}); "
+            "name one by its digest"
+        )
+
+    def resolve(self, spec: ModelSpec) -> Snapshot:
+        reference = self._uri.revision or "latest"
+        manifest = self.model_manifest(reference)
+        return self.snapshot_of(spec, manifest, requested=None)
+
+    def snapshot_of(
+        self, spec: ModelSpec, manifest: om.ModelManifest, *, requested: str | None
+    ) -> Snapshot:
+        files = []
+        for layer in manifest.layers:
+            if layer.archive is not None:
+                raise InvalidListingError(
+                    f"{self._uri.location}/{self._repo}@{manifest.digest}: layer {layer.path!r} "
+                    f"is a {layer.archive} archive ({layer.media_type}); only raw layers are "
+                    "supported yet"
+                )
+            if spec.wants(layer.path):
+                files.append(self.remote_file(layer))
+        if not files:
+            raise NoMatchingFilesError(
+                f"{self._uri}: no layer matches the include/exclude patterns"
+                if manifest.layers
+                else f"{self._uri}: the manifest has no layers"
+            )
+        files.sort(key=lambda f: f.path)
+        revision = spec.hf_revision or manifest.digest.split(":", 1)[1]
+        return Snapshot(
+            source=f"oci://{self._uri.location}/{self._repo}@{manifest.digest}",
+            revision_id=revision,
+            files=tuple(files),
+            requested_revision=requested,
+            repo_id=spec.repo_id,
+        )
+
+    @staticmethod
+    def remote_file(layer: om.Layer) -> RemoteFile:
+        return RemoteFile(
+            path=layer.path,
+            size=layer.size,
+            version=layer.hex,
+            checksums=(Checksum("sha256", layer.hex, origin="oci-digest"),),
+            locator=layer.digest,
+            described=True,
+        )
+
+    def describe(self, file: RemoteFile) -> RemoteFile:
+        return file  # the manifest has it all: size and digest
+
+    # -- read ------------------------------------------------------------------------------------
+
+    def open_range(self, file: RemoteFile, start: int, end: int) -> BodyReader:
+        end = min(end, file.size)  # never past the descriptor's size (a 416 otherwise)
+        what = f"{self._uri.location}/{self._repo}/{file.path} bytes {start}-{end - 1}"
+        headers = {"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
+        resp, url = self._get(f"blobs/{file.locator}", headers, what)
+        if resp.status not in (200, 206):
+            raise self._refusal(resp, url, what)
+        h = resp.headers
+        stated = (h.get("Docker-Content-Digest") or "").strip()
+        if stated and stated != file.locator:
+            discard(resp)
+            raise SourceChangedError(f"{what}: the registry served blob {stated}")
+        length = h.get("Content-Length")
+        problem = range_answer_problem(
+            start, end, file.size, resp.status, h.get("Content-Range"), length
+        )
+        if problem is not None and _whole_blob(resp.status, start, end, file.size, length):
+            problem = None  # the Range ignored, but the range asked for was the whole blob
+        if problem is not None:
+            discard(resp)
+            raise SourceChangedError(f"{what}: {problem}")
+
+        def finish(reusable: bool) -> None:
+            if reusable:
+                resp.release_conn()
+            else:
+                discard(resp)
+
+        return BodyReader(
+            resp, what, end - start, raw=http_client_response(resp), socket_owner=resp,
+            on_close=finish, length_known=length is not None,
+        )  # fmt: skip
+
+
+def _whole_blob(status: int, start: int, end: int, size: int, length: str | None) -> bool:
+    """A 200 answer is the range asked for when that range is the whole blob."""
+    return status == 200 and start == 0 and end == size and (length is None or length == str(size))
+
+
+def _error_detail(resp: Any) -> str:
+    """The registry's own error code (``{"errors":[{"code":"DENIED",...}]}``), if any."""
+    try:
+        body = resp.read(16 * 1024)
+    except Exception:
+        return ""
+    import json
+
+    try:
+        errors = json.loads(body).get("errors")
+        codes = [str(e.get("code")) for e in errors if isinstance(e, dict)][:3]
+    except (ValueError, AttributeError, TypeError):
+        return ""
+    return f" ({', '.join(codes)})" if codes else ""
+
+
+def open_oci_source(
+    spec: ModelSpec,
+    *,
+    http: HttpClient | None = None,
+    pool_size: int = 32,
+    retry: RetryPolicy | None = None,
+    token_timeout: float = 30.0,
+) -> OciSource:
+    """The OciSource for ``spec`` (an ``oci://`` URI), on the shared pool unless given one."""
+    from prefetch import settings
+
+    client = http or shared_http_pool(pool_size, settings.proxies(override=spec.proxy))
+    auth = RegistryAuth(spec.source.location, client, timeout=token_timeout)
+    return OciSource(spec.source, http=client, auth=auth, retry=retry)
