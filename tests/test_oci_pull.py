@@ -1,0 +1,231 @@
+"""`prefetch pull oci://...` against a real registry (Debian's docker-registry, distribution 2.8)
+on 127.0.0.1, with artifacts pushed by hand-built manifests (and skopeo where installed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from prefetch.errors import (
+    ChecksumMismatchError,
+    InvalidListingError,
+    SourceChangedError,
+    UnsafePathError,
+)
+from prefetch.layout import PlainLayout
+from prefetch.layout.hf import HfCacheLayout
+from prefetch.retry import RetryPolicy
+from prefetch.sources import open_source
+from prefetch.spec import ModelSpec, parse_source_uri
+from prefetch.sync import sync
+from prefetch.transfer import TransferConfig
+
+from .fakes.registry import (
+    MODELPACK_ARTIFACT,
+    OCI_INDEX,
+    OCI_MANIFEST,
+    Pusher,
+    Registry,
+    registry_binary,
+    sha256_digest,
+)
+
+MiB = 1024 * 1024
+CONFIG = TransferConfig(
+    concurrency=4,
+    chunk_size=1 * MiB,
+    buffer_size=64 * 1024,
+    retry=RetryPolicy(attempts=2, base_delay=0.01, max_delay=0.1),
+)
+FILES = {
+    "config.json": b'{"architectures": ["LlamaForCausalLM"]}',
+    "model.safetensors": os.urandom(3 * MiB + 7),
+    "tokenizer/tokenizer.json": b'{"version": "1.0"}',
+}
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    if registry_binary() is None:
+        pytest.skip("docker-registry (Debian package docker-registry) is not installed")
+    reg = Registry(tmp_path_factory.mktemp("registry"))
+    reg.start()
+    try:
+        yield reg
+    finally:
+        reg.stop()
+
+
+@pytest.fixture(scope="module")
+def pusher(registry: Registry) -> Pusher:
+    return Pusher(registry.url)
+
+
+def pull(uri: str, dest: Path, *, hf_repo: str | None = None, config: TransferConfig = CONFIG):
+    spec = ModelSpec(source=parse_source_uri(uri), hf_repo=hf_repo)
+    source = open_source(spec, concurrency=config.concurrency)
+    layout = HfCacheLayout(dest, hf_repo) if hf_repo else PlainLayout(dest)
+    return sync(spec, source, layout, config)
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "prefetch.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_pull_by_tag_resolves_the_digest_once_and_writes_every_layer(registry, pusher, tmp_path):
+    pushed = pusher.modelpack("models/tiny", "v1", FILES)
+    run = cli("pull", f"oci://{registry.host}/models/tiny:v1", str(tmp_path / "d"), "--json")
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    assert result["revision"] == pushed.digest.split(":", 1)[1]
+    for path, data in FILES.items():
+        assert (tmp_path / "d" / path).read_bytes() == data
+    assert result["files_verified"] == len(FILES)
+    again = cli("pull", f"oci://{registry.host}/models/tiny@{pushed.digest}", str(tmp_path / "d"))
+    assert again.returncode == 0, again.stderr
+    assert "up to date, 0 bytes downloaded" in again.stdout
+
+
+def test_hf_layout_loads_offline_with_huggingface_hub(registry, pusher, tmp_path):
+    from huggingface_hub import snapshot_download, try_to_load_from_cache
+
+    pushed = pusher.modelpack("models/hfl", "latest", FILES)
+    home = tmp_path / "home"
+    run = cli("pull", f"oci://{registry.host}/models/hfl", str(home), "--hf-repo", "acme/hfl")
+    assert run.returncode == 0, run.stderr
+    cache = home / "hub"
+    found = try_to_load_from_cache("acme/hfl", "model.safetensors", cache_dir=cache)
+    assert isinstance(found, str)
+    assert Path(found).read_bytes() == FILES["model.safetensors"]
+    # the blob is named by its sha256, as the Hub names LFS blobs
+    assert Path(found).resolve().name == pushed.layers["model.safetensors"].split(":", 1)[1]
+    snap = snapshot_download("acme/hfl", cache_dir=cache, local_files_only=True)
+    assert Path(snap, "tokenizer/tokenizer.json").read_bytes() == FILES["tokenizer/tokenizer.json"]
+
+
+def test_a_tampered_blob_is_refused_and_nothing_is_published(registry, pusher, tmp_path):
+    pushed = pusher.modelpack("models/tamper", "v1", FILES)
+    data = registry.blob_data(pushed.layers["model.safetensors"])
+    content = bytearray(data.read_bytes())
+    content[2 * MiB] ^= 0xFF
+    data.write_bytes(bytes(content))
+    with pytest.raises(ChecksumMismatchError, match=r"model\.safetensors"):
+        pull(f"oci://{registry.host}/models/tamper:v1", tmp_path / "d")
+    assert not (tmp_path / "d" / "model.safetensors").exists()
+
+
+def test_a_manifest_whose_bytes_do_not_match_its_digest_is_refused(registry, pusher, tmp_path):
+    pushed = pusher.modelpack("models/badman", "v1", FILES)
+    stored = registry.blob_data(pushed.digest)
+    stored.write_bytes(pushed.manifest.replace(b'"schemaVersion": 2', b'"schemaVersion":  2'))
+    with pytest.raises(SourceChangedError, match="digest"):
+        pull(f"oci://{registry.host}/models/badman@{pushed.digest}", tmp_path / "d")
+    assert not (tmp_path / "d").exists() or not any((tmp_path / "d").iterdir())
+
+
+def test_a_layer_path_with_dotdot_is_refused_before_any_byte(registry, pusher, tmp_path):
+    pusher.modelpack("models/evil", "v1", {"w.bin": b"x" * 10}, paths={"w.bin": "../../etc/evil"})
+    with pytest.raises(UnsafePathError, match=r"\.\."):
+        pull(f"oci://{registry.host}/models/evil:v1", tmp_path / "d")
+    assert not (tmp_path / "etc").exists()
+    assert not (tmp_path / "d").exists() or not any((tmp_path / "d").iterdir())
+
+
+def test_an_image_that_is_not_a_model_is_refused_naming_its_types(registry, pusher, tmp_path):
+    pusher.modelpack(
+        "models/image",
+        "v1",
+        {"w.bin": b"x"},
+        artifact_type=None,
+        config_media="application/vnd.oci.image.config.v1+json",
+    )
+    with pytest.raises(InvalidListingError, match=r"not a model artifact.*image\.config"):
+        pull(f"oci://{registry.host}/models/image:v1", tmp_path / "d")
+
+
+@pytest.mark.parametrize(
+    ("artifact_type", "config_media"),
+    [
+        (None, "application/vnd.cnai.model.config.v1+json"),  # modctl's older names
+        ("application/vnd.kitops.modelkit.manifest.v1+json", "application/vnd.kitops.modelkit.config.v1+json"),
+        (None, "application/vnd.docker.ai.model.config.v0.1+json"),
+    ],
+)  # fmt: skip
+def test_every_model_family_is_read(registry, pusher, tmp_path, artifact_type, config_media):
+    pusher.modelpack(
+        "models/family",
+        "v1",
+        {"w.bin": b"w"},
+        artifact_type=artifact_type,
+        config_media=config_media,
+    )
+    pull(f"oci://{registry.host}/models/family:v1", tmp_path / "d")
+    assert (tmp_path / "d" / "w.bin").read_bytes() == b"w"
+
+
+def _index(pusher: Pusher, repo: str, tag: str, entries: list[tuple[str, str, str | None]]) -> None:
+    doc = {
+        "schemaVersion": 2,
+        "mediaType": OCI_INDEX,
+        "manifests": [
+            {
+                "mediaType": OCI_MANIFEST,
+                "digest": d,
+                "size": n,
+                **({"artifactType": a} if a else {}),
+            }
+            for d, n, a in entries
+        ],
+    }
+    pusher.manifest(repo, tag, doc, OCI_INDEX)
+
+
+def test_an_index_picks_its_one_model_manifest(registry, pusher, tmp_path):
+    model = pusher.modelpack("models/idx", "model", {"w.bin": b"model"})
+    image = pusher.modelpack(
+        "models/idx", "image", {"x.bin": b"image"}, artifact_type=None,
+        config_media="application/vnd.oci.image.config.v1+json",
+    )  # fmt: skip
+    _index(pusher, "models/idx", "both", [
+        (image.digest, len(image.manifest), None),
+        (model.digest, len(model.manifest), None),
+    ])  # fmt: skip
+    result = pull(f"oci://{registry.host}/models/idx:both", tmp_path / "d")
+    assert (tmp_path / "d" / "w.bin").read_bytes() == b"model"
+    assert result.revision == model.digest.split(":", 1)[1]
+
+
+def test_an_index_of_two_models_fails_naming_them(registry, pusher, tmp_path):
+    one = pusher.modelpack("models/idx2", "a", {"w.bin": b"a"})
+    two = pusher.modelpack("models/idx2", "b", {"w.bin": b"b"})
+    _index(pusher, "models/idx2", "two", [
+        (one.digest, len(one.manifest), MODELPACK_ARTIFACT),
+        (two.digest, len(two.manifest), MODELPACK_ARTIFACT),
+    ])  # fmt: skip
+    with pytest.raises(InvalidListingError, match="2 model manifests") as info:
+        pull(f"oci://{registry.host}/models/idx2:two", tmp_path / "d")
+    assert one.digest[:19] in str(info.value) and two.digest[:19] in str(info.value)
+
+
+def test_an_unknown_tag_is_one_error_line(registry, tmp_path):
+    run = cli("pull", f"oci://{registry.host}/models/nothing:v9", str(tmp_path / "d"))
+    assert run.returncode != 0
+    assert run.stderr.startswith("Error: "), run.stderr
+    assert "Traceback" not in run.stderr
+    assert "manifest v9" in run.stderr
+
+
+def test_digest_helper_matches_pushed(pusher):
+    assert pusher.blob("models/h", b"abc") == sha256_digest(b"abc")
