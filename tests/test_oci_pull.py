@@ -159,7 +159,10 @@ def test_an_image_that_is_not_a_model_is_refused_naming_its_types(registry, push
     ("artifact_type", "config_media"),
     [
         (None, "application/vnd.cnai.model.config.v1+json"),  # modctl's older names
-        ("application/vnd.kitops.modelkit.manifest.v1+json", "application/vnd.kitops.modelkit.config.v1+json"),
+        (
+            "application/vnd.kitops.modelkit.manifest.v1+json",
+            "application/vnd.kitops.modelkit.config.v1+json",
+        ),
         (None, "application/vnd.docker.ai.model.config.v0.1+json"),
     ],
 )  # fmt: skip
