@@ -376,8 +376,10 @@ class ModelSpec:
         set, for metric labels."""
         if served_by.startswith("hf://"):
             return "hub"
-        if served_by.startswith("oci://") and not any(served_by == str(m) for m in self.mirrors):
-            return "oci"
+        if served_by.startswith("oci://"):
+            # a mirror serves the origin's repo under its own host (and prefix)
+            mirror = any(served_by.startswith((f"{m}/", f"{m}@")) for m in self.mirrors)
+            return "mirror" if mirror else "oci"
         if any(served_by == str(m) for m in self.mirrors):
             return "mirror"
         return "s3"

@@ -232,3 +232,37 @@ def test_an_unknown_tag_is_one_error_line(registry, tmp_path):
 
 def test_digest_helper_matches_pushed(pusher):
     assert pusher.blob("models/h", b"abc") == sha256_digest(b"abc")
+
+
+# -- registry mirrors ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_pull_through_mirror_serves_the_origin_digest_and_then_the_origin_may_stop(
+    tmp_path_factory, tmp_path
+):
+    origin = Registry(tmp_path_factory.mktemp("origin"))
+    origin.start()
+    mirror = Registry(tmp_path_factory.mktemp("mirror"), proxy_of=origin.url)
+    mirror.start()
+    try:
+        pushed = Pusher(origin.url).modelpack("models/m", "v1", FILES)
+        uri = f"oci://{origin.host}/models/m:v1"
+        run = cli("pull", uri, str(tmp_path / "a"), "--mirror", f"oci://{mirror.host}", "--json")
+        assert run.returncode == 0, run.stderr
+        first = json.loads(run.stdout)
+        assert first["served_by"].startswith(f"oci://{mirror.host}/models/m@"), first
+        assert first["revision"] == pushed.digest.split(":", 1)[1]
+        origin.stop()
+        pinned = f"oci://{origin.host}/models/m@{pushed.digest}"
+        run = cli("pull", pinned, str(tmp_path / "b"), "--mirror", f"oci://{mirror.host}", "--json")
+        assert run.returncode == 0, run.stderr
+        for path, data in FILES.items():
+            assert (tmp_path / "b" / path).read_bytes() == data
+        # a tag needs the origin (a mirror cannot say what a tag means)
+        run = cli("pull", uri, str(tmp_path / "c"), "--mirror", f"oci://{mirror.host}")
+        assert run.returncode != 0
+        assert run.stderr.startswith("Error: ") and "manifest v1" in run.stderr
+    finally:
+        mirror.stop()
+        origin.stop()

@@ -27,6 +27,7 @@ import ipaddress
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
@@ -54,7 +55,7 @@ from prefetch.sources._http import (
     status_error,
     transport_error,
 )
-from prefetch.sources.base import range_answer_problem
+from prefetch.sources.base import RangeReader, Source, range_answer_problem
 from prefetch.sources.oci_auth import RegistryAuth
 from prefetch.spec import ModelSpec, SourceURI
 
@@ -97,9 +98,12 @@ class OciSource:
         retry: RetryPolicy | None = None,
         timeout: urllib3.Timeout | None = None,
         plain_http: tuple[str, ...] = (),
+        namespace: str | None = None,
     ) -> None:
         self._uri = uri
         self._repo = uri.path
+        #: a mirror's ``?ns=<origin registry>`` (what containerd sends a mirror: Spegel needs it)
+        self._query = f"?ns={namespace}" if namespace else ""
         self._base = registry_base(uri.location, plain_http)
         self._origin = _origin(self._base)
         self._http = http
@@ -111,6 +115,10 @@ class OciSource:
     @property
     def uri(self) -> SourceURI:
         return self._uri
+
+    def pin(self, digest: str) -> None:
+        """Read the manifest ``digest`` (a mirror: the digest the origin resolved)."""
+        self._uri = replace(self._uri, revision=digest)
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -142,7 +150,7 @@ class OciSource:
     def _get(self, path: str, headers: Mapping[str, str], what: str) -> tuple[Any, str]:
         """GET ``/v2/<repo>/<path>``, following redirects (the headers sent again, the
         authorization only to the registry); the answer and the URL that gave it."""
-        url = f"{self._base}/v2/{self._repo}/{path}"
+        url = f"{self._base}/v2/{self._repo}/{path}{self._query}"
         for _ in range(_MAX_REDIRECTS + 1):
             resp = self._send(url, headers, what)
             if resp.status not in _REDIRECTS:
@@ -344,6 +352,41 @@ def _error_detail(resp: Any) -> str:
     return f" ({', '.join(codes)})" if codes else ""
 
 
+class OciMirrors:
+    """An ``oci://`` model with registry mirrors: the manifest digest comes from the origin
+    (the URI's own digest, or its tag resolved there, once), then each mirror is asked for that
+    digest in order and the origin last (:class:`~prefetch.sources.ordered.OrderedSource`'s
+    fallback rule). A mirror serves only bytes that hash to the origin's digests, so it cannot
+    change what is published; with a tag and the origin down nothing can be pulled (pin the
+    digest to pull through a mirror alone)."""
+
+    def __init__(
+        self, origin: OciSource, mirrors: list[OciSource], *, origin_fallback: bool = True
+    ) -> None:
+        from prefetch.sources.ordered import OrderedSource
+
+        self._origin = origin
+        candidates: list[tuple[str, Source]] = [(str(m.uri), m) for m in mirrors]
+        if origin_fallback:
+            candidates.append((str(origin.uri), origin))
+        self._ordered = OrderedSource(candidates)
+        self._sources = [m for m in mirrors] + ([origin] if origin_fallback else [])
+
+    def resolve(self, spec: ModelSpec) -> Snapshot:
+        reference = self._origin.uri.revision or "latest"
+        if not reference.startswith("sha256:"):
+            _, reference, _ = self._origin.fetch_manifest(reference)
+        for source in self._sources:
+            source.pin(reference)
+        return self._ordered.resolve(spec)
+
+    def describe(self, file: RemoteFile) -> RemoteFile:
+        return file
+
+    def open_range(self, file: RemoteFile, start: int, end: int) -> RangeReader:
+        return self._ordered.open_range(file, start, end)
+
+
 def open_oci_source(
     spec: ModelSpec,
     *,
@@ -351,10 +394,23 @@ def open_oci_source(
     pool_size: int = 32,
     retry: RetryPolicy | None = None,
     token_timeout: float = 30.0,
-) -> OciSource:
+) -> OciSource | OciMirrors:
     """The OciSource for ``spec`` (an ``oci://`` URI), on the shared pool unless given one."""
     from prefetch import settings
 
     client = http or shared_http_pool(pool_size, settings.proxies(override=spec.proxy))
-    auth = RegistryAuth(spec.source.location, client, timeout=token_timeout)
-    return OciSource(spec.source, http=client, auth=auth, retry=retry)
+
+    def source(uri: SourceURI, namespace: str | None = None) -> OciSource:
+        auth = RegistryAuth(uri.location, client, timeout=token_timeout)
+        return OciSource(uri, http=client, auth=auth, retry=retry, namespace=namespace)
+
+    origin = source(spec.source)
+    if not spec.mirrors:
+        return origin
+    mirrors = [
+        # a mirror's path is a prefix (Harbor's proxy project); its repo is the origin's
+        source(replace(m, path="/".join(p for p in (m.path, spec.source.path) if p)),
+               namespace=spec.source.location)
+        for m in spec.mirrors
+    ]  # fmt: skip
+    return OciMirrors(origin, mirrors, origin_fallback=spec.hub_fallback)

@@ -34,7 +34,9 @@ def registry_binary() -> str | None:
 class Registry:
     """``docker-registry serve`` with a config of the test's own; ``url`` is its http base."""
 
-    def __init__(self, root: Path, *, htpasswd: Path | None = None) -> None:
+    def __init__(
+        self, root: Path, *, htpasswd: Path | None = None, proxy_of: str | None = None
+    ) -> None:
         self.root = root
         self.port = free_port()
         self.host = f"127.0.0.1:{self.port}"
@@ -43,6 +45,8 @@ class Registry:
         auth = ""
         if htpasswd is not None:
             auth = f"auth:\n  htpasswd:\n    realm: test\n    path: {htpasswd}\n"
+        if proxy_of is not None:  # a pull-through cache of another registry
+            auth += f"proxy:\n  remoteurl: {proxy_of}\n"
         self.config = root / "config.yml"
         self.config.write_text(
             "version: 0.1\n"
