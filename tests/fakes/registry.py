@@ -38,6 +38,7 @@ class Registry:
         self, root: Path, *, htpasswd: Path | None = None, proxy_of: str | None = None
     ) -> None:
         self.root = root
+        root.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.host = f"127.0.0.1:{self.port}"
         self.url = f"http://{self.host}"
