@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -266,3 +267,61 @@ def test_a_pull_through_mirror_serves_the_origin_digest_and_then_the_origin_may_
     finally:
         mirror.stop()
         origin.stop()
+
+
+# -- an artifact another tool pushed ---------------------------------------------------------------
+
+
+def oci_layout_dir(root: Path, files: dict[str, bytes]) -> str:
+    """An OCI image layout (``oci-layout``, ``index.json``, ``blobs/sha256``) holding a ModelPack
+    artifact, built by hand; returns its manifest digest."""
+    blobs = root / "blobs" / "sha256"
+    blobs.mkdir(parents=True)
+
+    def put(data: bytes) -> str:
+        digest = sha256_digest(data)
+        (blobs / digest.split(":", 1)[1]).write_bytes(data)
+        return digest
+
+    config = b'{"descriptor": {"name": "sk"}, "modelfs": {"type": "layers", "diffIds": []}}'
+    manifest = json.dumps({
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "artifactType": MODELPACK_ARTIFACT,
+        "config": {"mediaType": "application/vnd.cncf.model.config.v1+json",
+                   "digest": put(config), "size": len(config)},
+        "layers": [
+            {"mediaType": "application/vnd.cncf.model.weight.v1.raw", "digest": put(data),
+             "size": len(data), "annotations": {"org.cncf.model.filepath": path}}
+            for path, data in files.items()
+        ],
+    }).encode()  # fmt: skip
+    digest = put(manifest)
+    (root / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+    (root / "index.json").write_text(json.dumps({
+        "schemaVersion": 2,
+        "manifests": [{"mediaType": OCI_MANIFEST, "digest": digest, "size": len(manifest),
+                       "annotations": {"org.opencontainers.image.ref.name": "v1"}}],
+    }))  # fmt: skip
+    return digest
+
+
+@pytest.mark.skipif(shutil.which("skopeo") is None, reason="skopeo is not installed")
+def test_an_artifact_pushed_by_skopeo_is_pulled_into_the_hf_layout(registry, tmp_path):
+    from huggingface_hub import snapshot_download
+
+    digest = oci_layout_dir(tmp_path / "layout", FILES)
+    copy = subprocess.run(
+        ["skopeo", "copy", "--dest-tls-verify=false", "--preserve-digests",
+         f"oci:{tmp_path / 'layout'}:v1", f"docker://{registry.host}/models/skopeo:v1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert copy.returncode == 0, copy.stderr
+    home = tmp_path / "home"
+    run = cli("pull", f"oci://{registry.host}/models/skopeo:v1", str(home),
+              "--hf-repo", "acme/skopeo", "--json")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["revision"] == digest.split(":", 1)[1]
+    snap = snapshot_download("acme/skopeo", cache_dir=home / "hub", local_files_only=True)
+    for path, data in FILES.items():
+        assert Path(snap, path).read_bytes() == data
