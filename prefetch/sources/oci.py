@@ -12,6 +12,10 @@
   redirects (307 to object storage) are followed here with the Range sent again and the
   ``Authorization`` only on the registry's own origin; a ``Docker-Content-Digest`` other than
   the layer's is refused; the range rule of :mod:`prefetch.sources.base` applies.
+* Archive layers (``tar``, ``tar+gzip``, ``tar+zstd``): streamed once at resolve, checked
+  against their digest and unpacked safely (:mod:`prefetch.sources.oci_tar`) into a staging
+  folder (``PREFETCH_OCI_STAGING``, else the temp folder); their members are then files of the
+  snapshot, each with the sha256 taken as it was unpacked, copied into place by the engine.
 * Authentication: :mod:`prefetch.sources.oci_auth` (docker config, helpers, the token flow); a
   401 mid-pull (an expired token) fetches a new token once and sends the request again.
 
@@ -26,8 +30,12 @@ import contextlib
 import ipaddress
 import logging
 import os
+import tempfile
+import threading
+import weakref
 from collections.abc import Mapping
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
@@ -44,6 +52,7 @@ from prefetch.errors import (
 from prefetch.retry import RetryPolicy, call_with_retries
 from prefetch.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.sources import oci_manifest as om
+from prefetch.sources import oci_tar
 from prefetch.sources._http import (
     BodyReader,
     HttpClient,
@@ -63,6 +72,8 @@ log = logging.getLogger(__name__)
 
 USER_AGENT = f"model-prefetch/{__version__}"
 PLAIN_HTTP_ENV = "PREFETCH_OCI_PLAIN_HTTP"
+#: Where archive layers are unpacked before they are published (default: the temp folder).
+STAGING_ENV = "PREFETCH_OCI_STAGING"
 _REDIRECTS = (301, 302, 303, 307, 308)
 _MAX_REDIRECTS = 5
 
@@ -111,6 +122,10 @@ class OciSource:
         self._retry = retry or RetryPolicy()
         self._timeout = timeout or urllib3.Timeout(connect=10.0, read=60.0)
         self._scope = f"repository:{self._repo}:pull"
+        self._lock = threading.Lock()
+        self._staging: Path | None = None
+        self._staged: dict[str, list[oci_tar.StagedMember]] = {}
+        self._local: dict[str, Path] = {}
 
     @property
     def uri(self) -> SourceURI:
@@ -258,12 +273,10 @@ class OciSource:
         files = []
         for layer in manifest.layers:
             if layer.archive is not None:
-                raise InvalidListingError(
-                    f"{self._uri.location}/{self._repo}@{manifest.digest}: layer {layer.path!r} "
-                    f"is a {layer.archive} archive ({layer.media_type}); only raw layers are "
-                    "supported yet"
-                )
-            if spec.wants(layer.path):
+                files += [
+                    self._member_file(layer, m) for m in self._stage(layer) if spec.wants(m.path)
+                ]
+            elif spec.wants(layer.path):
                 files.append(self.remote_file(layer))
         if not files:
             raise NoMatchingFilesError(
@@ -295,10 +308,79 @@ class OciSource:
     def describe(self, file: RemoteFile) -> RemoteFile:
         return file  # the manifest has it all: size and digest
 
+    # -- archive layers --------------------------------------------------------------------------
+
+    def _stage(self, layer: om.Layer) -> list[oci_tar.StagedMember]:
+        """An archive layer's members, unpacked under the staging folder (once per source:
+        a later resolve of the same layer reuses them)."""
+        with self._lock:
+            staged = self._staged.get(layer.digest)
+            if staged is not None:
+                return staged
+            root = self._staging_root() / layer.hex
+            oci_tar.remove_staging(root)
+            root.mkdir(parents=True)
+            what = f"{self._uri.location}/{self._repo}: layer {layer.path}"
+            try:
+                staged = call_with_retries(
+                    lambda: self._unpack(layer, root, what), self._retry, what=what
+                )
+            except BaseException:
+                oci_tar.remove_staging(root)
+                raise
+            self._staged[layer.digest] = staged
+            for member in staged:
+                self._local[f"tar:{layer.hex}/{member.path}"] = member.staged
+            return staged
+
+    def _unpack(self, layer: om.Layer, root: Path, what: str) -> list[oci_tar.StagedMember]:
+        for child in list(root.iterdir()):  # what a failed attempt left
+            if child.is_dir():
+                oci_tar.remove_staging(child)
+            else:
+                child.unlink()
+        resp, url = self._get(f"blobs/{layer.digest}", {"Accept-Encoding": "identity"}, what)
+        if resp.status != 200:
+            raise self._refusal(resp, url, what)
+        stated = (resp.headers.get("Docker-Content-Digest") or "").strip()
+        if stated and stated != layer.digest:
+            discard(resp)
+            raise SourceChangedError(f"{what}: the registry served blob {stated}")
+        try:
+            return oci_tar.unpack_layer(
+                resp, kind=layer.archive or "tar", size=layer.size, digest_hex=layer.hex,
+                staging=root, what=what, max_unpacked=max(64 * layer.size, 1 << 30),
+            )  # fmt: skip
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise transport_error(exc, what) from exc
+        finally:
+            discard(resp)
+
+    def _staging_root(self) -> Path:
+        if self._staging is None:
+            base = os.environ.get(STAGING_ENV) or None
+            self._staging = Path(tempfile.mkdtemp(prefix="prefetch-oci-", dir=base))
+            weakref.finalize(self, oci_tar.remove_staging, self._staging)
+        return self._staging
+
+    @staticmethod
+    def _member_file(layer: om.Layer, member: oci_tar.StagedMember) -> RemoteFile:
+        return RemoteFile(
+            path=member.path,
+            size=member.size,
+            version=member.sha256,
+            checksums=(Checksum("sha256", member.sha256, origin="oci-archive"),),
+            locator=f"tar:{layer.hex}/{member.path}",
+            described=True,
+        )
+
     # -- read ------------------------------------------------------------------------------------
 
-    def open_range(self, file: RemoteFile, start: int, end: int) -> BodyReader:
+    def open_range(self, file: RemoteFile, start: int, end: int) -> RangeReader:
         end = min(end, file.size)  # never past the descriptor's size (a 416 otherwise)
+        staged = self._local.get(file.locator)
+        if staged is not None:
+            return oci_tar.StagedReader(staged, start, end)
         what = f"{self._uri.location}/{self._repo}/{file.path} bytes {start}-{end - 1}"
         headers = {"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
         resp, url = self._get(f"blobs/{file.locator}", headers, what)

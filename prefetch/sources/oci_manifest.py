@@ -49,7 +49,7 @@ class Layer:
     digest: str
     size: int
     media_type: str
-    path: str
+    path: str  # a raw layer's file; an archive's name (its members carry their own paths)
     archive: str | None = None
 
     @property
@@ -194,12 +194,14 @@ def _layer(entry: object, what: str) -> Layer:
             (v for k in FILEPATH_ANNOTATIONS if isinstance(v := annotations.get(k), str) and v),
             None,
         )
-    if path is None:
+    archive = archive_kind(media_type)
+    if path is None and archive is None:
         raise InvalidListingError(
             f"{what}: layer {digest} ({media_type}) names no file path "
             f"(annotation {FILEPATH_ANNOTATIONS[0]})"
         )
-    return Layer(digest, size, media_type, path, archive_kind(media_type))
+    # an archive's members carry their own paths; its annotation only names it in messages
+    return Layer(digest, size, media_type, path or digest, archive)
 
 
 def archive_kind(media_type: str) -> str | None:

@@ -189,3 +189,35 @@ class Pusher:
         pushed.manifest = body
         pushed.digest = self.manifest(repo, tag, body, OCI_MANIFEST)
         return pushed
+
+    def artifact(
+        self,
+        repo: str,
+        tag: str,
+        layers: list[tuple[str, bytes, dict[str, str]]],
+        *,
+        artifact_type: str = MODELPACK_ARTIFACT,
+    ) -> Pushed:
+        """An artifact of any layers: (media type, bytes, annotations) each."""
+        config = b'{"descriptor": {"name": "x"}, "modelfs": {"type": "layers", "diffIds": []}}'
+        config_digest = self.blob(repo, config)
+        descriptors = []
+        pushed = Pushed("", b"")
+        for media, data, notes in layers:
+            digest = self.blob(repo, data)
+            pushed.layers[notes.get(FILEPATH, digest)] = digest
+            descriptors.append(
+                {"mediaType": media, "digest": digest, "size": len(data),
+                 **({"annotations": notes} if notes else {})}
+            )  # fmt: skip
+        doc = {
+            "schemaVersion": 2,
+            "mediaType": OCI_MANIFEST,
+            "artifactType": artifact_type,
+            "config": {"mediaType": MODELPACK_CONFIG, "digest": config_digest,
+                       "size": len(config)},
+            "layers": descriptors,
+        }  # fmt: skip
+        pushed.manifest = json.dumps(doc, indent=2).encode()
+        pushed.digest = self.manifest(repo, tag, pushed.manifest, OCI_MANIFEST)
+        return pushed
