@@ -117,7 +117,9 @@ def test_hf_layout_loads_offline_with_huggingface_hub(registry, pusher, tmp_path
 
 
 def test_a_tampered_blob_is_refused_and_nothing_is_published(registry, pusher, tmp_path):
-    pushed = pusher.modelpack("models/tamper", "v1", FILES)
+    # bytes of its own: the registry stores a blob once, and the other tests read FILES
+    files = {**FILES, "model.safetensors": os.urandom(3 * MiB + 7)}
+    pushed = pusher.modelpack("models/tamper", "v1", files)
     data = registry.blob_data(pushed.layers["model.safetensors"])
     content = bytearray(data.read_bytes())
     content[2 * MiB] ^= 0xFF
