@@ -18,37 +18,27 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from prefetch import __version__, settings
+from prefetch import __version__, errors, settings
 from prefetch.errors import (
-    AccessDeniedError,
-    ChecksumMismatchError,
     ConfigError,
-    InsufficientSpaceError,
     LayoutError,
-    LockTimeoutError,
-    MissingChecksumError,
-    NodeGateError,
-    NoMatchingFilesError,
-    NotFoundError,
     PrefetchError,
-    SourceChangedError,
-    SourceError,
-    TransferError,
-    TransientSourceError,
     VerifyError,
 )
-from prefetch.layout import layout_name_for
 from prefetch.progress import NullProgress, ProgressSink, TerminalProgress
 from prefetch.redact import install_filter, printable, redact
 from prefetch.retry import RetryPolicy
-from prefetch.spec import ModelSpec, SpecError, parse_source_uri
+from prefetch.spec import ModelSpec, SpecError, layout_kind, parse_source_uri
 from prefetch.sync import SyncResult, VerifyReport
-from prefetch.transfer import Cancelled, TransferConfig
+from prefetch.transfer import TransferConfig
 from prefetch.units import format_bytes, parse_duration, parse_size
+
+if TYPE_CHECKING:
+    from prefetch.sources import OpenedSource
 
 F = TypeVar("F", bound=Callable[..., Any])
 log = logging.getLogger("prefetch")
@@ -61,29 +51,12 @@ def fail(exc: PrefetchError) -> None:
 
 
 #: ``error_reason`` in a failed command's ``--json`` object: a stable name per kind of failure,
-#: for scripts (the ``error`` line is for people and may change). Subclasses first: the first
-#: class the exception is an instance of names it.
+#: for scripts (the ``error`` line is for people and may change): the package's one vocabulary
+#: (:data:`prefetch.errors.ERROR_REASONS`, which the agent's failure labels use too), plus the
+#: command line's own usage errors.
 ERROR_REASONS: tuple[tuple[type[BaseException], str], ...] = (
-    (ChecksumMismatchError, "checksum_mismatch"),
-    (MissingChecksumError, "missing_checksum"),
-    (VerifyError, "verify_failed"),
-    (NoMatchingFilesError, "no_matching_files"),
-    (NotFoundError, "not_found"),
-    (AccessDeniedError, "access_denied"),
-    (SourceChangedError, "source_changed"),
-    (TransientSourceError, "transient"),
-    (SourceError, "source_error"),
-    (InsufficientSpaceError, "insufficient_space"),
-    (Cancelled, "cancelled"),
-    (TransferError, "transfer_failed"),
-    (LockTimeoutError, "lock_timeout"),
-    (LayoutError, "layout"),
-    (ConfigError, "config"),
     (click.ClickException, "config"),
-    (NodeGateError, "node_gate"),
-    (PrefetchError, "error"),
-    (KeyboardInterrupt, "cancelled"),
-    (OSError, "os_error"),
+    *errors.ERROR_REASONS,
 )
 
 
@@ -211,18 +184,24 @@ def size_option(value: str | None, name: str) -> int | None:
         raise click.BadParameter(str(exc)) from exc
 
 
-def transfer_options(fn: F) -> F:
-    options = [
-        click.option("--concurrency", type=click.IntRange(1, 512), default=16,
-                     envvar="PREFETCH_CONCURRENCY", show_default=True,
-                     help="Ranged requests in flight, across all files."),
-        click.option("--chunk-size", default="64MiB", envvar="PREFETCH_CHUNK_SIZE",
-                     show_default=True, help="Size of each ranged request (e.g. 16MiB)."),
-        click.option("--require-checksum", is_flag=True,
-                     help="Fail on files the source states no checksum for."),
-        click.option("--no-verify", is_flag=True, help="Skip checksum verification (sizes only)."),
+def _with(fn: F, options: list[Callable[[F], F]]) -> F:
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def concurrency_option(default: int, help: str) -> Callable[[F], F]:
+    """``--concurrency``: what is in flight at once (each command says what that is)."""
+    return click.option("--concurrency", type=click.IntRange(1, 512), default=default,
+                        envvar="PREFETCH_CONCURRENCY", show_default=True, help=help)  # fmt: skip
+
+
+def pace_options(fn: F) -> F:
+    """How hard a command tries, and how long it waits: the flags ``pull`` and ``mirror``
+    share (their defaults and environment twins once)."""
+    return _with(fn, [
         click.option("--attempts", type=click.IntRange(1, 100), default=6, show_default=True,
-                     help="Tries per chunk on timeouts, resets, 5xx and throttling."),
+                     help="Tries per request on timeouts, resets, 5xx and throttling."),
         click.option("--min-rate", default="64KiB", envvar="PREFETCH_MIN_RATE",
                      show_default=True,
                      help="Bytes/s a request must average over --stall-timeout, or it is "
@@ -230,11 +209,20 @@ def transfer_options(fn: F) -> F:
         click.option("--stall-timeout", default="30s", envvar="PREFETCH_STALL_TIMEOUT",
                      show_default=True, help="Window of the --min-rate rule (e.g. 30s, 2m)."),
         click.option("--deadline", default="off", envvar="PREFETCH_DEADLINE", show_default=True,
-                     help="Give up (resumably) when the download takes longer (e.g. 2h)."),
-    ]  # fmt: skip
-    for option in reversed(options):
-        fn = option(fn)
-    return fn
+                     help="Give up (resumably) when the command takes longer (e.g. 2h)."),
+    ])  # fmt: skip
+
+
+def transfer_options(fn: F) -> F:
+    return _with(fn, [
+        concurrency_option(16, "Ranged requests in flight, across all files."),
+        click.option("--chunk-size", default="64MiB", envvar="PREFETCH_CHUNK_SIZE",
+                     show_default=True, help="Size of each ranged request (e.g. 16MiB)."),
+        click.option("--require-checksum", is_flag=True,
+                     help="Fail on files the source states no checksum for."),
+        click.option("--no-verify", is_flag=True, help="Skip checksum verification (sizes only)."),
+        pace_options,
+    ])  # fmt: skip
 
 
 def duration_option(value: str, name: str) -> float | None:
@@ -298,8 +286,9 @@ def writable_destination(dest: str) -> Path:
     return path
 
 
-def hub_options(fn: F) -> F:
-    options = [
+def hub_source_options(fn: F) -> F:
+    """Which Hub revision, and how to reach the Hub: ``pull`` and ``mirror``."""
+    return _with(fn, [
         click.option("--revision", default=None,
                      help="hf:// sources: branch, tag or 40-hex commit (also hf://org/name@rev) "
                      "[default: main]."),
@@ -307,6 +296,18 @@ def hub_options(fn: F) -> F:
                      help="Hub token [default: HF_TOKEN, then the token file in HF_HOME]."),
         click.option("--endpoint", envvar="HF_ENDPOINT", default=None, show_envvar=True,
                      help="Hub endpoint or mirror [default: https://huggingface.co]."),
+    ])  # fmt: skip
+
+
+def s3_endpoint_option(fn: F) -> F:
+    return click.option(
+        "--endpoint-url", envvar="AWS_ENDPOINT_URL", help="S3 endpoint (default: AWS)."
+    )(fn)
+
+
+def hub_options(fn: F) -> F:
+    return _with(fn, [
+        hub_source_options,
         click.option("--layout", "layout_name", type=click.Choice(["hf", "plain"]), default=None,
                      help="hf: the Hugging Face cache, DEST is HF_HOME and files go under "
                      "DEST/hub/; plain: files at DEST/<path>. [default: hf for hf:// sources and "
@@ -317,10 +318,7 @@ def hub_options(fn: F) -> F:
         click.option("--hf-revision", default=None,
                      help="With --hf-repo: the 40-hex commit id to publish under "
                      "[default: a digest of the S3 listing]."),
-    ]  # fmt: skip
-    for option in reversed(options):
-        fn = option(fn)
-    return fn
+    ])  # fmt: skip
 
 
 def proxy_option(fn: F) -> F:
@@ -337,6 +335,7 @@ def proxy_option(fn: F) -> F:
 _FLAG_NAMES = {
     "revision": "--revision", "hf_repo": "--hf-repo", "hf_revision": "--hf-revision",
     "proxy": "--proxy", "mirrors": "--mirror", "hub_fallback": "--no-hub-fallback",
+    "layout": "--layout",
 }  # fmt: skip
 
 
@@ -370,18 +369,39 @@ def pull_spec(
             mirrors=tuple(parse_source_uri(m) for m in mirrors),
             hub_fallback=hub_fallback,
         )
+        return spec, layout_kind(spec, layout_name)
     except SpecError as exc:
-        if exc.field in ("proxy", "mirrors", "hub_fallback"):
-            raise ConfigError(exc.render(_FLAG_NAMES), hint=exc.hint) from exc
-        if not exc.cross_field:
+        if not names_flags(exc):
             raise
         raise ConfigError(exc.render(_FLAG_NAMES), hint=exc.hint) from exc
-    if source.scheme in ("s3", "oci") and layout_name == "hf" and not hf_repo:
-        raise ConfigError(
-            f"--layout hf needs --hf-repo org/name for an {source.scheme.upper()} source (the "
-            "repo id to publish under)"
-        )
-    return spec, layout_name_for(spec, layout_name)
+
+
+def names_flags(exc: SpecError) -> bool:
+    """Is ``exc`` worded with the command line's flag names: a rule about a combination of
+    flags, or about --proxy/--mirror/--no-hub-fallback (any other keeps its own words)."""
+    return exc.cross_field or exc.field in ("proxy", "mirrors", "hub_fallback")
+
+
+def open_pull_source(
+    spec: ModelSpec,
+    layout_name: str | None,
+    config: TransferConfig,
+    *,
+    s3_endpoint: str | None,
+    hub_endpoint: str | None,
+    token: str | None,
+) -> OpenedSource:
+    """``prefetch pull``'s source, opened by the one front door with the command's flags."""
+    from prefetch.sources import SourceSettings, open_source
+
+    reach = SourceSettings(
+        s3_endpoint=s3_endpoint or None,
+        hub_endpoint=hub_endpoint or None,
+        token=token or None,
+        concurrency=config.concurrency,
+        retry=config.retry,
+    )
+    return open_source(spec, reach, layout=layout_name)  # pull_spec checked the layout
 
 
 @main.command()
@@ -390,7 +410,7 @@ def pull_spec(
 @click.option("--include", multiple=True, help="Only files matching this glob (repeatable).")
 @click.option("--exclude", multiple=True, help="Skip files matching this glob (repeatable).")
 @click.option("--name", default="", help="Model name (a DNS label); default from the URI.")
-@click.option("--endpoint-url", envvar="AWS_ENDPOINT_URL", help="S3 endpoint (default: AWS).")
+@s3_endpoint_option
 @hub_options
 @proxy_option
 @click.option(
@@ -447,11 +467,10 @@ def pull(
     resumable. With the hf layout DEST is an HF_HOME: vLLM with HF_HOME=DEST and HF_HUB_OFFLINE=1
     loads the model from it."""
     from prefetch.layout import layout_for
-    from prefetch.sources import open_source
     from prefetch.sync import sync
 
     config = make_config(**transfer)
-    spec, layout_kind = pull_spec(
+    spec, _ = pull_spec(
         uri, name=name, include=include, exclude=exclude, revision=revision, hf_repo=hf_repo,
         hf_revision=hf_revision, layout_name=layout_name, proxy=proxy, mirrors=mirrors,
         hub_fallback=hub_fallback,
@@ -459,42 +478,11 @@ def pull(
     record.model = spec.name
     root = writable_destination(dest)
     record.path = str(root)
-    hub = None
-    if spec.source.scheme == "hf":
-        from prefetch.sources.hf import HubOptions
-
-        hub = HubOptions(
-            endpoint=endpoint or None,
-            token=token or None,
-            pool_size=config.concurrency + 8,
-            retry=config.retry,
-        )
-    found = None
-    s3_client = None
-    if spec.source.scheme == "s3":
-        from prefetch.sources.s3 import lazy_s3_client
-
-        # one client for the mirror check and the source, created only if needed (a no-op
-        # pull lists without botocore when it can: see prefetch.sources.s3_direct)
-        s3_client = lazy_s3_client(
-            endpoint_url=endpoint_url, max_pool_connections=config.concurrency + 8,
-            proxy=spec.proxy,
-        )  # fmt: skip
-    if spec.source.scheme == "s3" and layout_name != "plain":
-        from prefetch.sources import open_mirror_prefix
-
-        # a mirror prefix (`prefetch mirror`'s output) publishes the Hub's layout
-        found = open_mirror_prefix(spec, s3_client=s3_client, concurrency=config.concurrency)
-    if found is not None:
-        spec, source, snapshot = found
-        layout_kind = "hf"
-    else:
-        source = open_source(
-            spec, s3_client=s3_client, endpoint_url=endpoint_url,
-            concurrency=config.concurrency, hub=hub,
-        )  # fmt: skip
-        snapshot = None
-    layout = layout_for(spec, root, layout_name=layout_kind)
+    opened = open_pull_source(
+        spec, layout_name, config, s3_endpoint=endpoint_url, hub_endpoint=endpoint, token=token
+    )
+    spec, source, snapshot = opened.spec, opened.source, opened.snapshot
+    layout = layout_for(spec, root, layout_name=opened.layout)
     show = sys.stderr.isatty() if progress is None else progress
     sink: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()
     t0 = time.monotonic()
@@ -563,65 +551,17 @@ def _mirror_record(params: dict[str, Any]) -> Any:
 @main.command()
 @click.argument("src")
 @click.argument("dst")
-@click.option(
-    "--revision",
-    default=None,
-    help="hf:// sources: branch, tag or 40-hex commit (also hf://org/name@rev) [default: main].",
-)
-@click.option(
-    "--token", default=None, help="Hub token [default: HF_TOKEN, then the token file in HF_HOME]."
-)
-@click.option(
-    "--endpoint",
-    envvar="HF_ENDPOINT",
-    default=None,
-    show_envvar=True,
-    help="Hub endpoint [default: https://huggingface.co].",
-)
-@click.option("--endpoint-url", envvar="AWS_ENDPOINT_URL", help="S3 endpoint (default: AWS).")
+@hub_source_options
+@s3_endpoint_option
 @proxy_option
-@click.option(
-    "--concurrency",
-    type=click.IntRange(1, 512),
-    default=8,
-    show_default=True,
-    envvar="PREFETCH_CONCURRENCY",
-    help="Parts in flight; peak memory is about concurrency x part size.",
-)
+@concurrency_option(8, "Parts in flight; peak memory is about concurrency x part size.")
 @click.option(
     "--part-size",
     default="16MiB",
     show_default=True,
     help="Multipart part size, 5MiB-5GiB (grown for files over 10,000 parts).",
 )
-@click.option(
-    "--attempts",
-    type=click.IntRange(1, 100),
-    default=6,
-    show_default=True,
-    help="Tries per request on timeouts, resets, 5xx and throttling.",
-)
-@click.option(
-    "--min-rate",
-    default="64KiB",
-    envvar="PREFETCH_MIN_RATE",
-    show_default=True,
-    help="Bytes/s a read must average over --stall-timeout, or it is retried (0: off).",
-)
-@click.option(
-    "--stall-timeout",
-    default="30s",
-    envvar="PREFETCH_STALL_TIMEOUT",
-    show_default=True,
-    help="Window of the --min-rate rule.",
-)
-@click.option(
-    "--deadline",
-    default="off",
-    envvar="PREFETCH_DEADLINE",
-    show_default=True,
-    help="Give up (resumably) when the mirror takes longer (e.g. 2h).",
-)
+@pace_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
 @click.option(
     "--progress/--no-progress",
@@ -651,7 +591,7 @@ def mirror(
     verified against the Hub's ids, resumable, and uploading nothing already there."""
     from prefetch.mirror import MirrorConfig, S3Prefix, mirror_hub, mirror_s3
     from prefetch.mirror.upload import make_writer_client
-    from prefetch.sources import open_source
+    from prefetch.sources import SourceSettings, open_source, pool_size
     from prefetch.sources.s3 import make_s3_client
 
     if not dst.strip().startswith("s3://"):
@@ -666,25 +606,26 @@ def mirror(
     )
     config = MirrorConfig(transfer=transfer, part_size=size)
     client = make_writer_client(
-        make_s3_client, endpoint_url, max_pool_connections=concurrency + 8, proxy=proxy
+        make_s3_client, endpoint_url, max_pool_connections=pool_size(concurrency), proxy=proxy
     )
     dest = S3Prefix(client, dest_uri.location, dest_uri.path, retry=transfer.retry)
     record.destination = dest.url(dest.prefix)
+    reach = SourceSettings(
+        s3_endpoint=endpoint_url or None,
+        hub_endpoint=endpoint or None,
+        token=token or None,
+        concurrency=concurrency,
+        retry=transfer.retry,
+        # --proxy is for the source only: without it, the source shares the writer's client
+        s3_client=client if proxy is None else None,
+    )
     show = sys.stderr.isatty() if progress is None else progress
     sink: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()
     t0 = time.monotonic()
     try:
         if source_uri.scheme == "hf":
-            from prefetch.sources.hf import HubOptions
-
             spec = ModelSpec(source=source_uri, revision=revision or None, proxy=proxy)
-            hub = HubOptions(
-                endpoint=endpoint or None,
-                token=token or None,
-                pool_size=concurrency + 8,
-                retry=transfer.retry,
-            )
-            source = open_source(spec, hub=hub)
+            source = open_source(spec, reach).source
             result = mirror_hub(
                 spec, source, dest, config, progress=sink, stop=stop_on_sigterm(), so_far=record
             )
@@ -692,17 +633,13 @@ def mirror(
             if (source_uri.location, source_uri.path) == (dest_uri.location, dest_uri.path):
                 raise ConfigError("the mirror source and destination are the same prefix")
             spec = ModelSpec(source=source_uri, proxy=proxy)
-            src_client = client
-            if proxy is not None:  # --proxy is for the source only
-                src_client = make_s3_client(
-                    endpoint_url=endpoint_url, max_pool_connections=concurrency + 8, proxy=proxy
-                )
-            source = open_source(spec, s3_client=src_client)
+            # the prefix read object by object (a mirror's metadata is copied as it is)
+            opened = open_source(spec, reach, layout="plain")
             src_prefix = S3Prefix(
-                src_client, source_uri.location, source_uri.path, retry=transfer.retry
+                opened.s3_client, source_uri.location, source_uri.path, retry=transfer.retry
             )
             result = mirror_s3(
-                source,
+                opened.source,
                 src_prefix,
                 dest,
                 config,

@@ -13,7 +13,7 @@ from prefetch.layout import PlainLayout
 from prefetch.locals3 import SeaweedS3
 from prefetch.modelgen import generate_model, upload_model
 from prefetch.progress import TerminalProgress
-from prefetch.sources.s3 import S3Source
+from prefetch.sources import SourceSettings, open_source
 from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.sync import sync, verify_local
 from prefetch.transfer import TransferConfig
@@ -41,10 +41,13 @@ def run_demo(total_size: int, dest: str | None, *, as_json: bool = False) -> Non
             target = Path(dest).resolve() if dest else Path(tempfile.mkdtemp(prefix="prefetch-"))
             spec = ModelSpec(source=parse_source_uri(uri), name="llama-demo")
             layout = PlainLayout(target)
-            result = sync(spec, S3Source(client, spec.source), layout, TransferConfig(),
+            reach = SourceSettings(s3_client=client)
+            source = open_source(spec, reach, layout="plain").source
+            result = sync(spec, source, layout, TransferConfig(),
                           progress=TerminalProgress(sys.stderr))  # fmt: skip
             report = verify_local(layout)
-            again = sync(spec, S3Source(client, spec.source), layout, TransferConfig())
+            again = sync(spec, open_source(spec, reach, layout="plain").source, layout,
+                         TransferConfig())  # fmt: skip
     algorithms = ", ".join(f"{n} x {a}" for a, n in sorted(result.checksum_algorithms.items()))
     say(f"Pulled {result.files} files, {format_bytes(result.bytes_downloaded)} in "
         f"{result.seconds:.1f}s; verified: {algorithms}")  # fmt: skip

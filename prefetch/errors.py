@@ -25,7 +25,9 @@ builtin where that is true, so callers can also catch them as ``FileNotFoundErro
     │   └── TransientSourceError             timeouts, resets, 5xx, throttling (retried)
     ├── TransferError                        a download could not be completed
     │   ├── InsufficientSpaceError (OSError) not enough free space (before or during the pull)
-    │   └── DeadlineExceededError            the pull's --deadline passed (partials are kept)
+    │   ├── DeadlineExceededError            the pull's --deadline or the agent's syncDeadline
+    │   │                                    passed (partials are kept)
+    │   └── Cancelled                        asked to stop (SIGTERM); resumable state is kept
     ├── VerifyError
     │   ├── ChecksumMismatchError            carries path, algorithm, expected, actual
     │   └── MissingChecksumError             --require-checksum and the source has none
@@ -34,6 +36,10 @@ builtin where that is true, so callers can also catch them as ``FileNotFoundErro
     ├── NodeGateError                        the Kubernetes API refused a node label/taint change
     └── ClusterReadError                     prefetch status could not read the Nodes (no
                                              kubeconfig, unreachable API server, 401/403)
+
+Each kind of failure has one stable name, :func:`error_reason` (table :data:`ERROR_REASONS`):
+the CLI's ``error_reason`` in ``--json`` and the agent's ``reason`` (the sync-failures metric's
+label, ``/readyz``'s ``error_reason``, the SyncFailed Event and ``prefetch status``) both use it.
 """
 
 from __future__ import annotations
@@ -123,6 +129,10 @@ class DeadlineExceededError(TransferError):
     """The transfer's overall deadline passed; it stopped resumably (partials stay journaled)."""
 
 
+class Cancelled(TransferError):
+    """The transfer was asked to stop (SIGTERM); resumable state is left on disk."""
+
+
 class VerifyError(PrefetchError):
     pass
 
@@ -156,3 +166,35 @@ class NodeGateError(PrefetchError):
 
 class ClusterReadError(PrefetchError):
     """Reading the cluster with the user's kubeconfig failed (``prefetch status``)."""
+
+
+#: The one vocabulary of failure kinds, for scripts and dashboards (an error's message is for
+#: people and may change). Subclasses first: the first class the exception is an instance of
+#: names it; anything else is ``internal`` (a bug).
+ERROR_REASONS: tuple[tuple[type[BaseException], str], ...] = (
+    (ChecksumMismatchError, "checksum_mismatch"),
+    (MissingChecksumError, "missing_checksum"),
+    (VerifyError, "verify_failed"),
+    (NoMatchingFilesError, "no_matching_files"),
+    (NotFoundError, "not_found"),
+    (AccessDeniedError, "access_denied"),
+    (SourceChangedError, "source_changed"),
+    (TransientSourceError, "transient"),
+    (SourceError, "source_error"),
+    (InsufficientSpaceError, "insufficient_space"),
+    (DeadlineExceededError, "deadline"),
+    (Cancelled, "cancelled"),
+    (TransferError, "transfer_failed"),
+    (LockTimeoutError, "lock_timeout"),
+    (LayoutError, "layout"),
+    (ConfigError, "config"),
+    (NodeGateError, "node_gate"),
+    (PrefetchError, "error"),
+    (KeyboardInterrupt, "cancelled"),
+    (OSError, "os_error"),
+)
+
+
+def error_reason(exc: BaseException) -> str:
+    """The stable name of ``exc``'s kind (see :data:`ERROR_REASONS`); ``internal`` for a bug."""
+    return next((reason for cls, reason in ERROR_REASONS if isinstance(exc, cls)), "internal")

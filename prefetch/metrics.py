@@ -61,7 +61,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 
 from prefetch.constants import METRICS_PREFIX
 from prefetch.sync import SYNC_PHASES
-from prefetch.transfer import plan_chunks
 from prefetch.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -112,7 +111,7 @@ class AgentMetrics:
         )
         self.chunks_downloaded = Counter(
             p + "chunks_downloaded",
-            "Ranged chunks of the files downloaded.",
+            "Ranged requests the engine completed (a run of chunks, or a small file).",
             ["model", "source"],
             registry=r,
         )
@@ -259,9 +258,9 @@ class AgentMetrics:
 
     # -- per model ---------------------------------------------------------------------------
 
-    def sink(self, model: str, source: str, *, chunk_size: int) -> MetricsSink:
+    def sink(self, model: str, source: str) -> MetricsSink:
         """A ProgressSink for one sync of ``model`` from a ``source`` (s3|hf) backend."""
-        return MetricsSink(self, model, source, chunk_size)
+        return MetricsSink(self, model, source)
 
     def set_state(self, model: str, state: str, *, ready: bool, required: bool) -> None:
         for s in MODEL_STATES:
@@ -345,10 +344,9 @@ class MetricsSink:
     keeps ``total``/``done`` so the agent can say how much is left.
     """
 
-    def __init__(self, metrics: AgentMetrics, model: str, source: str, chunk_size: int) -> None:
+    def __init__(self, metrics: AgentMetrics, model: str, source: str) -> None:
         self.model = model
         self._m = metrics
-        self._chunk_size = chunk_size
         self._bytes = metrics.downloaded_bytes.labels(model, source)
         self._files = metrics.files_downloaded.labels(model, source)
         self._chunks = metrics.chunks_downloaded.labels(model, source)
@@ -398,11 +396,13 @@ class MetricsSink:
                 },
             )
 
+    def chunk_done(self) -> None:
+        self._chunks.inc()
+
     def file_done(self, path: str, size: int) -> None:
         with self._lock:
             self.files_done += 1
         self._files.inc()
-        self._chunks.inc(max(len(plan_chunks(size, self._chunk_size, None)), 1))
 
     def retry(self, reason: str) -> None:
         self._retries.inc()

@@ -27,17 +27,22 @@ _OCI_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 _OCI_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 #: The sidecar checksum file an S3 prefix may carry (sha256sum format), see README.
 SIDECAR_MANIFEST = "SHA256SUMS"
-#: The ModelSpec fields a rule's message may name (as ``{field}`` in its reason).
+#: The ModelSpec fields, and the layout asked for, that a rule's message may name (as
+#: ``{field}`` in its reason).
 SPEC_FIELDS = (
     "name", "source", "revision", "include", "exclude", "hf_repo", "hf_revision", "proxy",
-    "mirrors", "hub_fallback",
+    "mirrors", "hub_fallback", "layout",
 )  # fmt: skip
+#: The layouts a model can be published in (see :func:`layout_kind`).
+LAYOUT_NAMES = ("hf", "plain")
 
 
 class SpecError(ConfigError):
     """A ModelSpec rule broken: ``field`` is the spec field at fault, ``reason`` says why and
     may name other fields as ``{hf_repo}``-style placeholders. ``cross_field`` is true for a
-    rule about a combination of fields (its reason names the others).
+    rule about a combination of fields (its reason names the others). ``leads``: the message
+    starts with the field's name (``hf_repo: ...``); off, the reason names the field itself
+    where the sentence needs it (``{layout} hf needs {hf_repo} ...``).
 
     ``str()`` names fields by their ModelSpec names (``hf_repo: ...``); a front end whose users
     know the fields by other names (the CLI's flags, the config file's keys) calls
@@ -45,17 +50,26 @@ class SpecError(ConfigError):
     """
 
     def __init__(
-        self, field: str, reason: str, *, cross_field: bool = False, hint: str | None = None
+        self,
+        field: str,
+        reason: str,
+        *,
+        cross_field: bool = False,
+        hint: str | None = None,
+        leads: bool = True,
     ) -> None:
         self.field = field
         self.reason = reason
         self.cross_field = cross_field
+        self.leads = leads
         super().__init__(self.render(), hint=hint)
 
     def render(self, names: Mapping[str, str] | None = None, *, prefix: str = "") -> str:
         """The message with each field called by ``names`` (default: its spec name), the
         faulty field's name preceded by ``prefix`` (e.g. ``models[0].``)."""
         called = {f: f for f in SPEC_FIELDS} | dict(names or {})
+        if not self.leads:
+            return f"{prefix}{self.reason.format_map(called)}"
         return f"{prefix}{called.get(self.field, self.field)}: {self.reason.format_map(called)}"
 
 
@@ -263,8 +277,8 @@ class ModelSpec:
         if self.mirrors and self.source.scheme not in ("hf", "oci"):
             raise SpecError(
                 "mirrors",
-                "only for hf:// and oci:// models (a mirror holds a Hub repo's commits, or a "
-                "registry's blobs); an S3 mirror prefix can be the {source} itself",
+                "only for hf:// models and oci:// models (a mirror holds a Hub repo's commits, "
+                "or a registry's blobs); an S3 mirror prefix can be the {source} itself",
                 cross_field=True,
             )
         seen: set[str] = set()
@@ -389,6 +403,38 @@ class ModelSpec:
         if self.include and not any(_match(path, p) for p in self.include):
             return False
         return not any(_match(path, p) for p in self.exclude)
+
+
+def layout_kind(spec: ModelSpec, requested: str | None = None) -> str:
+    """The layout ``spec`` is published in: ``requested`` when given (``--layout``), else
+    ``hf`` for a model with a Hub repo id (an ``hf://`` source, an S3 mirror with ``hf_repo``)
+    and ``plain`` for every other. SpecError (field ``layout``) for an unknown name, or ``hf``
+    without a repo id (the Hugging Face cache has no place for it)."""
+    name = requested or ("hf" if spec.repo_id is not None else "plain")
+    if name not in LAYOUT_NAMES:
+        raise SpecError(
+            "layout", f"unknown layout {_literal(name)}: choose one of {', '.join(LAYOUT_NAMES)}"
+        )
+    if name == "hf" and spec.repo_id is None:
+        raise SpecError(
+            "layout",
+            "{layout} hf needs {hf_repo} org/name for an S3 or OCI source: the Hugging Face "
+            "layout needs a Hub repo id to publish under",
+            cross_field=True,
+            leads=False,
+        )
+    return name
+
+
+def publish_revision(
+    source: SourceURI, hf_repo: str | None, revision: str | None
+) -> tuple[str | None, str | None]:
+    """``(revision, hf_revision)`` from one ``revision`` field (the agent's config has one):
+    on an S3 mirror (an ``s3://`` source with ``hf_repo``) a 40-hex commit is the commit to
+    publish under; anything else stays the revision (and ModelSpec's rules judge it)."""
+    if source.scheme == "s3" and hf_repo is not None and _COMMIT_SHA.match(revision or ""):
+        return None, revision
+    return revision, None
 
 
 def _match(path: str, pattern: str) -> bool:

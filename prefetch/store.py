@@ -38,6 +38,7 @@ from prefetch.layout import (
     HfCacheLayout,
     Layout,
     PlainLayout,
+    RecordBook,
     atomic_write,
     check_repo_folder,
     is_repo_folder,
@@ -341,8 +342,25 @@ class Store:
             base = self.cache_dir / sub
             with contextlib.suppress(FileNotFoundError, NotADirectoryError):
                 for d in sorted(base.iterdir()):
-                    if accept(d.name) and d.is_dir() and not d.is_symlink():
+                    usable = accept(d.name) and d.is_dir() and not d.is_symlink()
+                    if usable and not self._holds_nothing(d):
                         yield kind, d
+
+    def _holds_nothing(self, entry: Path) -> bool:
+        """Nothing recorded, nothing partial, no file of its own: what a sync leaves when it
+        made the entry only to hold the model's lock and stopped before its first byte (making
+        room failed, a stop). Such an entry is not counted (listing, usage, eviction) rather
+        than deleted: the lock file in it may be another process's, waited on right now."""
+        state = self._state_dir(entry)
+        try:
+            if RecordBook(state).load()["entries"]:
+                return False
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                if any((state / "partial").iterdir()):
+                    return False
+            return not _has_a_file(entry, skip=state)
+        except (OSError, LayoutError):
+            return False  # unreadable: count it, as before
 
     def _describe(self, kind: str, entry: Path) -> CachedModel:
         usage = self._read_usage(entry)
@@ -475,6 +493,15 @@ def _hub_refs(entry: Path) -> str:
             with contextlib.suppress(OSError):
                 parts.append(f"{ref.relative_to(refs).as_posix()}={ref.read_text().strip()[:12]}")
     return ",".join(parts)
+
+
+def _has_a_file(root: Path, *, skip: Path) -> bool:
+    """Is there anything but directories under ``root`` (``skip`` and what is below it aside)?"""
+    for dirpath, dirnames, filenames in os.walk(root):
+        if filenames:
+            return True
+        dirnames[:] = [d for d in dirnames if Path(dirpath, d) != skip]
+    return False
 
 
 def tree_size(root: Path) -> int:

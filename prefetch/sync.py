@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import os
 import shutil
 import threading
 import time
@@ -25,6 +26,7 @@ from prefetch import verify
 from prefetch.errors import (
     ChecksumMismatchError,
     InsufficientSpaceError,
+    LayoutError,
     PrefetchError,
     VerifyError,
 )
@@ -38,6 +40,7 @@ from prefetch.transfer import (
     Transfer,
     TransferConfig,
     TransferStats,
+    no_space,
     staged_name,
 )
 from prefetch.units import format_bytes
@@ -95,6 +98,9 @@ class _PhaseClock:
     def advance(self, nbytes: int) -> None:
         self.last_byte = time.monotonic()
         self._progress.advance(nbytes)
+
+    def chunk_done(self) -> None:
+        self._progress.chunk_done()
 
     def file_done(self, path: str, size: int) -> None:
         self._progress.file_done(path, size)
@@ -326,18 +332,31 @@ def execute(
         )
         result.timings = clock.timings(plan.resolve_seconds, began, ended, time.monotonic())
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or isinstance(exc, PrefetchError):
+        if isinstance(exc, PrefetchError):
             raise
-        raise InsufficientSpaceError(
-            f"no space left under {layout.root}: {exc}",
-            hint="free some space (prefetch gc); finished files and partial downloads are "
-            "kept and the next pull resumes",
-        ) from exc
+        full = no_space(exc, layout.root)
+        if full is None:
+            raise _unexpected(exc, layout) from exc
+        raise full from exc
     finally:
         progress.finish()
     result.seconds = round(time.monotonic() - plan.started, 3)
     result.up_to_date = not todo and not result.deleted
     return result
+
+
+def _unexpected(exc: OSError, layout: Layout) -> LayoutError:
+    """An OSError nothing expected while fetching into or publishing ``layout`` (DEST deleted
+    or moved by another process mid-pull, a read-only remount): one named error saying which
+    path and what happened, instead of a bare ``[Errno 2] ...`` line."""
+    what = exc.strerror or str(exc)
+    if exc.filename is not None and Path(os.fsdecode(exc.filename)) != layout.root:
+        what = f"{os.fsdecode(exc.filename)}: {what}"
+    hint = None
+    if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+        what += " (did another process delete or move the destination?)"
+        hint = "run the pull again: what is missing is fetched again"
+    return LayoutError(f"cannot write into {layout.root}: {what}", hint=hint)
 
 
 def sync(

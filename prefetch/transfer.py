@@ -51,14 +51,16 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from prefetch import verify
+from prefetch.coordinator import Coordinator
 from prefetch.errors import (
+    Cancelled,
     ChecksumMismatchError,
     ConfigError,
     DeadlineExceededError,
@@ -130,8 +132,6 @@ class TransferConfig:
             raise ConfigError("hash workers: must be at least 1")
         if self.piece_size < 64 * 1024:
             raise ConfigError(f"piece size: must be at least 64KiB, got {self.piece_size}")
-        if self.retry.attempts < 1:
-            raise ConfigError("attempts: must be at least 1")
         if self.min_rate < 0:
             raise ConfigError(f"min rate: must be 0 (off) or more, got {self.min_rate}")
         if not self.stall_window > 0:
@@ -149,6 +149,7 @@ class TransferStats:
     checksum_algorithms: dict[str, int] = field(default_factory=dict)
     unverified: list[str] = field(default_factory=list)
     retries: int = 0
+    chunks_downloaded: int = 0  # ranged requests completed (a run of chunks, or a small file)
     checksum_failures: int = 0
     resumed_bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -156,10 +157,6 @@ class TransferStats:
     def add_bytes(self, n: int) -> None:
         with self._lock:
             self.bytes_downloaded += n
-
-
-class Cancelled(TransferError):
-    """The transfer was asked to stop (SIGTERM); resumable state is left on disk."""
 
 
 #: publish(file, staged_path, checksums_verified) -> None; called once a file is complete and
@@ -223,6 +220,49 @@ def staged_name(file: RemoteFile) -> str:
     return f"{digest}.incomplete"
 
 
+# -- the coordinator's tasks (each names the work and what it is for) -------------------------
+
+
+@dataclass(slots=True)
+class _Describe:
+    """Describe and plan a file (an io worker; a small file is fetched whole by the same task)."""
+
+    file: RemoteFile
+
+
+@dataclass(slots=True)
+class _FetchRange:
+    """Fetch a run of consecutive chunks with one ranged request (an io worker)."""
+
+    job: _FileJob
+    indices: list[int]
+
+
+@dataclass(slots=True)
+class _FetchWhole:
+    """Fetch a small file again, whole, after a check failed (an io worker)."""
+
+    job: _FileJob
+
+
+@dataclass(slots=True)
+class _HashAhead:
+    """Feed a large file's sequential hashers up to chunk ``stop`` (a hash worker)."""
+
+    job: _FileJob
+    stop: int
+
+
+@dataclass(slots=True)
+class _Seal:
+    """Flush a finished file and compute the value of each of its checks (a hash worker)."""
+
+    job: _FileJob
+
+
+_Task = _Describe | _FetchRange | _FetchWhole | _HashAhead | _Seal
+
+
 class Transfer:
     """Runs one batch of files through describe -> chunks -> verify -> publish."""
 
@@ -246,42 +286,50 @@ class Transfer:
         self.stats = TransferStats()
         self._watchdog = _Watchdog(config, self._stop)
         self._slice = read_slice(config)
+        # the workers' log lines carry the caller's sync id (logjson.inherit_context); the
+        # pools start their threads on the first task
+        self._io = ThreadPoolExecutor(
+            config.concurrency, thread_name_prefix="prefetch-io", initializer=inherit_context()
+        )
+        self._hashing = ThreadPoolExecutor(
+            config.hash_workers, thread_name_prefix="prefetch-hash", initializer=inherit_context()
+        )
+        self._tasks = Coordinator[_Task](
+            self._stop, done=self._done, failed=self._failed, minor=Cancelled
+        )
+        self._jobs: list[_FileJob] = []  # every file described, for the cleanup
+        self._to_describe: deque[RemoteFile] = deque()
+        self._describing = 0  # describe tasks queued or running
+        #: what earlier runs left in the staging folder (the model's lock keeps other writers
+        #: out): a small file removes a stale journal only if there is one, not an unlink each
+        self._left_over: set[str] = set()
+        self._ran = False
 
     # -- public ------------------------------------------------------------------------------
 
     def run(self, files: list[RemoteFile]) -> TransferStats:
+        """Fetch, check and publish ``files`` (once per Transfer)."""
+        if self._ran:
+            raise TransferError("a Transfer runs once; make another for the next batch")
+        self._ran = True
         self._staging.mkdir(parents=True, exist_ok=True)
-        # what earlier runs left here (the model's lock keeps other writers out): a small file
-        # removes a stale journal only if there is one, instead of an unlink per file
-        self._left_over = set(os.listdir(self._staging))
-        cfg = self._config
-        self._jobs: list[_FileJob] = []
+        self._left_over.update(os.listdir(self._staging))
         self._watchdog.start()
         try:
-            with (
-                # the workers' log lines carry the caller's sync id (logjson.inherit_context)
-                ThreadPoolExecutor(
-                    cfg.concurrency, thread_name_prefix="prefetch-io", initializer=inherit_context()
-                ) as io,
-                ThreadPoolExecutor(
-                    cfg.hash_workers,
-                    thread_name_prefix="prefetch-hash",
-                    initializer=inherit_context(),
-                ) as hsh,
-            ):
-                self._io, self._hashing = io, hsh
-                futures: dict[Future[Any], tuple[str, Any]] = {}
+            with self._io, self._hashing:
                 # smallest first: small files finish (and publish) early, under the streams of
                 # the large ones, instead of leaving a tail of publishing at the end
-                self._to_describe = deque(sorted(files, key=lambda f: f.size))
-                self._describing = 0
-                self._describe_more(futures)
+                self._to_describe.extend(sorted(files, key=lambda f: f.size))
+                self._describe_more()
                 try:
-                    self._drive(futures)
-                except BaseException:
-                    self._stop.set()
-                    for fut in futures:
-                        fut.cancel()
+                    self._tasks.run()
+                except Cancelled as exc:
+                    if self._watchdog.deadline_passed:
+                        raise DeadlineExceededError(
+                            f"the transfer did not finish within its deadline of "
+                            f"{self._config.deadline:g}s; the partial files are kept",
+                            hint="run the pull again to resume, or raise --deadline",
+                        ) from exc
                     raise
         finally:
             self._watchdog.close()
@@ -295,49 +343,39 @@ class Transfer:
 
     # -- coordinator (main thread) -----------------------------------------------------------
 
-    def _drive(self, futures: dict[Future[Any], tuple[str, Any]]) -> None:
-        first_error: BaseException | None = None
-        while futures:
-            done, _ = wait(futures, return_when=FIRST_COMPLETED)
-            for fut in done:
-                kind, item = futures.pop(fut)
-                try:
-                    result = fut.result()
-                except BaseException as exc:
-                    if kind != "describe":
-                        self._abort_file(item if kind in ("hash", "whole") else item[0], exc)
-                    if first_error is None or isinstance(first_error, Cancelled):
-                        first_error = exc
-                    self._stop.set()
-                    continue
-                if first_error is not None:
-                    continue
-                if kind == "describe":
-                    self._describing -= 1
-                    job, actuals = result
-                    self._described(job, actuals, futures)
-                elif kind == "chunk":
-                    job = item[0]
-                    job.pending -= 1
-                    if job.pending == 0:
-                        self._file_complete(job, futures)
-                    else:
-                        self._advance_hash(job, futures)
-                elif kind == "hash-ahead":
-                    job, stop = item
-                    self._hashed_ahead(job, stop, futures)
-                elif kind in ("hash", "whole"):
-                    self._finish_verified(item, result, futures)
-        if first_error is not None:
-            if self._watchdog.deadline_passed and isinstance(first_error, Cancelled):
-                raise DeadlineExceededError(
-                    f"the transfer did not finish within its deadline of "
-                    f"{self._config.deadline:g}s; the partial files are kept",
-                    hint="run the pull again to resume, or raise --deadline",
-                ) from first_error
-            raise first_error
+    def _done(self, task: _Task, result: Any) -> None:
+        """A task succeeded: take the file its next step."""
+        match task:
+            case _FetchRange(job=job):
+                self._count_chunk()
+                job.pending -= 1
+                if job.pending == 0:
+                    self._file_complete(job)
+                else:
+                    self._advance_hash(job)
+            case _HashAhead(job=job, stop=stop):
+                self._hashed_ahead(job, stop)
+            case _Describe():
+                self._describing -= 1
+                job, actuals = result
+                self._described(job, actuals)
+            case _Seal(job=job):
+                self._finish_verified(job, result)
+            case _FetchWhole(job=job):
+                if job.chunks:
+                    self._count_chunk()
+                self._finish_verified(job, result)
 
-    def _describe_more(self, futures: dict[Future[Any], tuple[str, Any]]) -> None:
+    def _count_chunk(self) -> None:
+        """One ranged request completed (the chunks metric counts what the engine fetched)."""
+        self.stats.chunks_downloaded += 1
+        self._progress.chunk_done()
+
+    def _failed(self, task: _Task, exc: BaseException) -> None:
+        if not isinstance(task, _Describe):
+            self._abort_file(task.job, exc)
+
+    def _describe_more(self) -> None:
         """Keep at most ``concurrency`` describes queued or running: a describe may hold a small
         object's body in memory (S3) until it is written, by the same task for a file that fits
         one write (:meth:`_describe_task`), by a chunk task otherwise; and a window (instead of
@@ -345,26 +383,23 @@ class Transfer:
         describe. (A window of twice as many saved no CPU on 1000 small files.)"""
         while self._to_describe and self._describing < self._config.concurrency:
             f = self._to_describe.popleft()
-            futures[self._io.submit(self._describe_task, f)] = ("describe", f)
+            self._tasks.submit(self._io, _Describe(f), self._describe_task, f)
             self._describing += 1
 
-    def _described(
-        self,
-        job: _FileJob,
-        actuals: list[str] | None,
-        futures: dict[Future[Any], tuple[str, Any]],
-    ) -> None:
+    def _described(self, job: _FileJob, actuals: list[str] | None) -> None:
         """A describe task's result: a small file already fetched and sealed (``actuals``, the
         value of each check) is checked and published; any other file starts its chunks."""
         self._jobs.append(job)
         if job.unverified:
             self.stats.unverified.append(job.file.path)
         if actuals is None:
-            self._start_file(job, futures)
-            self._describe_more(futures)
+            self._start_file(job)
+            self._describe_more()
         else:
-            self._describe_more(futures)  # the next describe runs while this file publishes
-            self._finish_verified(job, actuals, futures)
+            if job.chunks:  # its describe task fetched it, with one ranged read
+                self._count_chunk()
+            self._describe_more()  # the next describe runs while this file publishes
+            self._finish_verified(job, actuals)
 
     def _plan(self, file: RemoteFile) -> _FileJob:
         """How a described file is fetched and checked: every check it must pass, the one
@@ -384,7 +419,7 @@ class Transfer:
         chunks = plan_chunks(file.size, piece, checksum)
         return _FileJob(file, staged, checksum, chunks, checks, unverified=unverified)
 
-    def _start_file(self, job: _FileJob, futures: dict[Future[Any], tuple[str, Any]]) -> None:
+    def _start_file(self, job: _FileJob) -> None:
         """A file of several chunks (or too large for one buffered write): open its partial and
         journal (resuming what an earlier run finished) and queue its missing chunks."""
         file = job.file
@@ -395,25 +430,23 @@ class Transfer:
             self.stats.resumed_bytes += resumed
             log.info("resuming %s: %d of %d bytes already on disk", file.path, resumed, file.size)
         if not todo:
-            self._file_complete(job, futures)
+            self._file_complete(job)
             return
-        self._submit(job, todo, futures)
-        self._advance_hash(job, futures)  # a resumed file: hash what is already there
+        self._submit(job, todo)
+        self._advance_hash(job)  # a resumed file: hash what is already there
 
-    def _submit(
-        self, job: _FileJob, todo: list[int], futures: dict[Future[Any], tuple[str, Any]]
-    ) -> None:
+    def _submit(self, job: _FileJob, todo: list[int]) -> None:
         """One task per run of consecutive missing chunks, each run up to ``chunk_size``."""
         requests = group_chunks(job.chunks, todo, self._config.chunk_size)
         job.pending = len(requests)
         for indices in requests:
-            futures[self._io.submit(self._run_chunk, job, indices)] = ("chunk", (job, indices))
+            self._tasks.submit(self._io, _FetchRange(job, indices), self._run_chunk, job, indices)
 
-    def _submit_whole(self, job: _FileJob, futures: dict[Future[Any], tuple[str, Any]]) -> None:
+    def _submit_whole(self, job: _FileJob) -> None:
         """A small file fetched again (its first copy failed a check): one io task fetches,
         writes, fsyncs and hashes it (:meth:`_fetch_whole`), as its describe task did."""
         _prepare_whole(job)
-        futures[self._io.submit(self._fetch_whole, job)] = ("whole", job)
+        self._tasks.submit(self._io, _FetchWhole(job), self._fetch_whole, job)
 
     def _open_job(self, job: _FileJob) -> None:
         header = _journal_header(job)
@@ -424,9 +457,7 @@ class Transfer:
                 journal_path, header, partial_exists=exists, persist=len(job.chunks) > 1
             )
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise _no_space(job, exc) from exc
-            raise TransferError(f"cannot write {journal_path}: {exc.strerror}") from exc
+            raise _write_failed(job, journal_path, exc) from exc
         fd = os.open(job.staged, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             if not job.journal.done:
@@ -436,10 +467,8 @@ class Transfer:
         except OSError as exc:
             os.close(fd)
             job.journal.close()
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise _no_space(job, exc) from exc
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise TransferError(f"cannot write {job.staged}: {exc.strerror}") from exc
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # (no fallocate here)
+                raise _write_failed(job, job.staged, exc) from exc
             fd = os.open(job.staged, os.O_RDWR)
             os.ftruncate(fd, job.file.size)
         job.fd = fd
@@ -455,13 +484,13 @@ class Transfer:
             hashers = {a: verify.new_hasher(a, size=job.file.size) for a in sorted(sequential)}
             job.seq = _SeqHash(verify.MultiHasher(hashers))
 
-    def _file_complete(self, job: _FileJob, futures: dict[Future[Any], tuple[str, Any]]) -> None:
+    def _file_complete(self, job: _FileJob) -> None:
         if job.seq is not None and job.seq.busy:
             job.seq.seal_when_idle = True  # _hashed_ahead seals it
             return
-        futures[self._hashing.submit(self._seal, job)] = ("hash", job)
+        self._tasks.submit(self._hashing, _Seal(job), self._seal, job)
 
-    def _advance_hash(self, job: _FileJob, futures: dict[Future[Any], tuple[str, Any]]) -> None:
+    def _advance_hash(self, job: _FileJob) -> None:
         """Hand the newly contiguous finished chunks of a sequential checksum to a hash worker."""
         seq = job.seq
         if seq is None or seq.busy or job.journal is None:
@@ -472,22 +501,26 @@ class Transfer:
         if stop > seq.next:
             seq.busy = True
             start, end = job.chunks[seq.next][0], job.chunks[stop - 1][1]
-            fut = self._hashing.submit(
-                verify.hash_range, seq.hasher, job.staged, start, end, self._config.direct_io
+            self._tasks.submit(
+                self._hashing,
+                _HashAhead(job, stop),
+                verify.hash_range,
+                seq.hasher,
+                job.staged,
+                start,
+                end,
+                self._config.direct_io,
             )
-            futures[fut] = ("hash-ahead", (job, stop))
 
-    def _hashed_ahead(
-        self, job: _FileJob, stop: int, futures: dict[Future[Any], tuple[str, Any]]
-    ) -> None:
+    def _hashed_ahead(self, job: _FileJob, stop: int) -> None:
         seq = job.seq
         assert seq is not None
         seq.busy, seq.next = False, stop
         if seq.seal_when_idle:
             seq.seal_when_idle = False
-            futures[self._hashing.submit(self._seal, job)] = ("hash", job)
+            self._tasks.submit(self._hashing, _Seal(job), self._seal, job)
         else:
-            self._advance_hash(job, futures)
+            self._advance_hash(job)
 
     def _seal(self, job: _FileJob) -> list[str]:
         """A hash worker's part of finishing a file (an io worker's, for a file fetched whole):
@@ -498,9 +531,7 @@ class Transfer:
         try:
             os.fsync(job.fd)
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise _no_space(job, exc) from exc
-            raise TransferError(f"cannot write {job.staged}: {exc.strerror}") from exc
+            raise _write_failed(job, job.staged, exc) from exc
         self._close(job)
         values: dict[int, str] = {}
         if job.seq is not None:
@@ -534,9 +565,7 @@ class Transfer:
         results = [job.journal.done[i] for i in range(len(job.chunks))]
         return verify.finish_inline(job.checksum, results)
 
-    def _finish_verified(
-        self, job: _FileJob, actuals: list[str], futures: dict[Future[Any], tuple[str, Any]]
-    ) -> None:
+    def _finish_verified(self, job: _FileJob, actuals: list[str]) -> None:
         assert job.journal is not None
         if job.checks:
             try:
@@ -550,7 +579,7 @@ class Transfer:
                     raise
                 log.warning("%s; deleted it, downloading the file once more", exc)
                 job.attempt += 1
-                self._restart(job, futures)
+                self._restart(job)
                 return
             counts = self.stats.checksum_algorithms
             for checksum in job.checks:
@@ -562,16 +591,16 @@ class Transfer:
         self.stats.files_downloaded += 1
         self._progress.file_done(job.file.path, job.file.size)
 
-    def _restart(self, job: _FileJob, futures: dict[Future[Any], tuple[str, Any]]) -> None:
+    def _restart(self, job: _FileJob) -> None:
         if job.whole:
-            self._submit_whole(job, futures)
+            self._submit_whole(job)
             return
         self._open_job(job)  # also starts a fresh sequential hasher
         if not job.chunks:
             job.pending = 0
-            self._file_complete(job, futures)
+            self._file_complete(job)
             return
-        self._submit(job, list(range(len(job.chunks))), futures)
+        self._submit(job, list(range(len(job.chunks))))
 
     def _discard(self, job: _FileJob) -> None:
         self._close(job)
@@ -642,9 +671,7 @@ class Transfer:
         try:
             job.fd = os.open(job.staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise _no_space(job, exc) from exc
-            raise TransferError(f"cannot write {job.staged}: {exc.strerror}") from exc
+            raise _write_failed(job, job.staged, exc) from exc
         if job.chunks:
             self._run_chunk(job, [0])
         return self._seal(job)
@@ -783,7 +810,7 @@ def retry_read(
             read()
             return
         except TransientSourceError as exc:
-            if attempt >= policy.attempts:
+            if policy.gives_up(attempt, exc):
                 raise TransientSourceError(
                     f"{what}: giving up after {attempt} attempts: {exc}"
                 ) from exc
@@ -981,26 +1008,36 @@ def _pwrite_all(job: _FileJob, data: memoryview, offset: int) -> None:
         try:
             written = os.pwrite(job.dfd if direct else job.fd, data, offset)
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise _no_space(job, exc) from exc
             if direct and exc.errno == errno.EINVAL:
                 # the filesystem opened O_DIRECT but refuses this write: buffered from now on
                 # (the descriptor stays open until the file is closed: other threads may use it)
                 log.debug("O_DIRECT write refused for %s: buffered writes", job.staged)
                 job.direct_refused = True
                 continue
-            raise TransferError(f"cannot write {job.staged}: {exc.strerror}") from exc
+            raise _write_failed(job, job.staged, exc) from exc
         data = data[written:]
         offset += written
 
 
-def _no_space(job: _FileJob, exc: OSError) -> InsufficientSpaceError:
+def no_space(exc: OSError, under: Path, writing: str = "") -> InsufficientSpaceError | None:
+    """The one error for a write the disk refused for want of space (ENOSPC, or EDQUOT: over
+    quota) under ``under``, while writing ``writing``; None for any other OSError."""
+    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
     return InsufficientSpaceError(
-        f"no space left on the device under {job.staged.parent} while writing "
-        f"{job.file.path} ({job.file.size} bytes): {exc.strerror}",
-        hint="free some space (prefetch gc) or point DEST at a larger volume; "
-        "the partial download is kept and the next pull resumes it",
+        f"no space left on the device under {under}"
+        + (f" while writing {writing}" if writing else "")
+        + f": {exc.strerror or exc}",
+        hint="free some space (prefetch gc) or point DEST at a larger volume; finished files "
+        "and partial downloads are kept and the next pull resumes",
     )
+
+
+def _write_failed(job: _FileJob, path: Path, exc: OSError) -> PrefetchError:
+    """A write for ``job`` to ``path`` failed: out of space, or another reason."""
+    writing = f"{job.file.path} ({job.file.size} bytes)"
+    full = no_space(exc, job.staged.parent, writing)
+    return full or TransferError(f"cannot write {path}: {exc.strerror}")
 
 
 #: The stall/deadline/stop watchdog, for other drivers of ranged reads (prefetch.mirror streams
@@ -1010,7 +1047,6 @@ Watchdog = _Watchdog
 __all__ = [
     "Cancelled",
     "Filled",
-    "PrefetchError",
     "Transfer",
     "TransferConfig",
     "TransferStats",
@@ -1018,6 +1054,7 @@ __all__ = [
     "connection_closed",
     "fill_watched",
     "group_chunks",
+    "no_space",
     "plan_chunks",
     "read_slice",
     "retry_read",

@@ -581,7 +581,9 @@ def test_disk_pressure_evicts_lru_keeps_pinned_and_fails_clearly(
             )
             == 1
         )
-        # nothing was evicted in vain, and the pinned model stayed
-        assert sorted(p.name for p in (cache / "models").iterdir()) == ["a", "c", "d"]
+        # nothing was evicted in vain, and the pinned model stayed; e's entry, made to hold its
+        # lock, stays (the lock may be another process's) and, holding nothing, is no entry
+        assert sorted(p.name for p in (cache / "models").iterdir()) == ["a", "c", "d", "e"]
+        assert [m.key for m in Store(cache).list()] == ["models/a", "models/c", "models/d"]
         assert sample(agent, "model_prefetch_evictions_total", reason="disk_pressure") == 1
         assert is_ready(agent, "d")

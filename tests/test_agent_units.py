@@ -19,7 +19,10 @@ from prefetch.agent.watch import ConfigWatcher
 from prefetch.errors import (
     AccessDeniedError,
     BucketNotFoundError,
+    DeadlineExceededError,
     InsufficientSpaceError,
+    PrefetchError,
+    SourceError,
     TransientSourceError,
 )
 from prefetch.logjson import JsonFormatter, TextFormatter, scrub, setup_logging
@@ -71,11 +74,13 @@ def test_metrics_sink_feeds_the_registry() -> None:
     registry = CollectorRegistry()
     now = [1000.0]
     metrics = AgentMetrics(registry, rate_window=10, clock=lambda: now[0])
-    sink = metrics.sink("m", "s3", chunk_size=4)
+    sink = metrics.sink("m", "s3")
     sink.start("m", 20, 2)
     for _ in range(5):
         sink.advance(2)
-    sink.file_done("a", 10)  # 3 chunks of at most 4 bytes
+    for _ in range(3):  # the engine tells each ranged request it completed
+        sink.chunk_done()
+    sink.file_done("a", 10)
     sink.retry("reset")
     sink.checksum_failure("b")
     assert sink.remaining == 10
@@ -127,6 +132,22 @@ def test_failure_reasons_are_a_small_vocabulary() -> None:
     assert failure_reason(TransientSourceError("x")) == "transient"
     assert failure_reason(InsufficientSpaceError("x")) == "insufficient_space"
     assert failure_reason(RuntimeError("x")) == "internal"
+
+
+def _kinds(cls: type[BaseException]) -> list[type[BaseException]]:
+    return [cls, *(k for sub in cls.__subclasses__() for k in _kinds(sub))]
+
+
+def test_the_agents_failure_labels_and_the_clis_error_reasons_are_one_vocabulary() -> None:
+    from prefetch.cli import error_reason
+
+    kinds = _kinds(PrefetchError)
+    assert len(kinds) > 20
+    for kind in [*kinds, OSError, RuntimeError]:
+        exc = kind.__new__(kind)  # isinstance is all the table looks at
+        assert failure_reason(exc) == error_reason(exc), kind
+    assert failure_reason(DeadlineExceededError("x")) == "deadline"
+    assert failure_reason(SourceError("x")) == "source_error"  # the agent said "source" before
 
 
 def test_watcher_sees_a_kubelet_swap_but_not_reads(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from prefetch.cli import error_reason, main
 from prefetch.errors import (
     BucketNotFoundError,
     ChecksumMismatchError,
+    DeadlineExceededError,
     InsufficientSpaceError,
     NoMatchingFilesError,
 )
@@ -97,6 +98,7 @@ def test_verify_json_reports_a_failure_to_start_as_json(tmp_path: Path) -> None:
         (BucketNotFoundError("gone"), "not_found"),
         (InsufficientSpaceError("full"), "insufficient_space"),
         (Cancelled("stopped"), "cancelled"),
+        (DeadlineExceededError("late"), "deadline"),  # was transfer_failed
         (KeyboardInterrupt(), "cancelled"),
         (RuntimeError("a bug"), "internal"),
     ],

@@ -154,6 +154,12 @@ def test_defaults() -> None:
         ("s3: {endpointUrl: 'ftp://x'}", "s3.endpointUrl: 'ftp://x' is not an http(s) URL"),
         ("s3: {region: x}", "s3.region: unknown key"),
         ("- a\n- b", "the file: expected a mapping, got a list"),
+        ("syncDeadline: soon", "syncDeadline: not a duration"),
+        ("syncDeadline: [1h]", "syncDeadline: expected a duration like 10m"),
+        (
+            "models:\n  - {name: a, source: s3://bkt/p, syncDeadline: -5}",
+            "models[0].syncDeadline: must not be negative",
+        ),
     ],
 )
 def test_errors_name_the_field(text: str, expected: str, tmp_path: Path) -> None:
@@ -193,6 +199,24 @@ def test_digest_tracks_content_not_flags() -> None:
     assert spec_digest(a) == spec_digest(pinned.models[0])
     assert spec_digest(a) != spec_digest(narrowed.models[0])
     assert parse_config("x: 1".replace("x", "concurrency")).digest != parse_config("").digest
+
+
+def test_sync_deadline_scales_with_the_model_or_is_set_globally_or_per_model() -> None:
+    GB = 10**9
+    auto = parse_config("models: []").deadline_for("any")
+    assert auto.for_bytes(0) == auto.for_bytes(GB) == 600  # the minimum: 10 minutes
+    # 140 GB at the 4 MiB/s floor: 9.3 hours, where a healthy 100 MB/s link needs 23 minutes
+    assert 9 * 3600 < auto.for_bytes(140 * GB) < 10 * 3600
+    config = parse_config(
+        "syncDeadline: 2h\nmodels:\n"
+        "  - {name: a, source: s3://bkt/a, syncDeadline: 90s}\n"
+        "  - {name: b, source: s3://bkt/b, syncDeadline: 'off'}\n"
+        "  - {name: c, source: s3://bkt/c, syncDeadline: auto}\n"
+        "  - {name: d, source: s3://bkt/d}\n"
+    )
+    assert [config.deadline_for(n).for_bytes(140 * GB) for n in "abd"] == [90, None, 7200]
+    assert config.deadline_for("c").for_bytes(140 * GB) == auto.for_bytes(140 * GB)
+    assert parse_config("syncDeadline: 0\nmodels: []").sync_deadline.for_bytes(GB) is None
 
 
 def test_backoff_doubles_up_to_max() -> None:

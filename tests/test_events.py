@@ -375,9 +375,7 @@ def test_an_eviction_is_told_with_the_bytes_it_freed() -> None:
     recorder = EventRecorder(metrics, sink)
     space = SpaceManager(Disk(), metrics, recorder)  # type: ignore[arg-type]
     spec = ModelSpec(name="new", source=parse_source_uri("s3://bucket/new"))
-    space.make_room(
-        spec, 4 * MiB, wanted=[spec], min_free=0, sink=metrics.sink("new", "s3", chunk_size=MiB)
-    )
+    space.make_room(spec, 4 * MiB, wanted=[spec], min_free=0, sink=metrics.sink("new", "s3"))
     assert recorder.flush()
     recorder.close()
     assert [e["note"] for e in sink.created] == [

@@ -8,6 +8,7 @@ misbehaviours).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -399,7 +400,7 @@ def test_agent_config_sets_the_stall_rule() -> None:
 
 @pytest.mark.slow
 def test_a_trickling_model_never_keeps_a_healthy_one_waiting(
-    s3: MisbehavingS3, tmp_path: Path
+    s3: MisbehavingS3, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from prefetch.agent.reconcile import Agent
 
@@ -422,13 +423,25 @@ def test_a_trickling_model_never_keeps_a_healthy_one_waiting(
             retryBackoff={"initial": "30s", "max": "5m"},
         )
     )
+    caplog.set_level(logging.INFO)
     agent = Agent(config, s3_client=s3.client(), tick=0.2)
     with AgentThread(agent):
-        # bounded: the slow model's attempts (1 s stall window each) then the fast one
-        wait_for(lambda: is_ready(agent, "fast"), "the healthy model", timeout=60,
+        # The order of what happens is the test, not a wall-clock budget: a loaded machine
+        # stretches the stall windows, retry waits and the healthy sync (the budget this test
+        # had, 60 s, is what made it flaky), never their order. The bound is the stall rule's:
+        # one attempt of the slow model (1 s stall windows), then the fast one.
+        wait_for(lambda: is_ready(agent, "fast"), "the healthy model", timeout=300,
                  dump=agent.status)  # fmt: skip
         slow = model_status(agent, "slow")
         assert not slow["ready"] and "stalled" in (slow.get("last_error") or ""), slow
+    lines = [r.getMessage() for r in caplog.records]
+    slow_began = [i for i, m in enumerate(lines) if m.startswith("slow: 1 of 1 files")]
+    slow_failed = next(i for i, m in enumerate(lines) if m.startswith("slow: sync failed"))
+    fast_began = next(i for i, m in enumerate(lines) if m.startswith("fast: 1 of 1 files"))
+    fast_ready = next(i for i, m in enumerate(lines) if m.startswith("ModelReady: Model fast"))
+    # one attempt of the slow model, ended by the stall rule; the slot went to the fast one
+    assert "stalled" in lines[slow_failed] and slow_failed < fast_began < fast_ready
+    assert slow_began[0] < slow_failed and all(i > fast_began for i in slow_began[1:])
 
 
 def test_a_trickling_small_object_get_is_cut_and_retried(s3: MisbehavingS3, tmp_path: Path) -> None:
@@ -450,3 +463,86 @@ def test_a_trickling_small_object_get_is_cut_and_retried(s3: MisbehavingS3, tmp_
     assert (tmp_path / "dest" / "tokenizer.json").read_bytes() == data
     assert results[0].files_verified == 1
     assert [m for m, k, _ in s3.requests if k == "m/tokenizer.json"] == ["GET", "GET"]
+
+
+def test_a_trickling_model_is_bounded_by_its_sync_deadline_and_a_healthy_one_gets_ready(
+    s3: MisbehavingS3, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The issue's case: one sync slot, model A's server trickles for ever and the stall rule
+    cannot help (off here: its retries would trickle again), model B is healthy. Each of A's
+    attempts ends at its syncDeadline, resumably, as a failure with reason ``deadline``; the
+    slot passes to B, which gets ready; A keeps the gate closed and says why."""
+    from prefetch.agent.reconcile import Agent
+
+    from .support import AgentThread, config_text, is_ready, model_status, wait_for
+
+    slow_key = "slow/weights.bin"
+    s3.put(BUCKET, slow_key, os.urandom(32 * MiB), md5_etag=True)
+    s3.put(BUCKET, "fast/weights.bin", os.urandom(2 * MiB), md5_etag=True)
+    s3.misbehave(key=slow_key, trickle=(32 * 1024, 0.1))  # 320 KiB/s for ever: 100 s of body
+    config = tmp_path / "models.yaml"
+    config.write_text(
+        config_text(
+            tmp_path / "cache",
+            [
+                {"name": "slow", "source": f"s3://{BUCKET}/slow/", "syncDeadline": "1s"},
+                {"name": "fast", "source": f"s3://{BUCKET}/fast/"},  # default: scaled, >= 10m
+            ],
+            parallelModels=1,
+            concurrency=1,
+            chunkSize="64KiB",  # pieces a 1 s attempt completes, to see the next one resume
+            minRate=0,  # no stall rule: only the deadline ends an attempt
+            listen="127.0.0.1:0",
+        )
+    )
+    caplog.set_level(logging.INFO)
+    agent = Agent(config, s3_client=s3.client(), tick=0.2)
+    began = time.time()  # log records carry the wall clock
+    with AgentThread(agent):
+        wait_for(
+            lambda: is_ready(agent, "fast") and model_status(agent, "slow")["failures"] >= 2,
+            "the healthy model ready and two bounded attempts of the trickling one",
+            timeout=60,
+            dump=agent.status,
+        )
+        slow = model_status(agent, "slow")
+        code, body = agent.readiness()
+        failures = agent.registry.get_sample_value(
+            "model_prefetch_sync_failures_total", {"model": "slow", "reason": "deadline"}
+        )
+    assert not slow["ready"] and slow["error_reason"] == "deadline", slow
+    assert "syncDeadline of 1s" in slow["last_error"] and "resumes" in slow["last_error"]
+    assert "(deadline)" in slow["detail"]  # backing off, or trying again: /readyz says why
+    assert code == 503 and body["summary"] == "waiting for 1 required model(s): slow"
+    assert failures is not None and failures >= 2
+
+    # the story, from the log: A's first attempt ends at its deadline, then B is ready, then
+    # A tries again (after its backoff) and is bounded again
+    def at(record: logging.LogRecord) -> float:
+        return record.created - began
+
+    slow_failed = "SyncFailed: Sync of model slow from "
+    deadline_events = [
+        r
+        for r in caplog.records
+        if r.getMessage().startswith(slow_failed) and "(deadline)" in r.getMessage()
+    ]
+    ready_events = [r for r in caplog.records if r.getMessage().startswith("ModelReady: ")]
+    assert [r.getMessage().split()[2] for r in ready_events] == ["fast"]
+    assert len(deadline_events) >= 2
+    assert at(deadline_events[0]) < at(ready_events[0]) < at(deadline_events[1])
+    starts = [at(r) for r in caplog.records if r.getMessage().startswith("slow: 1 of 1 files")]
+    for start, end in zip(starts, (at(r) for r in deadline_events), strict=False):
+        assert end - start < 10, (start, end)  # the trickle alone: 100 s; each attempt ~1 s
+    print(
+        "timeline (s from agent start): slow bounded at",
+        [round(at(r), 2) for r in deadline_events],
+        "after starting at",
+        [round(s, 2) for s in starts],
+        "; fast ready at",
+        round(at(ready_events[0]), 2),
+    )
+    # resumably: the next attempt asks for the bytes after what the first one kept (~300 KiB
+    # in 64 KiB pieces), never byte 0 again
+    firsts = ranges_asked(s3, slow_key)
+    assert firsts[0] == 0 and firsts.count(0) == 1, firsts

@@ -22,7 +22,7 @@ from prefetch.errors import (
 )
 from prefetch.layout.hf import HfCacheLayout
 from prefetch.mirror_format import blob_key
-from prefetch.sources import open_source
+from prefetch.sources import SourceSettings, open_source
 from prefetch.sources.hf import HubOptions
 from prefetch.sources.s3 import make_s3_client
 from prefetch.spec import ModelSpec, parse_source_uri
@@ -70,7 +70,7 @@ def pull(
     pool = urllib3.PoolManager(maxsize=16, retries=False)
     options = HubOptions(endpoint=hub.endpoint, token=False, http=pool, retry=FAST.retry)
     try:
-        source = open_source(spec, s3_client=client, hub=options)
+        source = open_source(spec, SourceSettings(s3_client=client, hub=options)).source
         return sync(spec, source, HfCacheLayout(dest, repo), FAST)
     finally:
         pool.clear()

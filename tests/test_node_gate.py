@@ -280,10 +280,26 @@ def test_persistent_500_raises_node_gate_error(stub: KubeStub, node: str) -> Non
     assert "500" in str(info.value)
     assert len(stub.requests_of("GET")) == 4
     assert patches(stub) == []
-    # exponential backoff with jitter in [0.5, 1) of 0.01, 0.02, 0.04
+    # exponential backoff with full jitter: in [0, 0.01], [0, 0.02], [0, 0.04]
     assert len(sleep.calls) == 3
     for i, slept in enumerate(sleep.calls):
-        assert 0.5 * 0.01 * 2**i <= slept < 0.01 * 2**i
+        assert 0 <= slept <= 0.01 * 2**i
+
+
+def test_the_gate_waits_as_the_one_retry_policy_says(
+    stub: KubeStub, node: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the jitter drawn at its low end: full jitter (RetryPolicy) goes down to 0; a formula of
+    # its own (the old [0.5, 1) of the backoff) would not
+    monkeypatch.setattr("prefetch.retry.random.uniform", lambda low, high: low)
+    stub.fail_next(2, 500)
+    sleep = RecordingSleep()
+    make_gate(stub, max_attempts=4, backoff=0.01, max_backoff=1.0, sleep=sleep).apply([], True)
+    assert sleep.calls == [0.0, 0.0]
+    monkeypatch.setattr("prefetch.retry.random.uniform", lambda low, high: high)
+    stub.fail_next(2, 500)
+    make_gate(stub, max_attempts=4, backoff=0.01, max_backoff=1.0, sleep=sleep).apply([], True)
+    assert sleep.calls[2:] == [0.01, 0.02]
 
 
 def test_retry_after_is_honoured_up_to_max_backoff(stub: KubeStub, node: str) -> None:
@@ -291,8 +307,7 @@ def test_retry_after_is_honoured_up_to_max_backoff(stub: KubeStub, node: str) ->
     stub.fail_next(1, 429, method="PATCH", retry_after=30)
     sleep = RecordingSleep()
     make_gate(stub, backoff=0.001, max_backoff=0.2, sleep=sleep).apply([], True)
-    assert len(sleep.calls) == 1
-    assert 0.1 <= sleep.calls[0] < 0.2
+    assert sleep.calls == [0.2]  # Retry-After wins over the backoff, capped at max_backoff
 
 
 def test_node_not_found_names_the_node_without_retrying(stub: KubeStub) -> None:

@@ -16,7 +16,7 @@ from prefetch.errors import ChecksumMismatchError, SourceError, UnsafePathError
 from prefetch.layout import PlainLayout
 from prefetch.layout.hf import HfCacheLayout
 from prefetch.retry import RetryPolicy
-from prefetch.sources import open_source
+from prefetch.sources import SourceSettings, open_source
 from prefetch.sources.oci_tar import unpack_layer
 from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.sync import sync
@@ -82,7 +82,7 @@ def link(name: str, target: str, kind: bytes = tarfile.SYMTYPE) -> tarfile.TarIn
 def pull(registry: Registry, repo: str, dest: Path, hf_repo: str | None = None):  # type: ignore[no-untyped-def]
     spec = ModelSpec(source=parse_source_uri(f"oci://{registry.host}/{repo}:v1"), hf_repo=hf_repo)
     layout = HfCacheLayout(dest, hf_repo) if hf_repo else PlainLayout(dest)
-    return sync(spec, open_source(spec, concurrency=4), layout, CONFIG)
+    return sync(spec, open_source(spec, SourceSettings(concurrency=4)).source, layout, CONFIG)
 
 
 def nothing_published(dest: Path) -> bool:

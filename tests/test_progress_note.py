@@ -55,7 +55,7 @@ def state(name: str, *, required: bool = True) -> ModelState:
 
 def syncing(metrics: AgentMetrics, name: str, total: int, done: int) -> ModelState:
     ms = state(name)
-    sink = metrics.sink(name, "s3", chunk_size=8 << 20)
+    sink = metrics.sink(name, "s3")
     ms.start_sync(Job(JobKind.SYNC, cast(Any, None), threading.Event(), 0.0), sink)
     sink.start(name, total, 3)
     sink.advance(done)
@@ -76,6 +76,26 @@ def note_of(models: list[ModelState], *, rate: float = 0.0, all_ready: bool = Fa
         prefix="model-prefetch.io",
         taint="model-prefetch.io/warming",
         now=NOON,
+    )
+
+
+def test_a_retry_after_a_deadline_says_why_in_the_note_and_in_readyz() -> None:
+    """`prefetch status` (the note) and /readyz tell why a model is not ready yet, both while it
+    backs off and while it tries again: most of a trickling model's time is spent trying."""
+    from prefetch.agent.status import model_status
+    from prefetch.errors import DeadlineExceededError
+
+    metrics = AgentMetrics(CollectorRegistry())
+    ms = state("slow")
+    ms.sync_failed(DeadlineExceededError("syncDeadline passed"), 0.0, cast(Any, _Backoff()))
+    assert note_of([ms])["models"][0] == {"name": "slow", "phase": "failed", "reason": "deadline"}
+    assert model_status(ms, 0.0)["detail"].startswith("failed (deadline): syncDeadline passed")
+    sink = metrics.sink("slow", "s3")
+    ms.start_sync(Job(JobKind.SYNC, cast(Any, None), threading.Event(), 0.0), sink)
+    sink.start("slow", GiB, 1)
+    assert note_of([ms])["models"][0]["reason"] == "deadline"
+    assert model_status(ms, 0.0)["detail"] == (
+        "downloading: 1.0 GiB left in 1 file(s); attempt 2, the last failed (deadline)"
     )
 
 
@@ -103,7 +123,7 @@ def test_the_note_gives_each_models_phase_bytes_rate_and_eta_and_when_it_was_wri
                 "eta": 4,  # 3 GiB at 1000 MiB/s is 3.072 s, rounded up
             },
             {"name": "qwen", "phase": "ready", "done": 2 * GiB, "total": 2 * GiB},
-            {"name": "broken", "phase": "failed", "reason": "internal"},
+            {"name": "broken", "phase": "failed", "reason": "os_error"},
         ],
     }
     assert " " not in encode(note)  # compact: every watcher of the Node gets a copy
@@ -114,7 +134,7 @@ def test_the_eta_is_unknown_until_bytes_flow_and_the_total_until_the_plan() -> N
     resolving = state("m")
     resolving.start_sync(
         Job(JobKind.SYNC, cast(Any, None), threading.Event(), 0.0),
-        metrics.sink("m", "s3", chunk_size=1 << 20),
+        metrics.sink("m", "s3"),
     )
     entry = note_of([resolving], rate=0.0)["models"][0]
     assert entry == {
@@ -132,7 +152,7 @@ def test_a_ready_model_only_checked_or_reverified_shows_ready() -> None:
     checked = ready("checked", 10)
     checked.start_sync(
         Job(JobKind.SYNC, cast(Any, None), threading.Event(), 0.0),
-        metrics.sink("checked", "s3", chunk_size=1 << 20),
+        metrics.sink("checked", "s3"),
     )
     checked.sink.start("checked", 0, 0)  # type: ignore[union-attr]  # up to date: nothing to fetch
     verifying = ready("verifying", 10)
@@ -140,7 +160,7 @@ def test_a_ready_model_only_checked_or_reverified_shows_ready() -> None:
     updating = ready("updating", 10)
     updating.start_sync(
         Job(JobKind.SYNC, cast(Any, None), threading.Event(), 0.0),
-        metrics.sink("updating", "s3", chunk_size=1 << 20),
+        metrics.sink("updating", "s3"),
     )
     updating.sink.start("updating", 500, 1)  # type: ignore[union-attr]  # a new revision
 
@@ -286,6 +306,8 @@ def test_annotate_is_one_merge_patch_that_keeps_other_annotations(stub: KubeStub
 
 
 class _Backoff:
+    initial = max = 1.0
+
     def delay(self, failures: int) -> float:
         return 1.0
 

@@ -20,7 +20,7 @@ from prefetch.errors import ConfigError
 from prefetch.layout import layout_for
 from prefetch.locals3 import SeaweedS3
 from prefetch.settings import parse_proxy, proxies
-from prefetch.sources import open_source
+from prefetch.sources import SourceSettings, open_source
 from prefetch.sources.hf import HubOptions
 from prefetch.sources.s3 import s3_proxies
 from prefetch.spec import ModelSpec, parse_source_uri
@@ -80,7 +80,9 @@ def _s3_credentials(monkeypatch: pytest.MonkeyPatch, server: SeaweedS3) -> None:
 
 def _pull_hub(hub: HubServer, dest: Path, proxy: str | None = None) -> None:
     spec = ModelSpec(source=parse_source_uri(f"hf://{REPO}"), proxy=proxy)
-    source = open_source(spec, hub=HubOptions(endpoint=hub.endpoint, token=False, pool_size=9))
+    source = open_source(
+        spec, SourceSettings(hub=HubOptions(endpoint=hub.endpoint, token=False, pool_size=9))
+    ).source
     result = sync(spec, source, layout_for(spec, dest), FAST)
     assert result.files_downloaded == len(server_files(hub, REPO))
 
@@ -88,7 +90,7 @@ def _pull_hub(hub: HubServer, dest: Path, proxy: str | None = None) -> None:
 def _pull_s3(server: SeaweedS3, bucket: str, dest: Path, proxy: str | None = None) -> int:
     """Pull s3://bucket/m/ into ``dest``; the number of files."""
     spec = ModelSpec(source=parse_source_uri(f"s3://{bucket}/m/"), proxy=proxy)
-    source = open_source(spec, endpoint_url=server.endpoint, concurrency=4)
+    source = open_source(spec, SourceSettings(s3_endpoint=server.endpoint, concurrency=4)).source
     result = sync(spec, source, layout_for(spec, dest), FAST)
     assert result.files_downloaded > 0 and result.bytes_downloaded > 3 * MiB
     return result.files_downloaded

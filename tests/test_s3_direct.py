@@ -383,7 +383,7 @@ def test_a_pull_through_a_mirror_reads_everything_but_a_listing_on_the_lean_path
     import urllib3
 
     from prefetch.layout.hf import HfCacheLayout
-    from prefetch.sources import open_source
+    from prefetch.sources import SourceSettings, open_source
     from prefetch.sources.hf import HubOptions
     from prefetch.sync import sync
 
@@ -408,7 +408,7 @@ def test_a_pull_through_a_mirror_reads_everything_but_a_listing_on_the_lean_path
         )
         pool = urllib3.PoolManager(maxsize=4, retries=False)
         options = HubOptions(endpoint=hub.endpoint, token=False, http=pool, retry=FAST.retry)
-        source = open_source(spec, s3_client=client, hub=options)
+        source = open_source(spec, SourceSettings(s3_client=client, hub=options)).source
         result = sync(spec, source, HfCacheLayout(tmp_path / "cache", HUB_REPO), FAST)
     assert result.files_downloaded == 2 and result.served_by.startswith("s3://")
     if client_kind == "botocore":

@@ -18,6 +18,7 @@ from prefetch.agent.scheduler import (
     ModelState,
     Scheduler,
     failure_reason,
+    sync_retry_policy,
 )
 from prefetch.errors import InsufficientSpaceError, NotFoundError
 from prefetch.metrics import MODEL_STATES
@@ -111,7 +112,7 @@ def test_verify_then_drop_ready_leaves_the_model_pending_and_unverified(job: Job
     ms.start_verify(job)
     assert ms.phase is ModelPhase.VERIFYING
     ms.drop_ready("re-verification failed: bad")
-    assert not ms.ready and ms.last_verified is None and ms.error_reason == "verify"
+    assert not ms.ready and ms.last_verified is None and ms.error_reason == "verify_failed"
     ms.verify_finished(now=7.0, current=True)
     assert ms.phase is ModelPhase.PENDING and ms.job is None and ms.last_verified == 7.0
 
@@ -134,18 +135,36 @@ def test_a_verify_of_a_model_no_longer_configured_keeps_its_phase(job: Job) -> N
 # -- backoff ------------------------------------------------------------------------------------
 
 
-def test_backoff_grows_with_each_failure_and_is_jittered_within_ten_percent() -> None:
+def test_backoff_grows_with_each_failure_with_full_jitter_above_half_the_first_delay() -> None:
     backoff = Backoff()
     ms = state("m")
     delays = [
-        ms.sync_failed(RuntimeError("x"), now=0.0, backoff=backoff, jitter=lambda a, b: 1.0)
+        ms.sync_failed(RuntimeError("x"), now=0.0, backoff=backoff, jitter=lambda a, b: b)
         for _ in range(3)
     ]
     assert delays == [backoff.delay(1), backoff.delay(2), backoff.delay(3)]
     assert ms.next_attempt == delays[-1]
+    # the jitter's low end (RetryPolicy's full jitter, floored at half the first delay)
     low = ms.sync_failed(RuntimeError("x"), now=0.0, backoff=backoff, jitter=lambda a, b: a)
-    assert low == pytest.approx(backoff.delay(4) * 0.9)
+    assert low == backoff.initial / 2
     assert ms.error_reason == failure_reason(RuntimeError()) == "internal"
+
+
+def test_the_sync_backoff_is_the_one_retry_policy() -> None:
+    backoff = Backoff(initial=4.0, max=30.0)
+    policy = sync_retry_policy(backoff)
+    assert (policy.base_delay, policy.max_delay, policy.min_delay) == (4.0, 30.0, 2.0)
+    for failures in range(1, 8):
+        ms = state("m")
+        ms.failures = failures - 1
+        drawn: list[tuple[float, float]] = []
+
+        def jitter(low: float, high: float) -> float:
+            drawn.append((low, high))  # noqa: B023 (called before the loop moves on)
+            return high
+
+        ms.sync_failed(RuntimeError("x"), now=0.0, backoff=backoff, jitter=jitter)
+        assert drawn == [(2.0, policy.backoff(failures))]
 
 
 # -- due ----------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from prefetch.mirror_format import MirrorCommit, MirrorFile, blob_key, ref_key, 
 from prefetch.modelgen import GeneratedFile, make_model_dir, random_bytes, upload_model
 from prefetch.progress import NullProgress
 from prefetch.retry import RetryPolicy
-from prefetch.sources import open_source
+from prefetch.sources import SourceSettings, open_source
 from prefetch.sources.hf import HubOptions, open_hub_source
 from prefetch.sources.oci import open_oci_source
 from prefetch.sources.s3 import S3Source, make_s3_client
@@ -324,7 +324,7 @@ class MirrorCase(S3Case):
             mirrors=(parse_source_uri(f"s3://{self.bucket}/{self.prefix}"),),
             hub_fallback=False,
         )
-        source = open_source(spec, s3_client=self.proxy_client)
+        source = open_source(spec, SourceSettings(s3_client=self.proxy_client)).source
         layout = HfCacheLayout(dest, self.repo)
         return sync(spec, source, layout, config, progress=progress, stop=stop)
 

@@ -78,7 +78,7 @@ def warming_node(stub: KubeStub, name: str, written_ago: float) -> None:
     )
     metrics = AgentMetrics(CollectorRegistry())
     llama = model("llama")
-    sink = metrics.sink("llama", "s3", chunk_size=8 * MiB)
+    sink = metrics.sink("llama", "s3")
     llama.start_sync(Job(JobKind.SYNC, cast(Any, None), threading.Event(), 0.0), sink)
     sink.start("llama", 32 * GiB, 4)
     sink.advance(8 * GiB)

@@ -227,3 +227,27 @@ def test_gc_refuses_without_a_config(cache: Path, tmp_path: Path) -> None:
     )
     assert result.exit_code == 1
     assert "config file not found" in result.stderr
+
+
+def test_an_entry_holding_nothing_is_not_counted_and_one_holding_anything_is(cache: Path) -> None:
+    """A sync makes the entry to hold the model's lock; if it stops before its first byte
+    (making room failed), the entry stays, with the lock file in it, and is not an entry."""
+    store = Store(cache)
+    plain, hub = spec("fresh"), spec("hubby", hf_repo="org/hubby")
+    for s in (plain, hub):
+        layout = store.layout(s)
+        layout.prepare()
+        with model_lock(layout.lock_path(), timeout=1):
+            pass
+    store.record_pin(plain)  # a config load writes the pin of an entry on disk
+    assert store.entry_dir(plain).is_dir() and store.entry_dir(hub).is_dir()
+    assert store.list() == [] and store.eviction_candidates([]) == []
+
+    partial = store.layout(plain).staging_dir() / "w.bin.incomplete"
+    partial.write_bytes(b"x" * 10)  # something to resume: counted (and evictable)
+    assert [e.key for e in store.list()] == ["models/fresh"]
+    partial.unlink()
+    (store.entry_dir(hub) / "blobs" / "foreign").write_bytes(b"y")  # a file not ours: counted
+    assert [e.key for e in store.list()] == ["hub/models--org--hubby"]
+    publish_plain(cache, plain, {"w.bin": b"z" * 100})  # recorded: counted
+    assert [e.key for e in store.list()] == ["hub/models--org--hubby", "models/fresh"]

@@ -3,6 +3,7 @@ against an in-memory source and a real PlainLayout on disk."""
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from prefetch import verify
-from prefetch.errors import LockTimeoutError
+from prefetch.errors import LayoutError, LockTimeoutError
 from prefetch.layout import PlainLayout, RecordedFile
+from prefetch.progress import NullProgress
 from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.sync import execute, forget_failures, prepare, sync, verify_local
 from prefetch.transfer import TransferConfig, staged_name
@@ -249,3 +251,28 @@ def test_a_pull_killed_between_a_files_rename_and_its_record_leaves_only_whole_f
     )
     report = verify_local(PlainLayout(dest))
     assert report.ok and {p.name: p.read_bytes() for p in dest.glob("f*.bin")} == objects
+
+
+class DeletesDestOnFirstByte(NullProgress):
+    """Progress that deletes the destination when the first bytes arrive: another process
+    removing DEST while a pull runs."""
+
+    def __init__(self, dest: Path) -> None:
+        self.dest = dest
+
+    def advance(self, nbytes: int) -> None:
+        if self.dest.exists():
+            shutil.rmtree(self.dest)
+
+
+def test_the_destination_deleted_mid_pull_is_a_named_error_with_the_path(tmp_path: Path) -> None:
+    dest = tmp_path / "dest"
+    source = MemorySource({"weights.bin": FILES["weights-1.bin"]})  # one file: its publish fails
+    with pytest.raises(LayoutError) as caught:
+        sync(
+            SPEC, source, PlainLayout(dest), TransferConfig(), progress=DeletesDestOnFirstByte(dest)
+        )
+    message = str(caught.value)
+    assert message.startswith(f"cannot write into {dest}: ")  # and, below it, what was missing
+    assert "No such file or directory" in message and "another process" in message
+    assert "[Errno" not in message and caught.value.hint

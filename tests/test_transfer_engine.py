@@ -17,11 +17,18 @@ from pathlib import Path
 
 import pytest
 
-from prefetch import verify
-from prefetch.errors import ChecksumMismatchError, SourceChangedError, SourceError
+from prefetch import transfer, verify
+from prefetch.errors import (
+    ChecksumMismatchError,
+    InsufficientSpaceError,
+    SourceChangedError,
+    SourceError,
+    TransferError,
+)
+from prefetch.progress import NullProgress
 from prefetch.retry import RetryPolicy
 from prefetch.snapshot import Checksum, RemoteFile
-from prefetch.transfer import Transfer, TransferConfig, group_chunks, plan_chunks
+from prefetch.transfer import Transfer, TransferConfig, group_chunks, no_space, plan_chunks
 from tests.fakes.memory import MemoryReader, MemorySource, crc32_file, sha256_file
 
 KiB = 1024
@@ -489,3 +496,73 @@ def test_a_small_file_that_changed_mid_download_leaves_nothing_resumable(tmp_pat
         run(_ChangingSource({file.path: data}), [file], tmp_path / "st", tmp_path / "out")
     assert list((tmp_path / "st").iterdir()) == []
     assert not (tmp_path / "out").exists()
+
+
+class _CountingProgress(NullProgress):
+    def __init__(self) -> None:
+        self.chunks = 0
+
+    def chunk_done(self) -> None:
+        self.chunks += 1
+
+
+def test_the_engine_counts_the_ranged_requests_it_completed_not_a_plan(tmp_path: Path) -> None:
+    """The chunks metric comes from the engine: a resumed file counts only the requests made for
+    its missing part, a small file its one read, an empty file none."""
+    data = os.urandom(16 * MiB)
+    big = sha256_file("shard.safetensors", data)
+    small = sha256_file("config.json", b"{}")
+    empty = sha256_file("empty.txt", b"")
+    staging, out = tmp_path / "st", tmp_path / "out"
+    broken = MemorySource({big.path: data}, fail_after=5 * MiB + MiB // 2)
+    with pytest.raises(SourceError, match="failed on purpose"):
+        run(broken, [big], staging, out, concurrency=1, chunk_size=4 * MiB, piece_size=1 * MiB)
+    objects = {big.path: data, small.path: b"{}", empty.path: b""}
+    source = MemorySource(objects)
+    progress = _CountingProgress()
+    cfg = TransferConfig(
+        concurrency=1, chunk_size=4 * MiB, piece_size=1 * MiB, buffer_size=256 * KiB, retry=NO_RETRY
+    )
+
+    def publish(file: RemoteFile, staged: Path, checks: tuple[Checksum, ...]) -> None:
+        os.replace(staged, tmp_path / file.path)
+
+    stats = Transfer(source, staging, publish, cfg, progress=progress).run([big, small, empty])
+    # 11 MiB left of the big file: 4 + 4 + 3 MiB; the small file: one read
+    assert len(source.requests) == 4
+    assert stats.chunks_downloaded == progress.chunks == 4
+
+
+def test_a_transfer_runs_once(tmp_path: Path) -> None:
+    transfer = Transfer(MemorySource({}), tmp_path, lambda *a: None, TransferConfig())
+    transfer.run([])
+    with pytest.raises(TransferError, match="runs once"):
+        transfer.run([])
+
+
+@pytest.mark.parametrize("call", ["pwrite", "fsync"])
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])
+def test_a_full_disk_is_one_error_wherever_the_write_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str, code: int
+) -> None:
+    def full(*args: object) -> None:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, call, full)
+    data = os.urandom(2 * MiB)
+    with pytest.raises(InsufficientSpaceError, match="no space left on the device under") as info:
+        run(MemorySource({"w.bin": data}), [sha256_file("w.bin", data)], tmp_path / "st", tmp_path)
+    assert "while writing w.bin (2097152 bytes)" in str(info.value)
+    assert "free some space" in (info.value.hint or "")
+
+
+def test_no_space_names_only_a_full_disk() -> None:
+    err = no_space(OSError(errno.EDQUOT, "Disk quota exceeded"), Path("/cache"), "a.bin")
+    assert isinstance(err, InsufficientSpaceError)
+    assert str(err).startswith("no space left on the device under /cache while writing a.bin")
+    assert no_space(OSError(errno.EIO, "I/O error"), Path("/cache")) is None
+
+
+def test_the_public_names_are_the_engines_own() -> None:
+    assert "PrefetchError" not in transfer.__all__
+    assert all(hasattr(transfer, name) for name in transfer.__all__)

@@ -15,6 +15,8 @@
     verifyReadRate: 200MB                 # bytes/s bound for those reads (0: unbounded)
     resolveInterval: 10m                  # re-resolve branches / S3 listings this often (0: never)
     retryBackoff: {initial: 10s, max: 10m}    # per-model backoff after a failed sync (doubles)
+    syncDeadline: auto                    # bound of one sync attempt (auto: 10m, or the bytes to
+                                          # fetch at 4 MiB/s if longer; a duration; off: none)
     minFreeSpace: 1GiB                    # kept free on the cache filesystem
     s3: {endpointUrl: null}               # default: AWS_ENDPOINT_URL, else AWS
     models:
@@ -30,6 +32,7 @@
                                           # direct); default HTTP(S)_PROXY; NO_PROXY applies
         mirrors: [s3://bucket/hf/org/name/]   # hf only: `prefetch mirror` prefixes tried first,
         hubFallback: true                 # in order; then the Hub unless this is false
+        syncDeadline: 2h                  # this model's attempts (default: the top-level one)
 
 One model per Hub repo: two models that publish into the same ``hub/models--org--name`` (two
 ``hf://`` sources of one repo, whatever their revisions, or an S3 mirror whose ``hfRepo`` is
@@ -48,14 +51,21 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import yaml
 
 from prefetch.constants import DEFAULT_LABEL_PREFIX, DEFAULT_LISTEN, DEFAULT_STARTUP_TAINT_KEY
 from prefetch.errors import ConfigError
 from prefetch.retry import RetryPolicy
-from prefetch.spec import ModelSpec, SourceURI, SpecError, parse_source_uri, validate_name
+from prefetch.spec import (
+    ModelSpec,
+    SourceURI,
+    SpecError,
+    parse_source_uri,
+    publish_revision,
+    validate_name,
+)
 from prefetch.transfer import TransferConfig
 from prefetch.units import parse_duration, parse_size
 
@@ -79,17 +89,17 @@ _TOP_KEYS = (
     "resolveInterval",
     "supersededGrace",
     "retryBackoff",
+    "syncDeadline",
     "minFreeSpace",
     "s3",
     "models",
 )
 _MODEL_KEYS = (
     "name", "source", "revision", "include", "exclude", "required", "hfRepo", "pin", "proxy",
-    "mirrors", "hubFallback",
+    "mirrors", "hubFallback", "syncDeadline",
 )  # fmt: skip
 _BACKOFF_KEYS = ("initial", "max")
 _S3_KEYS = ("endpointUrl",)
-_SHA = re.compile(r"^[0-9a-f]{40}$")
 #: The keys of a model in the file, by the ModelSpec field each sets (the others match).
 _SPEC_KEYS = {"hf_repo": "hfRepo", "hf_revision": "revision", "hub_fallback": "hubFallback"}
 _LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
@@ -107,6 +117,42 @@ class Backoff:
 
     def delay(self, failures: int) -> float:
         return min(self.max, self.initial * 2.0 ** max(failures - 1, 0))
+
+
+@dataclass(frozen=True)
+class SyncDeadline:
+    """How long one sync attempt may run (``syncDeadline``): a fixed number of ``seconds``,
+    ``off`` (no bound), or by default scaled with the model: :data:`MINIMUM`, or the bytes the
+    attempt has to fetch at :data:`FLOOR_RATE` if that takes longer.
+
+    When it passes, the attempt stops resumably (what was fetched stays for the next one), is
+    counted as a failure with reason ``deadline`` and backs off like any failure, so one model
+    whose source trickles cannot hold a ``parallelModels`` slot for ever.
+
+    Why these numbers: the floor must sit far below any healthy link, so a large model is
+    never cut off while it downloads well: 4 MiB/s (34 Mbit/s) is a tenth of a slow cloud
+    node's S3 or Hub throughput (this machine's loopback S3 does ~400 MB/s), and gives a 140 GB
+    model 9.3 hours, where 100 MB/s needs 23 minutes. The minimum covers what does not scale
+    with bytes (resolving, the lock, many small files, the stall rule's retries of a slow
+    request: 6 attempts of 30 s windows), and bounds how long a trickling small model keeps
+    the others waiting: 10 minutes. A cut-off attempt loses nothing: the next one resumes.
+    """
+
+    #: Fixed seconds per attempt (None: scaled with the bytes to fetch).
+    seconds: float | None = None
+    off: bool = False
+
+    #: The scaled bound's least value (seconds) and the rate it allows the bytes to fetch.
+    MINIMUM: ClassVar[float] = 600.0
+    FLOOR_RATE: ClassVar[int] = 4 * MiB
+
+    def for_bytes(self, bytes_to_fetch: int) -> float | None:
+        """Seconds an attempt that has ``bytes_to_fetch`` to fetch may run (None: no bound)."""
+        if self.off:
+            return None
+        if self.seconds is not None:
+            return self.seconds
+        return max(self.MINIMUM, bytes_to_fetch / self.FLOOR_RATE)
 
 
 @dataclass(frozen=True)
@@ -128,6 +174,9 @@ class AgentConfig:
     #: move (a vLLM that read the old ref just before may still be opening its files); 0: at once.
     superseded_grace: float = 600.0
     retry_backoff: Backoff = field(default_factory=Backoff)
+    #: The bound of each sync attempt (``syncDeadline``), and models' own (by model name).
+    sync_deadline: SyncDeadline = field(default_factory=SyncDeadline)
+    model_deadlines: Mapping[str, SyncDeadline] = field(default_factory=dict)
     min_free_space: int = 1 * GiB
     s3_endpoint_url: str | None = None
     models: tuple[ModelSpec, ...] = ()
@@ -140,6 +189,10 @@ class AgentConfig:
             if m.name == name:
                 return m
         return None
+
+    def deadline_for(self, name: str) -> SyncDeadline:
+        """The ``syncDeadline`` of model ``name``: its own, else the top-level one."""
+        return self.model_deadlines.get(name, self.sync_deadline)
 
     def transfer_config(self) -> TransferConfig:
         return TransferConfig(
@@ -364,6 +417,26 @@ def _backoff(value: Any, path: str) -> Backoff:
     return Backoff(initial=initial, max=cap)
 
 
+def _sync_deadline(value: Any, path: str) -> SyncDeadline:
+    """``auto`` (scaled with the model), a positive duration, or ``off``/0 (no bound)."""
+    if value == "auto":
+        return SyncDeadline()
+    seconds = _duration(value, path)
+    return SyncDeadline(off=True) if seconds is None else SyncDeadline(seconds=seconds)
+
+
+def _model_deadlines(value: Any, path: str) -> dict[str, SyncDeadline]:
+    """The models' own ``syncDeadline``s by name (the list was checked by :func:`_models`)."""
+    out: dict[str, SyncDeadline] = {}
+    for i, item in enumerate(value or ()):
+        if "syncDeadline" in item:
+            where = f"{path}[{i}]"
+            out[_str(item["name"], f"{where}.name")] = _get(
+                item, "syncDeadline", where, _sync_deadline, SyncDeadline()
+            )
+    return out
+
+
 def _models(value: Any, path: str) -> tuple[ModelSpec, ...]:
     if value is None:
         return ()
@@ -424,10 +497,7 @@ def _model(value: Any, where: str) -> ModelSpec:
     assert source is not None
     revision = _get(m, "revision", where, _opt_str, None)
     hf_repo = _get(m, "hfRepo", where, _opt_str, None)
-    hf_revision: str | None = None
-    if source.scheme == "s3" and hf_repo is not None and _SHA.match(revision or ""):
-        # on an S3 mirror, the file's `revision` is the commit to publish under
-        hf_revision, revision = revision, None
+    revision, hf_revision = publish_revision(source, hf_repo, revision)
     try:
         return ModelSpec(
             source=source,
@@ -444,7 +514,12 @@ def _model(value: Any, where: str) -> ModelSpec:
             hub_fallback=_get(m, "hubFallback", where, _bool, True),
         )
     except SpecError as exc:
-        raise ConfigError(exc.render(_SPEC_KEYS, prefix=f"{where}."), hint=exc.hint) from exc
+        raise render_spec_error(exc, f"{where}.") from exc
+
+
+def render_spec_error(exc: SpecError, prefix: str) -> ConfigError:
+    """``exc`` as the config file's users know its fields (``hfRepo``), after ``prefix``."""
+    return ConfigError(exc.render(_SPEC_KEYS, prefix=prefix), hint=exc.hint)
 
 
 def _proxy(value: Any, path: str) -> str | None:
@@ -491,6 +566,7 @@ def _parse(doc: Any) -> AgentConfig:
     _check_keys(m, _TOP_KEYS, "")
     d = AgentConfig()
     verify_rate = _get(m, "verifyReadRate", "", _size, d.verify_read_rate or 0)
+    models = _get(m, "models", "", _models, ())
     return AgentConfig(
         cache_dir=Path(_get(m, "cacheDir", "", _str, str(d.cache_dir))),
         label_prefix=_get(m, "labelPrefix", "", _label_prefix, d.label_prefix),
@@ -506,9 +582,11 @@ def _parse(doc: Any) -> AgentConfig:
         resolve_interval=_get(m, "resolveInterval", "", _duration, d.resolve_interval),
         superseded_grace=_get(m, "supersededGrace", "", _duration, d.superseded_grace) or 0.0,
         retry_backoff=_get(m, "retryBackoff", "", _backoff, d.retry_backoff),
+        sync_deadline=_get(m, "syncDeadline", "", _sync_deadline, d.sync_deadline),
+        model_deadlines=_get(m, "models", "", _model_deadlines, {}) if models else {},
         min_free_space=_get(m, "minFreeSpace", "", _size, d.min_free_space),
         s3_endpoint_url=_get(m, "s3", "", _s3, None),
-        models=_get(m, "models", "", _models, ()),
+        models=models,
     )
 
 

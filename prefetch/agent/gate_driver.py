@@ -1,8 +1,8 @@
 """Keeps the node gate (labels and start-up taint) in line with the agent's ready set.
 
 Owns when the gate is applied and what happens when that fails: it applies on a change of the
-ready set, re-applies every ``GATE_REFRESH_INTERVAL`` to repair foreign edits, waits
-``GATE_RETRY_INTERVAL`` after an error before trying again (unless forced: a model leaving the
+ready set, re-applies every ``GATE_REFRESH_INTERVAL`` to repair foreign edits, waits as
+``GATE_RETRY`` says after an error before trying again (unless forced: a model leaving the
 ready set is applied at once), and keeps the last error for ``/readyz``. What a gate does to
 the node is :class:`prefetch.agent.node.NodeGate`'s business; anything with its ``apply`` works
 (:class:`NodeGateLike`).
@@ -20,6 +20,7 @@ from prefetch.agent.config import AgentConfig
 from prefetch.agent.events import EventRecorder, gate_opened
 from prefetch.logjson import scrub
 from prefetch.metrics import AgentMetrics
+from prefetch.retry import RetryPolicy
 
 if TYPE_CHECKING:
     from prefetch.agent.node import GateResult
@@ -28,8 +29,9 @@ log = logging.getLogger(__name__)
 
 #: Re-apply the node gate this often even when nothing changed (repairs foreign edits).
 GATE_REFRESH_INTERVAL = 60.0
-#: After a failed apply, wait this long before the next (unforced) try.
-GATE_RETRY_INTERVAL = 10.0
+#: After failed applies, wait before the next (unforced) try: from 5-10 s after the first
+#: failure, doubling up to the refresh interval while the API server keeps failing.
+GATE_RETRY = RetryPolicy(base_delay=10.0, max_delay=GATE_REFRESH_INTERVAL, min_delay=5.0)
 
 
 class NodeGateLike(Protocol):
@@ -67,6 +69,7 @@ class GateDriver:
         self._applied: tuple[tuple[str, ...], bool] | None = None
         self._applied_at = float("-inf")
         self._retry_at = 0.0
+        self._failures = 0  # failed applies in a row
         self.last_error: str | None = None
 
     @property
@@ -103,7 +106,8 @@ class GateDriver:
             except Exception as exc:
                 self._metrics.gate_errors.inc()
                 self.last_error = scrub(str(exc))
-                self._retry_at = now + GATE_RETRY_INTERVAL
+                self._failures += 1
+                self._retry_at = now + GATE_RETRY.delay(self._failures)
                 log.error(
                     "node gate: %s",
                     self.last_error,
@@ -111,6 +115,7 @@ class GateDriver:
                 )
                 return
             self.last_error = None
+            self._failures = 0
             self._applied = key
             self._applied_at = now
             self._tell(

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import shutil
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -33,7 +32,7 @@ from prefetch.agent.events import (
 from prefetch.agent.gate_driver import GateDriver
 from prefetch.agent.scheduler import ModelState, Scheduler
 from prefetch.agent.space import SpaceManager
-from prefetch.errors import ChecksumMismatchError, PrefetchError
+from prefetch.errors import ChecksumMismatchError, DeadlineExceededError, PrefetchError
 from prefetch.layout import Layout
 from prefetch.logjson import scrub, sync_context
 from prefetch.metrics import AgentMetrics
@@ -48,7 +47,7 @@ from prefetch.sync import (
     prepare,
     verify_local,
 )
-from prefetch.transfer import Cancelled
+from prefetch.transfer import Cancelled, TransferConfig
 from prefetch.units import format_bytes
 
 # The jobs' lines keep the logger name they have always had, so log queries keep matching.
@@ -154,7 +153,9 @@ class SyncJob:
             self._parts.warming.settled(ms.spec.name)
 
     def _blocking(self, ms: ModelState, config: AgentConfig, stop: threading.Event) -> SyncResult:
-        """In a worker thread: resolve and plan under the model's lock, make room, sync."""
+        """In a worker thread: resolve and plan under the model's lock, make room, sync, all
+        within the attempt's ``syncDeadline``, counted from here (see :func:`_bounded`)."""
+        began = time.monotonic()
         parts = self._parts
         store, space = parts.store, parts.space
         spec, sink = ms.spec, ms.sink
@@ -162,39 +163,43 @@ class SyncJob:
         with space.busy(spec):
             layout = store.layout(spec)
             source = parts.open_source(spec, config)
-            fresh = not store.entry_dir(spec).exists()
             with (
+                # an entry prepare makes only to hold its lock stays (deleting it would pull
+                # the lock from under a waiting pull): the Store does not count an empty entry
                 prepare(spec, source, layout, lock_timeout=LOCK_TIMEOUT) as plan,
                 contextlib.ExitStack() as room,
             ):
                 parts.warming.planned(spec.name, plan.snapshot.total_bytes, plan.bytes_to_fetch)
-                try:
-                    if stop.is_set():
-                        raise Cancelled("stopped")
-                    if ms.ready and not store.copy_intact(spec, ms.digest):
-                        parts.in_loop(parts.drop_ready(ms, "cached files are missing or truncated"))
-                    room.enter_context(
-                        space.reserved(
-                            spec,
-                            plan.bytes_needed,
-                            wanted=config.models,
-                            min_free=config.min_free_space,
-                            sink=sink,
-                        )
+                if stop.is_set():
+                    raise Cancelled("stopped")
+                if ms.ready and not store.copy_intact(spec, ms.digest):
+                    parts.in_loop(parts.drop_ready(ms, "cached files are missing or truncated"))
+                room.enter_context(
+                    space.reserved(
+                        spec,
+                        plan.bytes_needed,
+                        wanted=config.models,
+                        min_free=config.min_free_space,
+                        sink=sink,
                     )
-                except BaseException:
-                    if fresh:  # prepare made the entry only to hold its lock: leave no trace
-                        shutil.rmtree(store.entry_dir(spec), ignore_errors=True)
-                    raise
-                result = execute(
-                    plan,
-                    config.transfer_config(),
-                    progress=sink,
-                    delete=True,
-                    stop=stop,
-                    superseded_grace=config.superseded_grace,
-                    check_space=False,  # room was made, keeping minFreeSpace
                 )
+                # nothing to fetch (a refresh that finds the copy current): nothing to bound
+                deadline = config.deadline_for(spec.name)
+                bound = deadline.for_bytes(plan.bytes_to_fetch) if plan.files else None
+                try:
+                    result = execute(
+                        plan,
+                        _bounded(config.transfer_config(), bound, began),
+                        progress=sink,
+                        delete=True,
+                        stop=stop,
+                        superseded_grace=config.superseded_grace,
+                        check_space=False,  # room was made, keeping minFreeSpace
+                    )
+                except DeadlineExceededError as exc:
+                    if bound is None:
+                        raise
+                    raise _deadline_passed(bound) from exc
             store.record_sync(
                 spec,
                 digest=ms.digest,
@@ -357,6 +362,35 @@ class VerifyJob:
         await asyncio.to_thread(forget_failures, layout, report)
         await asyncio.to_thread(parts.store.record_verify, spec, ok=False)
         ms.refetch = True
+
+
+def _bounded(transfer: TransferConfig, bound: float | None, began: float) -> TransferConfig:
+    """``transfer`` with the engine's deadline set to what is left of an attempt that began at
+    ``began`` (monotonic) and may run ``bound`` seconds (None: unbounded). The engine stops at
+    its deadline as on SIGTERM, keeping what was fetched, and raises DeadlineExceededError."""
+    if bound is None:
+        return transfer
+    left = bound - (time.monotonic() - began)
+    if left <= 0:  # resolving, the lock and making room took it all
+        raise _deadline_passed(bound)
+    return dataclasses.replace(transfer, deadline=left)
+
+
+def _deadline_passed(bound: float) -> DeadlineExceededError:
+    return DeadlineExceededError(
+        f"the sync attempt did not finish within its syncDeadline of {_duration(bound)}; "
+        "what was fetched is kept and the next attempt resumes from it",
+        hint="a source this slow holds a parallelModels slot; raise syncDeadline for a model "
+        "that is large for its link",
+    )
+
+
+def _duration(seconds: float) -> str:
+    """``2s``, ``10m``, ``9h16m19s``: as the config file writes durations."""
+    hours, rest = divmod(round(seconds), 3600)
+    minutes, secs = divmod(rest, 60)
+    parts = [f"{n}{unit}" for n, unit in ((hours, "h"), (minutes, "m"), (secs, "s")) if n]
+    return "".join(parts) or "0s"
 
 
 def _served_by(result: SyncResult, spec: ModelSpec) -> str:

@@ -29,7 +29,6 @@ import datetime
 import hashlib
 import json
 import logging
-import random
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -48,6 +47,7 @@ from prefetch.constants import (
     DEFAULT_STARTUP_TAINT_KEY,
 )
 from prefetch.errors import ConfigError, NodeGateError
+from prefetch.retry import RetryPolicy
 
 __all__ = [
     "FIELD_MANAGER",
@@ -180,9 +180,9 @@ class NodeGate:
 
     *api* is a ``CoreV1Api`` the caller built (in a cluster: :func:`in_cluster_gate`; in tests: a
     client pointed at a local stub). ``max_attempts`` bounds the GET/PATCH rounds of one
-    :meth:`apply`; between rounds the gate sleeps ``backoff * 2**(n-1)`` seconds, capped at
-    ``max_backoff`` (or the server's ``Retry-After`` when longer, same cap), times a random
-    factor in [0.5, 1). ``request_timeout`` bounds each HTTP request.
+    :meth:`apply`; between rounds the gate sleeps as :class:`prefetch.retry.RetryPolicy` says:
+    a random time up to ``backoff * 2**(n-1)`` seconds capped at ``max_backoff`` (full jitter),
+    or the server's ``Retry-After`` (same cap). ``request_timeout`` bounds each HTTP request.
     """
 
     def __init__(
@@ -219,8 +219,13 @@ class NodeGate:
         self.startup_taint_key = startup_taint_key
         self.startup_taint_effect = startup_taint_effect
         self._max_attempts = max_attempts
-        self._backoff = backoff
-        self._max_backoff = max_backoff
+        self._retry = RetryPolicy(
+            attempts=max_attempts,
+            base_delay=backoff,
+            max_delay=max_backoff,
+            max_retry_after=max_backoff,
+            retryable=_retryable,
+        )
         self._timeout = request_timeout
         self._sleep = sleep
 
@@ -241,7 +246,7 @@ class NodeGate:
         refused_rv: str | None = None  # resourceVersion our last patch was refused (422) at
         for attempt in range(1, self._max_attempts + 1):
             if attempt > 1:
-                self._sleep(self._delay(attempt - 1, retry_after))
+                self._sleep(self._retry.delay(attempt - 1, retry_after))
             verb = "get"
             try:
                 plan = self._plan(self._get(), wanted, all_required_ready)
@@ -258,7 +263,7 @@ class NodeGate:
                 self._patch(plan)
             except ApiException as exc:
                 failure = _describe(exc)
-                if not _retryable(exc):
+                if not self._retry.retryable(exc):
                     raise self._fatal(exc, verb, failure) from exc
                 refused_rv = (
                     plan.resource_version if verb == "patch" and exc.status == 422 else None
@@ -394,10 +399,6 @@ class NodeGate:
             labels_missing=raw_labels is None,
         )
 
-    def _delay(self, retry: int, retry_after: float) -> float:
-        delay = max(self._backoff * 2.0 ** (retry - 1), retry_after)
-        return min(delay, self._max_backoff) * (0.5 + random.random() / 2)
-
     def _fatal(self, exc: ApiException, verb: str, detail: str) -> NodeGateError:
         if exc.status == 404:
             return NodeGateError(
@@ -432,7 +433,10 @@ def parse_timestamp(value: object) -> float | None:
     return parsed.timestamp()
 
 
-def _retryable(exc: ApiException) -> bool:
+def _retryable(exc: BaseException) -> bool:
+    """A failed GET/PATCH worth another round: a throttle, a conflict, a 5xx, no answer."""
+    if not isinstance(exc, ApiException):
+        return isinstance(exc, urllib3.exceptions.HTTPError | OSError)
     status = exc.status or 0
     return status in _RETRY_STATUSES or status >= 500 or status == 0
 

@@ -109,7 +109,7 @@ def model_note(ms: ModelState, rate: float) -> ModelNote:
         entry["eta"] = math.ceil(remaining / rate) if total and rate > 0 else None
     elif ms.ready:
         entry["done"] = entry["total"] = ms.bytes_total
-    if phase == "failed" and ms.error_reason:
+    if phase in ("failed", "syncing") and ms.error_reason:  # syncing: a retry, and why
         entry["reason"] = ms.error_reason
     return entry
 

@@ -14,11 +14,12 @@ refreshes metrics. Jobs run in worker threads, at most ``parallelModels`` at a t
   leaves the ready set *and the gate is applied without it* before the bad files go.
 
 A model is *ready* while a complete, verified copy is in the cache; a failed refresh keeps it
-ready. Each model has its own state and backoff, and a stalled source fails by the engine's stall
-rule (``minRate`` over ``stallTimeout``) so its slot passes on. SIGTERM stops every job
-(resumable partials), closes the server and returns within the grace period. The parts (jobs,
-scheduler, space, gate_driver, status, events, ...) are listed in pyproject.toml's agent contract;
-:class:`Agent` here wires them.
+ready. Each model has its own state and backoff; a source that trickles or goes silent fails by
+the engine's stall rule (``minRate`` over ``stallTimeout``) or, trickling just fast enough, at the
+attempt's ``syncDeadline`` (resumably, reason ``deadline``), so its slot passes on. SIGTERM stops
+every job (resumable partials), closes the server and returns within the grace period. The parts
+(jobs, scheduler, space, gate_driver, status, events, ...) are listed in pyproject.toml's agent
+contract; :class:`Agent` here wires them.
 """
 
 from __future__ import annotations
@@ -465,7 +466,7 @@ class Agent:
             spec = ms.spec
             ms.start_sync(
                 job,
-                self.metrics.sink(spec.name, spec.source.scheme, chunk_size=self.config.chunk_size),
+                self.metrics.sink(spec.name, spec.source.scheme),
             )
         else:
             ms.start_verify(job)

@@ -19,47 +19,17 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from prefetch.agent.config import Backoff
-from prefetch.errors import (
-    AccessDeniedError,
-    ConfigError,
-    InsufficientSpaceError,
-    LayoutError,
-    LockTimeoutError,
-    NotFoundError,
-    PrefetchError,
-    SourceChangedError,
-    SourceError,
-    TransferError,
-    TransientSourceError,
-    VerifyError,
-)
+from prefetch.errors import error_reason
 from prefetch.logjson import scrub
 from prefetch.metrics import MetricsSink
+from prefetch.retry import RetryPolicy
 from prefetch.spec import ModelSpec
 from prefetch.sync import SyncResult
 
-_REASONS: tuple[tuple[type[BaseException], str], ...] = (
-    (InsufficientSpaceError, "insufficient_space"),
-    (NotFoundError, "not_found"),
-    (AccessDeniedError, "access_denied"),
-    (TransientSourceError, "transient"),
-    (SourceChangedError, "source_changed"),
-    (SourceError, "source"),
-    (VerifyError, "verify"),
-    (LockTimeoutError, "locked"),
-    (LayoutError, "layout"),
-    (TransferError, "transfer"),
-    (ConfigError, "config"),
-    (PrefetchError, "error"),
-)
-
 
 def failure_reason(exc: BaseException) -> str:
-    """A small fixed vocabulary for the ``reason`` label of failures."""
-    for cls, reason in _REASONS:
-        if isinstance(exc, cls):
-            return reason
-    return "internal"
+    """The ``reason`` label of a failure: the package's one vocabulary (``prefetch.errors``)."""
+    return error_reason(exc)
 
 
 class ModelPhase(StrEnum):
@@ -182,7 +152,7 @@ class ModelState:
     ) -> float:
         """Count the failure, back off, keep a ready copy ready; returns the delay (seconds)."""
         self.failures += 1
-        delay = backoff.delay(self.failures) * jitter(0.9, 1.1)
+        delay = sync_retry_policy(backoff).delay(self.failures, uniform=jitter)
         self.next_attempt = now + delay
         self.last_error = scrub(str(exc))
         self.error_reason = failure_reason(exc)
@@ -199,7 +169,7 @@ class ModelState:
         """The copy is damaged or gone: not ready, and verified again only after a sync."""
         self.ready = False
         self.last_error = reason
-        self.error_reason = "verify"
+        self.error_reason = "verify_failed"
         self.last_verified = None
 
     def verify_finished(self, now: float, *, current: bool) -> None:
@@ -276,3 +246,12 @@ class Scheduler:
         due = [(ms, kind) for ms in self._models.values() if (kind := ms.due(now, intervals))]
         due.sort(key=lambda d: (not d[0].spec.required, d[0].ready, d[0].index))
         return due[:slots]
+
+
+def sync_retry_policy(backoff: Backoff) -> RetryPolicy:
+    """The wait after a model's failed sync: full jitter up to ``initial * 2**(failures-1)``
+    (at most ``max``), never less than half of ``initial``, so a model that fails at once (a
+    wrong bucket) is not tried again in a tight loop."""
+    return RetryPolicy(
+        base_delay=backoff.initial, max_delay=backoff.max, min_delay=backoff.initial / 2
+    )

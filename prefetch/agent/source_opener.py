@@ -1,16 +1,16 @@
-"""How the agent opens each model's :class:`~prefetch.sources.base.Source`: S3 models share a
-client per endpoint and pool size, so that parallel syncs reuse connections instead of each
-building its own."""
+"""How the agent opens each model's source: through :func:`prefetch.sources.open_source`, the
+front door the CLI uses too, with S3 clients shared between models (:class:`S3Clients`) so that
+parallel syncs reuse connections instead of each building its own."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from prefetch import settings
-from prefetch.agent.config import AgentConfig
-from prefetch.sources import open_source
+from prefetch.agent.config import AgentConfig, render_spec_error
+from prefetch.sources import OpenedSource, S3Clients, SourceSettings, open_source
 from prefetch.sources.base import Source
-from prefetch.spec import ModelSpec
+from prefetch.spec import ModelSpec, SpecError
 
 if TYPE_CHECKING:
     from prefetch.sources.hf import HubOptions
@@ -19,30 +19,34 @@ __all__ = ["SourceOpener"]
 
 
 class SourceOpener:
-    """Opens each model's Source; S3 models (and Hub models' S3 mirrors) share one client per
-    (endpoint, pool size, proxy setting), sized for ``concurrency`` streams of each of
-    ``parallelModels`` syncs."""
+    """Opens each model's Source under the agent's config. S3 models (and Hub models' S3
+    mirrors) share one client per (endpoint, pool size, proxy setting), sized for
+    ``concurrency`` streams of each of ``parallelModels`` syncs; ``s3_client`` and ``hub``,
+    when given (tests), are used for every model."""
 
     def __init__(self, s3_client: object | None, hub: HubOptions | None) -> None:
         self._s3_client = s3_client
-        self._s3_clients: dict[tuple[str | None, int, str | None], object] = {}
+        self._clients = S3Clients()
         self._hub = hub
 
     def __call__(self, spec: ModelSpec, config: AgentConfig) -> Source:
-        if spec.source.scheme != "s3" and not spec.mirrors:
-            return open_source(spec, hub=self._hub, concurrency=config.concurrency)
-        client = self._s3_client
-        if client is None:
-            endpoint = config.s3_endpoint_url or settings.aws_endpoint_url()
-            pool = config.concurrency * config.parallel_models + 8
-            key = (endpoint, pool, spec.proxy)  # a model's own proxy gets its own client
-            client = self._s3_clients.get(key)
-            if client is None:
-                from prefetch.sources.s3 import make_s3_client
+        return self.open(spec, config).source
 
-                client = make_s3_client(
-                    endpoint_url=endpoint, max_pool_connections=pool, proxy=spec.proxy
-                )
-                self._s3_clients[key] = client
-        # a Hub model with mirrors reads them with the S3 client, then the Hub with ``hub``
-        return open_source(spec, s3_client=client, hub=self._hub, concurrency=config.concurrency)
+    def open(self, spec: ModelSpec, config: AgentConfig) -> OpenedSource:
+        """What :func:`~prefetch.sources.open_source` opens for ``spec``; an S3 mirror prefix
+        is published in the Hub's layout only under the repo id the config names (its
+        ``hfRepo``), as ``prefetch gc`` and eviction find the model's copy from the config
+        alone."""
+        reach = SourceSettings(
+            s3_endpoint=config.s3_endpoint_url or settings.aws_endpoint_url(),
+            concurrency=config.concurrency,
+            streams=config.parallel_models,
+            repo_from_mirror=False,
+            s3_client=self._s3_client,
+            hub=self._hub,
+            clients=self._clients,
+        )
+        try:
+            return open_source(spec, reach)
+        except SpecError as exc:
+            raise render_spec_error(exc, f"{spec.name}: ") from exc

@@ -127,8 +127,12 @@ def _detail(ms: ModelState, now: float, remaining: int | None, files_left: int |
         return detail
     if ms.phase is ModelPhase.SYNCING:
         if remaining is not None and sink is not None and sink.total:
-            return f"downloading: {format_bytes(remaining)} left in {files_left} file(s)"
-        return "resolving the source"
+            detail = f"downloading: {format_bytes(remaining)} left in {files_left} file(s)"
+        else:
+            detail = "resolving the source"
+        if ms.failures and ms.error_reason:  # a retry: why the last attempt did not finish
+            detail += f"; attempt {ms.failures + 1}, the last failed ({ms.error_reason})"
+        return detail
     if ms.phase is ModelPhase.FAILED:
         wait = math.ceil(max(ms.next_attempt - now, 0.0))
         when = f"next try in {wait}s" if wait else "retrying now"

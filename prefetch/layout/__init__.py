@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefetch.errors import ConfigError
 from prefetch.layout.base import (
     Layout,
     RecordBook,
@@ -38,24 +37,12 @@ from prefetch.layout.hf import (
 )
 from prefetch.layout.plain import MODELS_DIR, PlainLayout, model_dir
 from prefetch.paths import STATE_DIR
-from prefetch.spec import ModelSpec
-
-LAYOUT_NAMES = ("hf", "plain")
+from prefetch.spec import LAYOUT_NAMES, ModelSpec, layout_kind
 
 
 def layout_name_for(spec: ModelSpec, layout_name: str | None = None) -> str:
-    """The layout a model is published in: ``layout_name`` when given (``--layout``), else
-    ``hf`` for a model with a Hub repo id (an ``hf://`` source, an S3 mirror with ``hf_repo``)
-    and ``plain`` for every other. ConfigError for an unknown name, or ``hf`` without a repo id
-    (the Hugging Face cache has no place for it)."""
-    name = layout_name or ("hf" if spec.repo_id is not None else "plain")
-    if name not in LAYOUT_NAMES:
-        raise ConfigError(f"unknown layout {name!r}: choose one of {', '.join(LAYOUT_NAMES)}")
-    if name == "hf" and spec.repo_id is None:
-        raise ConfigError(
-            "the hf layout needs a Hub repo id (an hf:// source, or hf_repo for an S3 source)"
-        )
-    return name
+    """The layout a model is published in (the rule is :func:`prefetch.spec.layout_kind`)."""
+    return layout_kind(spec, layout_name)
 
 
 def layout_for(

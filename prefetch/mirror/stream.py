@@ -29,17 +29,19 @@ import logging
 import mmap
 import threading
 from collections import deque
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from prefetch import verify
+from prefetch.coordinator import Coordinator
 from prefetch.errors import (
     ChecksumMismatchError,
     ConfigError,
     DeadlineExceededError,
     SourceError,
+    TransferError,
     TransientSourceError,
 )
 from prefetch.mirror.upload import (
@@ -177,13 +179,50 @@ class _Job:
         return self.blob.file.path
 
 
-Futures = dict[Future[Any], tuple[str, Any]]
+# -- the coordinator's tasks ---------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Open:
+    """Find the file's interrupted upload to continue, or create one (an io worker)."""
+
+    job: _Job
+
+
+@dataclass(slots=True)
+class _Part:
+    """Read part ``index`` into ``buf``, CRC it and upload it (an io worker)."""
+
+    job: _Job
+    index: int
+    buf: _Buffer
+
+
+@dataclass(slots=True)
+class _Hash:
+    """Feed the file's hashers the parts up to ``stop``, held in ``bufs`` (a hash worker)."""
+
+    job: _Job
+    stop: int
+    bufs: list[_Buffer]
+
+
+@dataclass(slots=True)
+class _Finish:
+    """Check the file and make its object (an io worker); ``buf`` holds a one-part file."""
+
+    job: _Job
+    buf: _Buffer | None
+
+
+_Task = _Open | _Part | _Hash | _Finish
 
 
 class PartStreamer:
     """Runs one batch of :class:`BlobUpload` through read -> CRC -> upload -> hash -> complete,
-    with one coordinator (the calling thread) holding the state and the first error, and the
-    network work on ``concurrency`` threads (the pattern of :class:`prefetch.transfer.Transfer`).
+    on the coordinator of :class:`prefetch.transfer.Transfer` (:mod:`prefetch.coordinator`): the
+    calling thread holds the state and the first error, the network work runs on
+    ``concurrency`` threads. One streamer runs once.
     """
 
     def __init__(
@@ -203,35 +242,49 @@ class PartStreamer:
         self._watchdog = Watchdog(config.transfer, self._stop)
         self._slice = read_slice(config.transfer)
         self.stats = StreamStats()
+        concurrency = config.transfer.concurrency
+        self._io = ThreadPoolExecutor(concurrency, thread_name_prefix="mirror-io")
+        self._hash = ThreadPoolExecutor(min(4, concurrency), thread_name_prefix="mirror-hash")
+        self._tasks = Coordinator[_Task](
+            self._stop,
+            done=self._done,
+            failed=self._failed,
+            after_round=self._schedule,
+            minor=Cancelled,
+        )
+        self._jobs: list[_Job] = []
+        self._free: list[_Buffer] = []  # pooled part buffers not in use
+        self._buffers_made = 0
+        self._buffer_size = config.part_size  # grown in run() for files of over 10,000 parts
+        self._to_open: deque[_Job] = deque()
+        self._opening = 0  # open tasks queued or running
+        self._queue: deque[tuple[_Job, int]] = deque()  # parts waiting for a buffer
+        self._ran = False
 
     def run(self, blobs: list[BlobUpload]) -> StreamStats:
-        cfg = self._config.transfer
-        self._jobs = [self._job(b) for b in sorted(blobs, key=lambda b: b.file.size)]
-        buffer_size = max(
-            [self._config.part_size]
+        if self._ran:
+            raise TransferError("a PartStreamer runs once; make another for the next batch")
+        self._ran = True
+        self._jobs.extend(self._job(b) for b in sorted(blobs, key=lambda b: b.file.size))
+        self._buffer_size = max(
+            [self._buffer_size]
             + [part_size_for(j.blob.file.size, self._config.part_size) for j in self._jobs]
         )
-        self._free: list[_Buffer] = []
-        self._buffers_made = 0
-        self._buffer_size = buffer_size
-        self._to_open = deque(self._jobs)
-        self._opening = 0
-        self._queue: deque[tuple[_Job, int]] = deque()
+        self._to_open.extend(self._jobs)
         self._watchdog.start()
         try:
-            with (
-                ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="mirror-io") as io,
-                ThreadPoolExecutor(min(4, cfg.concurrency), thread_name_prefix="mirror-hash") as h,
-            ):
-                self._io, self._hash = io, h
-                futures: Futures = {}
-                self._schedule(futures)
+            with self._io, self._hash:
+                self._schedule()
                 try:
-                    self._drive(futures)
-                except BaseException:
-                    self._stop.set()
-                    for fut in futures:
-                        fut.cancel()
+                    self._tasks.run()
+                except Cancelled as exc:
+                    if self._watchdog.deadline_passed:
+                        raise DeadlineExceededError(
+                            f"the mirror did not finish within its deadline of "
+                            f"{self._config.transfer.deadline:g}s; the uploads in progress are "
+                            "kept",
+                            hint="run the mirror again to resume, or raise --deadline",
+                        ) from exc
                     raise
         finally:
             self._watchdog.close()
@@ -251,73 +304,41 @@ class PartStreamer:
 
     # -- coordinator -----------------------------------------------------------------------------
 
-    def _drive(self, futures: Futures) -> None:
-        first_error: BaseException | None = None
-        while futures:
-            done, _ = wait(futures, return_when=FIRST_COMPLETED)
-            for fut in done:
-                kind, item = futures.pop(fut)
-                try:
-                    result = fut.result()
-                except BaseException as exc:
-                    self._failed(kind, item, exc)
-                    if first_error is None or isinstance(first_error, Cancelled):
-                        first_error = exc
-                    self._stop.set()
-                    continue
-                if first_error is not None:
-                    continue
-                self._dispatch(kind, item, result, futures)
-            if first_error is None:
-                self._schedule(futures)
-        if first_error is not None:
-            if self._watchdog.deadline_passed and isinstance(first_error, Cancelled):
-                raise DeadlineExceededError(
-                    f"the mirror did not finish within its deadline of "
-                    f"{self._config.transfer.deadline:g}s; the uploads in progress are kept",
-                    hint="run the mirror again to resume, or raise --deadline",
-                ) from first_error
-            raise first_error
-
-    def _failed(self, kind: str, item: Any, exc: BaseException) -> None:
+    def _failed(self, task: _Task, exc: BaseException) -> None:
         """A task failed: an upload whose bytes were refused (a check that did not agree, or S3
         refusing to complete it) is aborted; anything else keeps it for the next run."""
-        job: _Job = item if kind == "open" else item[0]
         refused = isinstance(exc, SourceError) and not isinstance(exc, TransientSourceError)
-        if isinstance(exc, ChecksumMismatchError) or (kind == "finish" and refused):
-            job.abort = True
+        if isinstance(exc, ChecksumMismatchError) or (isinstance(task, _Finish) and refused):
+            task.job.abort = True
 
-    def _dispatch(self, kind: str, item: Any, result: Any, futures: Futures) -> None:
-        if kind == "open":
-            job = item
-            self._opening -= 1
-            job.upload_id, job.reusable = result
-            self._queue.extend((job, i) for i in range(len(job.ranges)))
-        elif kind == "part":
-            job, index, buf = item
-            crc, part = result
-            job.crcs[index] = crc
-            if part is not None:
-                job.parts[index] = part
-            job.waiting[index] = buf
-            self._advance_hash(job, futures)
-        elif kind == "hash":
-            job, stop, bufs = item
-            job.hashing, job.hashed = False, stop
-            if job.multipart:
-                self._free.extend(bufs)
-            if job.hashed == len(job.ranges):
-                keep = None if job.multipart or not bufs else bufs[0]
-                futures[self._io.submit(self._finish, job, keep)] = ("finish", (job, keep))
-            else:
-                self._advance_hash(job, futures)
-        elif kind == "finish":
-            job, buf = item
-            if buf is not None:
-                self._free.append(buf)
-            self._progress.file_done(job.path, job.blob.file.size)
+    def _done(self, task: _Task, result: Any) -> None:
+        match task:
+            case _Part(job=job, index=index, buf=buf):
+                crc, part = result
+                job.crcs[index] = crc
+                if part is not None:
+                    job.parts[index] = part
+                job.waiting[index] = buf
+                self._advance_hash(job)
+            case _Hash(job=job, stop=stop, bufs=bufs):
+                job.hashing, job.hashed = False, stop
+                if job.multipart:
+                    self._free.extend(bufs)
+                if job.hashed == len(job.ranges):
+                    keep = None if job.multipart or not bufs else bufs[0]
+                    self._tasks.submit(self._io, _Finish(job, keep), self._finish, job, keep)
+                else:
+                    self._advance_hash(job)
+            case _Open(job=job):
+                self._opening -= 1
+                job.upload_id, job.reusable = result
+                self._queue.extend((job, i) for i in range(len(job.ranges)))
+            case _Finish(job=job, buf=buf):
+                if buf is not None:
+                    self._free.append(buf)
+                self._progress.file_done(job.path, job.blob.file.size)
 
-    def _schedule(self, futures: Futures) -> None:
+    def _schedule(self) -> None:
         """Start parts on free buffers, in queue order (so a file's next part to hash always
         has its buffer before the parts after it: the pool cannot deadlock), and open files
         (find or create their uploads) while the queue runs short."""
@@ -325,9 +346,9 @@ class PartStreamer:
         while self._to_open and self._opening < 2 and len(self._queue) < limit:
             job = self._to_open.popleft()
             if not job.ranges:  # an empty file: nothing to read, one empty PutObject
-                futures[self._io.submit(self._finish, job, None)] = ("finish", (job, None))
+                self._tasks.submit(self._io, _Finish(job, None), self._finish, job, None)
             elif job.multipart:
-                futures[self._io.submit(self._open_upload, job)] = ("open", job)
+                self._tasks.submit(self._io, _Open(job), self._open_upload, job)
                 self._opening += 1
             else:
                 self._queue.append((job, 0))
@@ -336,8 +357,7 @@ class PartStreamer:
             if buf is None:
                 return
             job, index = self._queue.popleft()
-            fut = self._io.submit(self._run_part, job, index, buf)
-            futures[fut] = ("part", (job, index, buf))
+            self._tasks.submit(self._io, _Part(job, index, buf), self._run_part, job, index, buf)
 
     def _take_buffer(self) -> _Buffer | None:
         if self._free:
@@ -347,7 +367,7 @@ class PartStreamer:
             return _Buffer(self._buffer_size)
         return None
 
-    def _advance_hash(self, job: _Job, futures: Futures) -> None:
+    def _advance_hash(self, job: _Job) -> None:
         """Hand the file's next contiguous run of read parts to a hash worker."""
         if job.hashing:
             return
@@ -362,7 +382,7 @@ class PartStreamer:
             for b, (start, end) in zip(bufs, job.ranges[job.hashed : stop], strict=True)
         ]
         job.hashing = True
-        futures[self._hash.submit(self._feed, job.hasher, views)] = ("hash", (job, stop, bufs))
+        self._tasks.submit(self._hash, _Hash(job, stop, bufs), self._feed, job.hasher, views)
 
     @staticmethod
     def _feed(hasher: verify.MultiHasher, views: list[memoryview]) -> None:

@@ -24,7 +24,12 @@ from collections.abc import Sequence
 
 from prefetch.errors import (
     AccessDeniedError,
+    BucketNotFoundError,
+    NoMatchingFilesError,
     NotFoundError,
+    PrefetchError,
+    RepoNotFoundError,
+    RevisionNotFoundError,
     SourceError,
     TransientSourceError,
 )
@@ -56,10 +61,6 @@ class OrderedSource:
         self._candidates = tuple(candidates)
         self._owners: dict[str, Source] = {}
         self._lock = threading.Lock()
-
-    @property
-    def uris(self) -> tuple[str, ...]:
-        return tuple(uri for uri, _ in self._candidates)
 
     def resolve(self, spec: ModelSpec) -> Snapshot:
         failures: list[tuple[str, SourceError]] = []
@@ -101,16 +102,68 @@ class OrderedSource:
         return self._owner(file).open_range(file, start, end)
 
 
+class NoSourceServedError(SourceError):
+    """Every source of a model failed: ``failures`` holds each one's ``(uri, error)`` in order
+    and the last is the ``__cause__``. Raised as one of the subclasses below, which is also of
+    the last failure's kind, so a caller still tells "not found" from "unreachable"."""
+
+    def __init__(self, message: str, failures: Sequence[tuple[str, SourceError]]) -> None:
+        last = failures[-1][1]
+        PrefetchError.__init__(self, message, hint=last.hint)
+        self.failures = tuple(failures)
+        self.__cause__ = last
+        if isinstance(last, TransientSourceError):
+            self.retry_after = last.retry_after
+
+
+class NoSourceHasFilesError(NoSourceServedError, NoMatchingFilesError):
+    """The last source had the revision, but no file the patterns keep."""
+
+
+class NoSourceHasRevisionError(NoSourceServedError, RevisionNotFoundError):
+    """The last source lacked the revision."""
+
+
+class NoSourceHasRepoError(NoSourceServedError, RepoNotFoundError):
+    """The last source lacked the repo."""
+
+
+class NoSourceHasBucketError(NoSourceServedError, BucketNotFoundError):
+    """The last source's bucket does not exist."""
+
+
+class NoSourceHasItError(NoSourceServedError, NotFoundError):
+    """The last source lacked what was asked for."""
+
+
+class NoSourceAllowedError(NoSourceServedError, AccessDeniedError):
+    """The last source refused access."""
+
+
+class NoSourceAnsweredError(NoSourceServedError, TransientSourceError):
+    """The last source stayed unreachable or throttled after its retries."""
+
+
+#: The error for each kind of last failure (its class in prefetch.errors), subclasses first.
+_BY_KIND: tuple[tuple[type[SourceError], type[NoSourceServedError]], ...] = (
+    (NoMatchingFilesError, NoSourceHasFilesError),
+    (RevisionNotFoundError, NoSourceHasRevisionError),
+    (RepoNotFoundError, NoSourceHasRepoError),
+    (BucketNotFoundError, NoSourceHasBucketError),
+    (NotFoundError, NoSourceHasItError),
+    (AccessDeniedError, NoSourceAllowedError),
+    (TransientSourceError, NoSourceAnsweredError),
+    (SourceError, NoSourceServedError),
+)
+
+
 def _none_served(spec: ModelSpec, failures: list[tuple[str, SourceError]]) -> SourceError:
-    """The error when every source failed: of the last source's kind (so a caller still tells
-    "not found" from "unreachable"), naming why each one could not serve."""
+    """The error when every source failed, naming why each one could not serve (one source
+    alone: its own error)."""
     last = failures[-1][1]
     if len(failures) == 1:
         return last
     reasons = "; ".join(f"{uri}: {exc}" for uri, exc in failures)
     message = f"no source could serve {spec.source}: {reasons}"
-    error: SourceError = type(last)(message)
-    error.__cause__ = last
-    if last.hint is not None:
-        error.hint = last.hint
-    return error
+    kind = next(error for cls, error in _BY_KIND if isinstance(last, cls))
+    return kind(message, failures)

@@ -1,0 +1,82 @@
+"""OrderedSource's error when no source could serve (prefetch/sources/ordered.py): of the last
+failure's kind, so callers still match it by type, with every failure named and the last one
+kept as its cause."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefetch.errors import (
+    AccessDeniedError,
+    NoMatchingFilesError,
+    NotFoundError,
+    PrefetchError,
+    RevisionNotFoundError,
+    SourceError,
+    TransientSourceError,
+)
+from prefetch.snapshot import RemoteFile, Snapshot
+from prefetch.sources.base import RangeReader
+from prefetch.sources.ordered import NoSourceServedError, OrderedSource
+from prefetch.spec import ModelSpec, parse_source_uri
+
+SPEC = ModelSpec(source=parse_source_uri("hf://org/model"))
+
+
+class Failing:
+    """A source whose resolve raises ``error``."""
+
+    def __init__(self, error: SourceError) -> None:
+        self.error = error
+
+    def resolve(self, spec: ModelSpec) -> Snapshot:
+        raise self.error
+
+    def describe(self, file: RemoteFile) -> RemoteFile:
+        raise AssertionError("never read")
+
+    def open_range(self, file: RemoteFile, start: int, end: int) -> RangeReader:
+        raise AssertionError("never read")
+
+
+class HintedRevisionError(RevisionNotFoundError):
+    """A subclass whose constructor takes other arguments than a message."""
+
+    def __init__(self, revision: str) -> None:
+        super().__init__(f"no {revision}", hint=f"is {revision} mirrored?")
+
+
+@pytest.mark.parametrize(
+    ("last", "kind"),
+    [
+        (HintedRevisionError("v9"), RevisionNotFoundError),
+        (NoMatchingFilesError("nothing matches"), NoMatchingFilesError),
+        (NotFoundError("gone"), NotFoundError),
+        (AccessDeniedError("denied"), AccessDeniedError),
+        (TransientSourceError("slow down", retry_after=3.0), TransientSourceError),
+    ],
+)
+def test_when_no_source_serves_the_error_is_of_the_last_ones_kind_and_keeps_it_as_cause(
+    last: SourceError, kind: type[SourceError]
+) -> None:
+    first = NotFoundError("s3 mirror lacks it")
+    source = OrderedSource([("s3://b/m/", Failing(first)), ("hf://org/model", Failing(last))])
+    with pytest.raises(kind) as caught:
+        source.resolve(SPEC)
+    error = caught.value
+    assert isinstance(error, NoSourceServedError) and isinstance(error, PrefetchError)
+    assert error.__cause__ is last
+    assert error.failures == (("s3://b/m/", first), ("hf://org/model", last))
+    assert str(error) == (
+        f"no source could serve hf://org/model: s3://b/m/: {first}; hf://org/model: {last}"
+    )
+    assert error.hint == last.hint
+    if isinstance(last, TransientSourceError):
+        assert isinstance(error, TransientSourceError) and error.retry_after == 3.0
+
+
+def test_one_source_alone_raises_its_own_error() -> None:
+    only = AccessDeniedError("denied")
+    with pytest.raises(AccessDeniedError) as caught:
+        OrderedSource([("s3://b/m/", Failing(only))]).resolve(SPEC)
+    assert caught.value is only
