@@ -594,8 +594,15 @@ def mirror(
     from prefetch.sources import SourceSettings, open_source, pool_size
     from prefetch.sources.s3 import make_s3_client
 
-    if not dst.strip().startswith("s3://"):
-        raise ConfigError(f"the mirror destination must be s3://bucket/prefix, not {dst!r}")
+    if not dst.strip().startswith(("s3://", "oci://")):
+        raise ConfigError(
+            f"the mirror destination must be s3://bucket/prefix or oci://registry/repo:tag, "
+            f"not {dst!r}"
+        )
+    if dst.strip().startswith("oci://"):  # a registry: a ModelPack artifact, or a copy
+        _mirror_to_registry(src, dst, revision, token, endpoint, proxy, concurrency, attempts,
+                            progress, as_json, record)  # fmt: skip
+        return
     source_uri, dest_uri = parse_source_uri(src), parse_source_uri(dst)
     if source_uri.scheme == "s3" and revision:
         raise ConfigError("--revision is for hf:// sources")
@@ -649,6 +656,32 @@ def mirror(
             )
     finally:
         record.seconds = round(time.monotonic() - t0, 3)
+    _print_mirror(result, src, as_json)
+
+
+def _mirror_to_registry(
+    src: str, dst: str, revision: str | None, token: str | None, endpoint: str | None,
+    proxy: str | None, concurrency: int, attempts: int, progress: bool | None, as_json: bool,
+    record: Any,
+) -> None:  # fmt: skip
+    """``prefetch mirror SRC oci://...`` (see :mod:`prefetch.mirror.oci_push`)."""
+    from prefetch.mirror.oci_push import mirror_command
+
+    show = sys.stderr.isatty() if progress is None else progress
+    sink: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()
+    retry = make_config(concurrency, "64MiB", False, False, attempts, "64KiB", "30s", "off").retry
+    t0 = time.monotonic()
+    try:
+        result = mirror_command(
+            src, dst, revision=revision, hub_endpoint=endpoint or None, token=token or None,
+            proxy=proxy, concurrency=concurrency, retry=retry, progress=sink, so_far=record,
+        )  # fmt: skip
+    finally:
+        record.seconds = round(time.monotonic() - t0, 3)
+    _print_mirror(result, src, as_json)
+
+
+def _print_mirror(result: Any, src: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(result.to_json(), sort_keys=True))
         return

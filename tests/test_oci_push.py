@@ -4,6 +4,9 @@ digest; both read back by the OCI source (and the push's manifest checked as Mod
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -126,3 +129,32 @@ def test_layer_media_types_by_file_name():
     assert layer_media_type("README.md").endswith("doc.v1.raw")
     assert layer_media_type("LICENSE").endswith("doc.v1.raw")
     assert layer_media_type("modeling_x.py").endswith("code.v1.raw")
+
+
+def test_prefetch_mirror_from_the_hub_to_a_registry_then_pull(registry, hub, tmp_path):
+    server, sha = hub
+    env = {**os.environ, "HF_ENDPOINT": server.endpoint, "HF_HOME": str(tmp_path / "hf")}
+    env.pop("HF_TOKEN", None)
+    dst = f"oci://{registry.host}/cli/tiny:main"
+    run = subprocess.run(
+        [sys.executable, "-m", "prefetch.cli", "mirror", "hf://acme/tiny", dst, "--json"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    summary = json.loads(run.stdout)
+    assert summary["commit"] == sha and summary["ref"].startswith("main@sha256:")
+    home = tmp_path / "home"
+    pull = subprocess.run(
+        [sys.executable, "-m", "prefetch.cli", "pull", dst, str(home), "--hf-repo", "acme/tiny",
+         "--json"], capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert pull.returncode == 0, pull.stderr
+    snap = Path(json.loads(pull.stdout)["path"])
+    for path, f in server.files("acme/tiny").items():
+        assert (snap / path).read_bytes() == f.read()
+    bad = subprocess.run(
+        [sys.executable, "-m", "prefetch.cli", "mirror", "s3://bucket/p/", dst],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode != 0 and bad.stderr.startswith("Error: "), bad.stderr
+    assert "hf:// or oci://" in bad.stderr

@@ -23,7 +23,6 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urljoin
 
@@ -289,10 +288,11 @@ def modelpack_manifest(
 
 
 def modelpack_config(snapshot: Snapshot, digests: list[str]) -> bytes:
+    """The ModelPack config of a Hub commit: no timestamp, so the same commit pushed twice is
+    the same manifest digest."""
     doc = {
         "descriptor": {
             "name": snapshot.repo_id or snapshot.source,
-            "createdAt": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "sourceURL": snapshot.source,
             "revision": snapshot.revision_id,
         },
@@ -405,3 +405,42 @@ def mirror_to_oci(
         result.commit = snapshot.revision_id
     result.ref = f"{tag}@{digest}"
     return result
+
+
+def mirror_command(
+    src: str,
+    dst: str,
+    *,
+    revision: str | None,
+    hub_endpoint: str | None,
+    token: str | None,
+    proxy: str | None,
+    concurrency: int,
+    retry: RetryPolicy,
+    progress: ProgressSink,
+    so_far: MirrorResult,
+) -> MirrorResult:
+    """``prefetch mirror SRC oci://...``: SRC is ``hf://org/name[@rev]`` (pushed as ModelPack)
+    or ``oci://...`` (copied by digest); ``proxy`` is for the source only."""
+    from prefetch import settings
+    from prefetch.sources import SourceSettings, open_source, pool_size
+    from prefetch.sources._http import shared_http_pool
+    from prefetch.spec import ModelSpec, parse_source_uri
+
+    parse_destination(dst)
+    source_uri = parse_source_uri(src)
+    if source_uri.scheme not in ("hf", "oci"):
+        raise ConfigError(f"a registry is mirrored from hf:// or oci://, not {src!r}")
+    if source_uri.scheme == "oci" and revision:
+        raise ConfigError("--revision is for hf:// sources (name the tag or digest in the URI)")
+    reach = SourceSettings(
+        hub_endpoint=hub_endpoint, token=token, concurrency=concurrency, retry=retry
+    )
+    spec = ModelSpec(source=source_uri, revision=revision or None, proxy=proxy)
+    source = open_source(spec, reach).source
+    snapshot = source.resolve(spec) if source_uri.scheme == "hf" else None
+    http = shared_http_pool(pool_size(concurrency), settings.proxies())
+    return mirror_to_oci(
+        source, snapshot, dst, http=http, retry=retry, concurrency=concurrency,
+        progress=progress, so_far=so_far,
+    )  # fmt: skip
