@@ -22,8 +22,8 @@ Modes, each a fresh subprocess, alternated over ``--runs`` rounds against one lo
                       client the CLI makes (a LazyS3Client): with static keys, as here, every
                       request is signed and sent without botocore (prefetch/sources/s3_direct.py)
   prefetch-lean       the same on a boto3 client (as with IRSA or a profile): botocore's
-                      credentials and signer, the request on its HTTP session (s3_lean.py)
-  prefetch-botocore   the same with every request through botocore (S3Source.lean_requests=False)
+                      credentials and signer, the request on the transport seam (s3_botocore.py)
+  prefetch-botocore   the same with every request through botocore (S3Source.signed_requests=False)
   awscrt              awscrt.s3.S3Client, one GET_OBJECT per object straight to a file
                       (recv_filepath: parts, parallelism and writes all native), part 8 MiB,
                       no checksum validation
@@ -149,7 +149,7 @@ def prepare_prefetch(endpoint: str, dest: Path, *, mode: str) -> Callable[[], in
     else:
         client = server.client(max_pool_connections=24)
     source = S3Source(client, spec.source)
-    source.lean_requests = mode != "prefetch-botocore"
+    source.signed_requests = mode != "prefetch-botocore"
 
     def go() -> int:
         return sync(spec, source, PlainLayout(dest), TransferConfig()).bytes_downloaded

@@ -1,11 +1,13 @@
-"""CPU per S3 object request: botocore's ``get_object`` against the S3 source's two lean paths.
+"""CPU per S3 object request: botocore's ``get_object`` against the S3 source's transport seam
+with each of its two signers.
 
 One local SeaweedFS, ``--objects`` objects of ``--size`` bytes; ``--requests`` whole-object
 GETs on 16 threads per mode, the modes alternated ``--rounds`` times in one process; the CPU
-time of the process (user+sys) per request is reported, body read included. ``lean`` is the
-path the S3 source takes with botocore's credentials (prefetch/sources/s3_lean.py), set up from
-a listing as the source sets it up; ``direct`` the one it takes with static keys
-(prefetch/sources/s3_direct.py: signed here, no botocore).
+time of the process (user+sys) per request is reported, body read included. ``seam-botocore``
+is the path the S3 source takes with botocore's credential chain (prefetch/sources/s3_botocore.py:
+botocore's signer, set up from a listing as the source sets it up, on the seam's pool);
+``seam-static`` the one it takes with static keys (prefetch/sources/s3_direct.py: signed here,
+no botocore).
 
     python bench/request_cost.py --rounds 3
 """
@@ -29,36 +31,39 @@ BUCKET = "cost"
 
 def modes(client: Any, server: Any) -> dict[str, Callable[[str], None]]:
     """mode name -> one whole-object GET of a key, body read to the end."""
-    from prefetch.sources.s3 import lazy_s3_client
-    from prefetch.sources.s3_lean import capture_listing_requests, lean_requests_for
+    from prefetch.sources.s3 import S3Source, lazy_s3_client
+    from prefetch.sources.s3_direct import S3Bucket
+    from prefetch.spec import parse_source_uri
 
-    with capture_listing_requests(client) as sent:
-        client.list_objects_v2(Bucket=BUCKET, MaxKeys=1)
-    lean = lean_requests_for(client, sent[-1])
-    assert lean is not None, "the lean path cannot be set up for this client"
+    source = S3Source(client, parse_source_uri(f"s3://{BUCKET}/k/"))
+    source.ensure_signed_path()  # a listing: botocore's signer, as a pull sets it up
+    chained = source._objects_for("k/00000")
+    assert isinstance(chained, S3Bucket), "the seam cannot be set up for this client"
 
     def botocore_get(key: str) -> None:
         body = client.get_object(Bucket=BUCKET, Key=key, ChecksumMode="ENABLED")["Body"]
         body.read()
         body.close()
 
-    direct = lazy_s3_client(
+    static = lazy_s3_client(
         endpoint_url=server.endpoint, access_key=server.access_key,
         secret_key=server.secret_key, region="us-east-1", max_pool_connections=32,
     ).direct_bucket(BUCKET)  # fmt: skip
-    assert direct is not None, "the direct path cannot be set up for these settings"
+    assert static is not None, "static keys cannot be used for these settings"
 
-    def lean_get(key: str) -> None:
-        answer = lean.send("GET", key, headers={"x-amz-checksum-mode": "ENABLED"})
-        answer.raw.read()
-        answer.release()
+    def seam_get(bucket: S3Bucket) -> Callable[[str], None]:
+        def get(key: str) -> None:
+            answer = bucket.send("GET", key, headers={"x-amz-checksum-mode": "ENABLED"})
+            answer.read(1 << 30)
+            answer.release()
 
-    def direct_get(key: str) -> None:
-        answer = direct.send("GET", key, headers={"x-amz-checksum-mode": "ENABLED"})
-        answer.raw.read()
-        answer.release()
+        return get
 
-    return {"botocore": botocore_get, "lean": lean_get, "direct": direct_get}
+    return {
+        "botocore": botocore_get,
+        "seam-botocore": seam_get(chained),
+        "seam-static": seam_get(static),
+    }
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
-"""Retry with exponential backoff and full jitter, for TransientSourceError only; and a wall-clock
-deadline for calls that take no timeout of their own."""
+"""Retry with exponential backoff and full jitter, for TransientSourceError only (deadlines:
+:mod:`prefetch.deadline`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from prefetch.errors import ConfigError, TransientSourceError
 
@@ -110,32 +110,3 @@ def call_with_retries(
             else:
                 time.sleep(wait)
             attempt += 1
-
-
-def call_with_deadline(fn: Callable[[], T], seconds: float, *, what: str) -> T:
-    """Run ``fn`` in a daemon thread and wait for it at most ``seconds``; past that, raise
-    TransientSourceError (and leave the thread to finish or stay blocked on its own).
-
-    For calls made of several requests that must end in bounded time as a whole (the Hub's
-    metadata: redirects, then every page of a listing): a socket timeout bounds each wait, not
-    the sum, so a server that answers slowly page after page, or trickles a body, would hang a
-    resolve and the agent's sync of that model. The price, one parked thread per call that
-    really hangs (until its socket times out), is paid only when the server misbehaves.
-    """
-    result: dict[str, Any] = {}
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            result["value"] = fn()
-        except BaseException as exc:  # handed to the caller below
-            result["error"] = exc
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name="prefetch-deadline", daemon=True).start()
-    if not done.wait(seconds):
-        raise TransientSourceError(f"{what}: no answer within {seconds:g} s")
-    if "error" in result:
-        raise result["error"]
-    return result["value"]  # type: ignore[no-any-return]

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, overload
 
 from prefetch import verify
+from prefetch.deadline import stop_interrupts
 from prefetch.errors import (
     ChecksumMismatchError,
     InsufficientSpaceError,
@@ -36,6 +37,7 @@ from prefetch.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.sources.base import Source
 from prefetch.spec import ModelSpec
 from prefetch.transfer import (
+    Cancelled,
     PublishFn,
     Transfer,
     TransferConfig,
@@ -381,7 +383,9 @@ def sync(
     result to fill in as the sync goes (read it after a failure); returned on success."""
     t0 = time.monotonic()
     result = so_far if so_far is not None else SyncResult(spec.name, str(spec.source))
-    snapshot = snapshot or source.resolve(spec)
+    if snapshot is None:  # a stop interrupts the resolve's requests too (their header waits)
+        with stop_interrupts(stop, lambda: Cancelled("stopped")):
+            snapshot = source.resolve(spec)
     result.note_snapshot(snapshot, layout)  # known even if the lock is not had
     with prepare(spec, source, layout, snapshot=snapshot, lock_timeout=lock_timeout) as ready:
         ready.started = t0  # the resolve counts in the sync's seconds

@@ -24,15 +24,15 @@ Hostile or failing servers are bounded three ways. A ranged request that deliver
 curl's --speed-limit/--speed-time), from the last byte written. ``deadline`` bounds the whole run:
 when it passes the transfer stops (partials stay journaled) and fails with DeadlineExceededError.
 A stop (SIGTERM) takes effect mid-read, not when a buffer fills. All three are enforced by one
-watchdog thread (:class:`_Watchdog`) that aborts the read in progress by shutting its socket down.
+watchdog (:class:`prefetch.deadline.Watchdog`) that aborts the read in progress by shutting its
+socket down, from before the request is sent: the wait for the response headers is covered too.
 Why a watchdog and not short socket timeouts with the flag checked between reads: a timed-out
 socket file cannot be read again (``SocketIO`` refuses after a timeout, and http.client's buffer
 state is lost), so a timeout would cost the connection anyway, and a timeout shorter than a healthy
 server's pauses turns slow servers into errors; ``shutdown(SHUT_RDWR)`` from another thread wakes a
 blocked ``recv`` at once (Linux, macOS), whatever the timeout, and leaves the healthy path free
 of polling and timeouts. Reads ask for at most :func:`read_slice` bytes so the rule sees bytes as
-they arrive. Not covered: waiting for response headers (bounded by the sources' socket read
-timeout, 60 s) and small objects fetched whole by describe (bounded by the S3 source).
+they arrive. Small objects fetched whole by describe are bounded by the S3 source (same mechanism).
 
 Why threads and not asyncio: the hot path is ``readinto`` a preallocated buffer, ``pwrite``, and a
 CRC/hash update, all of which release the GIL; threads do it without the extra copy asyncio
@@ -48,7 +48,6 @@ import logging
 import mmap
 import os
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +58,7 @@ from typing import Any
 
 from prefetch import verify
 from prefetch.coordinator import Coordinator
+from prefetch.deadline import Watch, Watchdog, watching
 from prefetch.errors import (
     Cancelled,
     ChecksumMismatchError,
@@ -76,7 +76,7 @@ from prefetch.logjson import inherit_context
 from prefetch.progress import NullProgress, ProgressSink
 from prefetch.retry import RetryPolicy
 from prefetch.snapshot import Checksum, RemoteFile
-from prefetch.sources.base import Source
+from prefetch.sources.base import RangeReader, Source
 
 log = logging.getLogger(__name__)
 MiB = 1024 * 1024
@@ -284,7 +284,7 @@ class Transfer:
         self._stop = stop or threading.Event()
         self._local = threading.local()
         self.stats = TransferStats()
-        self._watchdog = _Watchdog(config, self._stop)
+        self._watchdog = engine_watchdog(config, self._stop)
         self._slice = read_slice(config)
         # the workers' log lines carry the caller's sync id (logjson.inherit_context); the
         # pools start their threads on the first task
@@ -644,7 +644,7 @@ class Transfer:
         coordinator in between cost each small file a second round trip through it, behind the
         io threads for the GIL. Returns the job and, for a file fetched here, what ``_seal``
         returns (None: the coordinator starts the file's chunks)."""
-        job = self._plan(self._source.describe(file))
+        job = self._plan(call_watched(self._watchdog, file.path, self._source.describe, file))
         if not _fits_one_write(job):
             return job, None
         _prepare_whole(job)
@@ -701,8 +701,10 @@ class Transfer:
         hashed, also when this raises, so a retry continues from exactly there. The watchdog may
         abort the read (stop, stall, deadline): the blocked ``readinto`` then returns or fails at
         once and the reason it gives replaces whatever the reader said."""
-        reader = self._source.open_range(job.file, cursor.pos, end)
-        watch = self._watchdog.watch(reader, f"{job.file.path} bytes {cursor.pos}-{end - 1}")
+        reader, watch = open_watched(
+            self._watchdog, f"{job.file.path} bytes {cursor.pos}-{end - 1}",
+            partial(self._source.open_range, job.file, cursor.pos, end),
+        )  # fmt: skip
         try:
             while cursor.pos < end:
                 if self._stop.is_set():
@@ -763,23 +765,6 @@ def read_slice(config: TransferConfig) -> int:
     return max(16 * 1024, min(config.buffer_size, wanted))
 
 
-class _Watch:
-    """One ranged read the watchdog looks after. Only its worker writes ``received``; only the
-    watchdog writes the window marks and ``reason`` (under the watchdog's lock)."""
-
-    def __init__(self, reader: Any, what: str, now: float) -> None:
-        self.reader = reader
-        self.what = what
-        self.received = 0
-        self.window_start = now
-        self.window_mark = 0
-        self.reason: PrefetchError | None = None
-
-    def raise_if_aborted(self) -> None:
-        if self.reason is not None:
-            raise self.reason
-
-
 @dataclass
 class Filled:
     """How much of a view :func:`fill_watched` has filled; it stays right when the read fails,
@@ -827,9 +812,53 @@ def connection_closed(file: RemoteFile, start: int, filled: int) -> str:
     return f"{file.path}: connection closed at byte {start + filled} of {file.size}"
 
 
+def engine_watchdog(config: TransferConfig, stop: threading.Event) -> Watchdog:
+    """The stall/deadline/stop watchdog of a driver of ranged reads (the pull engine, the
+    mirror's part streamer): a stop aborts each read with Cancelled."""
+    return Watchdog(config, stop, cancelled=lambda: Cancelled("stopped"))
+
+
+def open_watched(
+    watchdog: Watchdog, what: str, open_range: Callable[[], RangeReader]
+) -> tuple[RangeReader, Watch]:
+    """Open a ranged read under a new watch of ``watchdog``: the wait for the response headers
+    is watched too (the HTTP seam attaches the socket), so a stop, a stall or the deadline
+    interrupts it; the reader's ``abort()`` (if any) is attached for the body."""
+    watch = watchdog.watch(what)
+    try:
+        with watching(watch):
+            reader = open_range()
+    except Exception:
+        watchdog.unwatch(watch)
+        watch.raise_if_aborted()
+        raise
+    abort = getattr(reader, "abort", None)
+    if abort is not None:
+        watch.attach(abort)
+    return reader, watch
+
+
+def call_watched(
+    watchdog: Watchdog, what: str, fn: Callable[[RemoteFile], RemoteFile], file: RemoteFile
+) -> RemoteFile:
+    """``fn(file)`` (a describe: a HEAD, or a small object's whole GET) under a new watch of
+    ``watchdog``: a stop or the deadline interrupts its requests (the stall rule does not: its
+    bytes are not counted)."""
+    watch = watchdog.watch(f"describing {what}", stalls=False)
+    try:
+        with watching(watch):
+            try:
+                return fn(file)
+            except Exception:
+                watch.raise_if_aborted()
+                raise
+    finally:
+        watchdog.unwatch(watch)
+
+
 def fill_watched(
     reader: Any,
-    watch: _Watch,
+    watch: Watch,
     view: memoryview,
     filled: Filled,
     *,
@@ -858,92 +887,6 @@ def fill_watched(
         watch.received += n
         if on_bytes is not None:
             on_bytes(n)
-
-
-class _Watchdog:
-    """Enforces the stall rule, the deadline and stop on the reads in flight (see the module
-    docstring for why it aborts reads instead of relying on socket timeouts).
-
-    Every ``tick`` seconds it looks at each watched read: a read that received fewer than
-    ``min_rate * stall_window`` bytes since its window started is aborted with a
-    TransientSourceError (the engine retries it from its last byte); otherwise its window starts
-    again. Once ``stop`` is set (by the caller, or by this thread when the deadline passes) every
-    read is aborted with Cancelled. Aborting calls the reader's ``abort()`` (sources shut the
-    socket down); readers without one are in memory and never block.
-    """
-
-    def __init__(self, config: TransferConfig, stop: threading.Event) -> None:
-        self._config = config
-        self._stop = stop
-        self._lock = threading.Lock()
-        self._watches: set[_Watch] = set()
-        self._done = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._deadline_at: float | None = None
-        self.deadline_passed = False
-        self.tick = min(0.5, config.stall_window / 4)
-
-    def start(self) -> None:
-        if self._config.deadline is not None:
-            self._deadline_at = time.monotonic() + self._config.deadline
-        self._done.clear()
-        self._thread = threading.Thread(target=self._run, name="prefetch-watchdog", daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self._done.set()
-        if self._thread is not None:
-            self._thread.join()
-
-    def watch(self, reader: Any, what: str) -> _Watch:
-        w = _Watch(reader, what, time.monotonic())
-        with self._lock:
-            self._watches.add(w)
-        return w
-
-    def unwatch(self, w: _Watch) -> None:
-        """After this returns the watchdog never aborts ``w``'s reader (so a reader that finished
-        cleanly may hand its connection back to the pool)."""
-        with self._lock:
-            self._watches.discard(w)
-
-    def _run(self) -> None:
-        while not self._done.wait(self.tick):
-            self.check(time.monotonic())
-
-    def check(self, now: float) -> None:
-        """One look at every read in flight (the thread calls this every ``tick`` seconds)."""
-        if self._deadline_at is not None and now >= self._deadline_at and not self._stop.is_set():
-            self.deadline_passed = True
-            self._stop.set()
-        stopping = self._stop.is_set()
-        cfg = self._config
-        with self._lock:
-            for w in self._watches:
-                if w.reason is not None:
-                    continue
-                if stopping:
-                    self._abort(w, Cancelled("stopped"))
-                    continue
-                elapsed = now - w.window_start
-                if elapsed < cfg.stall_window:
-                    continue
-                got = w.received - w.window_mark
-                if cfg.min_rate and got < cfg.min_rate * cfg.stall_window:
-                    self._abort(w, TransientSourceError(
-                        f"{w.what}: stalled: {got} bytes in the last {elapsed:.0f}s, below the "
-                        f"minimum rate of {cfg.min_rate} bytes/s (--min-rate, --stall-timeout)"
-                    ))  # fmt: skip
-                else:
-                    w.window_start, w.window_mark = now, w.received
-
-    @staticmethod
-    def _abort(w: _Watch, reason: PrefetchError) -> None:
-        w.reason = reason
-        abort = getattr(w.reader, "abort", None)
-        if abort is not None:
-            log.debug("aborting %s: %s", w.what, reason)
-            abort()
 
 
 def _fits_one_write(job: _FileJob) -> bool:
@@ -1040,21 +983,19 @@ def _write_failed(job: _FileJob, path: Path, exc: OSError) -> PrefetchError:
     return full or TransferError(f"cannot write {path}: {exc.strerror}")
 
 
-#: The stall/deadline/stop watchdog, for other drivers of ranged reads (prefetch.mirror streams
-#: parts into memory instead of files, under the same rules).
-Watchdog = _Watchdog
-
 __all__ = [
     "Cancelled",
     "Filled",
     "Transfer",
     "TransferConfig",
     "TransferStats",
-    "Watchdog",
+    "call_watched",
     "connection_closed",
+    "engine_watchdog",
     "fill_watched",
     "group_chunks",
     "no_space",
+    "open_watched",
     "plan_chunks",
     "read_slice",
     "retry_read",

@@ -38,7 +38,7 @@ from prefetch.sources.hf import HubOptions, open_hub_source
 from prefetch.sources.s3 import S3Source
 from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.sync import SyncResult, sync
-from prefetch.transfer import TransferConfig
+from prefetch.transfer import Cancelled, TransferConfig
 
 from .fakes.hubserver import HubServer, make_model_dir
 from .fakes.misbehaving import MisbehavingS3
@@ -360,6 +360,74 @@ def test_sigterm_interrupts_a_stalled_read_and_the_next_pull_resumes(
     result = s3_pull(s3, dest, same_plan)
     assert (dest / "weights.bin").read_bytes() == data
     assert min(ranges_asked(s3)) >= 8 * MiB and result.bytes_downloaded <= 12 * MiB
+
+
+def test_sigterm_while_waiting_for_response_headers_exits_in_seconds_resumably(
+    s3: MisbehavingS3, tmp_path: Path
+) -> None:
+    # issue 22: a server that never sends the headers of a ranged GET held a SIGTERM'd pull
+    # for the 60 s socket read timeout
+    data = upload(s3, size=20 * MiB, md5_etag=True)
+    s3.misbehave(key=KEY, no_headers=True, from_byte=8 * MiB)  # the first 8 MiB piece lands
+    dest = tmp_path / "dest"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefetch.cli", "pull", f"s3://{BUCKET}/m/", str(dest),
+         "--concurrency", "1", "--chunk-size", "8MiB", "--min-rate", "0"],
+        env=cli_env(s3, tmp_path), cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not any(r[2] and not r[2].startswith("bytes=0-") for r in list(s3.requests)):
+            assert time.monotonic() < deadline, "the second range was never asked for"
+            assert proc.poll() is None, proc.communicate()[1]
+            time.sleep(0.05)
+        time.sleep(0.3)  # now waiting for headers that never come
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)  # 60 s (the read timeout) without the fix
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert took < 5, took
+    assert proc.returncode == 1 and "stopped" in stderr, stderr
+    s3.clear()
+    s3.requests.clear()
+    result = s3_pull(s3, dest, TransferConfig(concurrency=1, chunk_size=8 * MiB))
+    assert (dest / "weights.bin").read_bytes() == data
+    assert min(ranges_asked(s3)) >= 8 * MiB and result.bytes_downloaded <= 12 * MiB
+
+
+def test_a_stop_interrupts_a_describe_waiting_for_response_headers(
+    s3: MisbehavingS3, tmp_path: Path
+) -> None:
+    # issue 22: the HEAD that describes a large file waited out the read timeout after a stop
+    upload(s3, md5_etag=True)
+    s3.misbehave(key=KEY, no_headers=True, head=True)
+    spec = ModelSpec(source=parse_source_uri(f"s3://{BUCKET}/m/"))
+    source = S3Source(s3.client(), spec.source, retry=QUICK.retry)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            sync(spec, source, PlainLayout(tmp_path / "dest"), QUICK, stop=stop)
+        except BaseException as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    deadline = time.monotonic() + 20
+    while not any(m == "HEAD" and k == KEY for m, k, _ in list(s3.requests)):
+        assert time.monotonic() < deadline, "the HEAD was never sent"
+        time.sleep(0.05)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    stop.set()
+    worker.join(10)  # the client's 60 s read timeout without the fix
+    assert not worker.is_alive() and time.monotonic() - t0 < 5
+    assert len(errors) == 1 and isinstance(errors[0], Cancelled), errors
 
 
 # -- configuration -------------------------------------------------------------------------------

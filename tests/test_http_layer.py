@@ -294,3 +294,37 @@ def test_no_proxy_matches_a_name_and_its_subdomains(
     host: str, no_proxy: str, bypassed: bool
 ) -> None:
     assert no_proxy_matches(host, no_proxy) is bypassed
+
+
+def test_credentials_go_only_to_their_origin() -> None:
+    """The seam's redirect rule: credentials (the Hub's token) reach only the origin they are
+    for; a redirect or next-page link to another host, scheme or port never gets them."""
+    from prefetch.sources._http import send
+
+    sent: list[tuple[str, dict[str, str]]] = []
+
+    class Canned:
+        def request(self, method: str, url: str, **kwargs: Any) -> Any:
+            sent.append((url, kwargs["headers"]))
+
+            class Answer:
+                status = 200
+                headers: dict[str, str] = {}
+
+            return Answer()
+
+    token = {"Authorization": "Bearer hf_secret"}
+    origin = "https://hub.example"
+    for url in [
+        "https://hub.example/api/models/a/b",
+        "https://HUB.example:443/x",
+        "https://cdn.example/blob",
+        "http://hub.example/x",
+        "https://hub.example:8443/x",
+        "https://hub.example.evil/x",
+    ]:
+        send(Canned(), "GET", url, headers={"Range": "bytes=0-1"}, credentials=token,
+             credentials_origin=origin)  # fmt: skip
+    given = [url for url, headers in sent if "Authorization" in headers]
+    assert given == ["https://hub.example/api/models/a/b", "https://HUB.example:443/x"]
+    assert all(headers["Range"] == "bytes=0-1" for _, headers in sent)

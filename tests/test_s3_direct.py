@@ -20,8 +20,9 @@ import pytest
 
 from prefetch.errors import AccessDeniedError, BucketNotFoundError
 from prefetch.sources.s3 import LazyS3Client, S3Source, lazy_s3_client
+from prefetch.sources.s3_botocore import BotocoreObjects
 from prefetch.sources.s3_direct import (
-    DirectBucket,
+    S3Bucket,
     StaticCredentials,
     canonical_query,
     direct_settings,
@@ -120,7 +121,7 @@ def _botocore_keys(s3_client: Any, bucket: str, prefix: str) -> list[tuple[str, 
     return out
 
 
-def _direct_keys(lister: DirectBucket, bucket: str, prefix: str) -> tuple[list[Any], int]:
+def _direct_keys(lister: S3Bucket, bucket: str, prefix: str) -> tuple[list[Any], int]:
     out, token, pages = [], None, 0
     while True:
         page = lister.list_objects_v2(Bucket=bucket, Prefix=prefix, ContinuationToken=token)
@@ -188,11 +189,12 @@ def test_a_key_with_a_dot_segment_is_read_through_botocore(s3_server, s3_client,
     source = S3Source(client, spec.source)
     put(s3_client, bucket, "m/w.bin", b"w" * 70_000)
     source.resolve(spec)  # sets up the direct object path
-    dotted = source._lean_for("m/./w.bin")
-    assert dotted is None and source._lean_for("m/w.bin") is not None
+    dotted = source._objects_for("m/./w.bin")
+    assert isinstance(dotted, BotocoreObjects)
+    assert isinstance(source._objects_for("m/w.bin"), S3Bucket)
 
 
-def test_a_pull_after_a_direct_listing_reads_objects_on_the_lean_path(
+def test_a_pull_after_a_direct_listing_reads_objects_on_the_seam(
     s3_server, s3_client, bucket, tmp_path
 ):
     """The listing says where the objects are: describe and the GETs sign there themselves."""
@@ -374,7 +376,7 @@ def test_a_client_with_a_profile_lists_through_botocore(s3_server, s3_client, bu
 
 
 @pytest.mark.parametrize("client_kind", ["botocore", "static keys"])
-def test_a_pull_through_a_mirror_reads_everything_but_a_listing_on_the_lean_path(
+def test_a_pull_through_a_mirror_reads_everything_but_a_listing_on_the_seam(
     s3_server, s3_client, bucket, tmp_path, client_kind
 ):
     """The mirror source lists nothing of the model, yet its ref, commit metadata, blob HEADs
@@ -415,3 +417,31 @@ def test_a_pull_through_a_mirror_reads_everything_but_a_listing_on_the_lean_path
         assert through_botocore and all("list-type=2" in u for u in through_botocore)
     else:
         assert not through_botocore and not client.created
+
+
+@pytest.mark.parametrize("token", [None, "FQoGZXIvYXdzEXAMPLETOKEN"])
+def test_the_two_signers_sign_an_object_request_alike(monkeypatch, token):
+    """One signer interface, two implementations: static keys (signed here) and botocore's
+    credential chain (its request signer's frozen credentials, botocore's S3SigV4Auth) give the
+    same headers for the same request."""
+    import botocore.auth
+    from botocore.credentials import Credentials
+
+    from prefetch.sources.s3_botocore import BotocoreSigner
+    from prefetch.sources.s3_direct import StaticKeySigner
+
+    class _RequestSigner:  # botocore's RequestSigner.get_auth_instance, as the client's gives it
+        def get_auth_instance(self, signing_name, region_name, signature_version=None, **_):
+            assert signature_version == "s3v4"
+            creds = Credentials(KEYS.access_key, KEYS.secret_key, token)
+            return botocore.auth.S3SigV4Auth(creds, signing_name, region_name)
+
+    monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda: WHEN.replace(tzinfo=None))
+    url = "http://127.0.0.1:8333/bkt/m/sub%20dir/w%2Bv2.bin?partNumber=2"
+    headers = {"Range": "bytes=0-1048575", "If-Match": "0123abcd", "x-amz-checksum-mode": "ENABLED"}
+    static = StaticKeySigner(
+        StaticCredentials(KEYS.access_key, KEYS.secret_key, token), clock=lambda: WHEN
+    ).sign("GET", url, "eu-west-1", headers)
+    chained = BotocoreSigner(_RequestSigner()).sign("GET", url, "eu-west-1", headers)
+    chained.pop("host", None)  # http.client sends it; the static signer does not return it
+    assert static == chained

@@ -518,6 +518,17 @@ def test_an_ignored_range_is_refused_and_nothing_is_published(
     assert case.published(tmp_path / "dest", SHARD) is None
 
 
+def test_a_wrong_range_answer_is_the_same_error_from_every_source(
+    case: SourceCase, tmp_path: Path
+) -> None:
+    """One range rule (prefetch.sources._http.check_range_answer), one error type: S3 raised
+    SourceError and the Hub its own wording for the same defect."""
+    case.ignore_range(SHARD)
+    with pytest.raises(SourceChangedError, match=r"the server answered 200, not 206"):
+        case.pull(tmp_path / "dest", ONE_AT_A_TIME)
+    assert case.published(tmp_path / "dest", SHARD) is None
+
+
 # -- a stall ------------------------------------------------------------------------------------
 
 

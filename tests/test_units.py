@@ -4,18 +4,14 @@ test_verify.py, the resume journal in test_journal.py)."""
 from __future__ import annotations
 
 import itertools
-import threading
 
 import pytest
 
 from prefetch.errors import (
     ConfigError,
     LayoutError,
-    NotFoundError,
-    TransientSourceError,
 )
 from prefetch.layout import safe_join
-from prefetch.retry import call_with_deadline
 from prefetch.snapshot import listing_digest
 from prefetch.spec import ModelSpec, default_model_name, parse_source_uri
 from prefetch.transfer import TransferConfig, plan_chunks
@@ -114,17 +110,3 @@ def test_layout_refuses_paths_that_escape(tmp_path, bad):
     with pytest.raises(LayoutError, match="unsafe"):
         safe_join(tmp_path, bad)
     assert safe_join(tmp_path, "a/b.json") == tmp_path / "a" / "b.json"
-
-
-def test_call_with_deadline_returns_raises_or_gives_up() -> None:
-    assert call_with_deadline(lambda: 42, 5, what="answer") == 42
-
-    def missing() -> None:
-        raise NotFoundError("no such repo")
-
-    with pytest.raises(NotFoundError, match="no such repo"):  # the call's own error, as it was
-        call_with_deadline(missing, 5, what="lookup")
-    release = threading.Event()
-    with pytest.raises(TransientSourceError, match=r"^listing: no answer within 0.2 s$"):
-        call_with_deadline(lambda: release.wait(30), 0.2, what="listing")
-    release.set()  # the parked thread finishes on its own

@@ -2,7 +2,7 @@
 
 Each file becomes one object. A part is read from the source by a ranged request into a pooled
 buffer (the engine's rules apply: retries from the last byte, the stall rule, the deadline and
-stop, through :class:`prefetch.transfer.Watchdog`), CRC64NVME'd, and uploaded as a part of a
+stop, through :class:`prefetch.deadline.Watchdog`), CRC64NVME'd, and uploaded as a part of a
 FULL_OBJECT CRC64NVME multipart upload (files of one part are one PutObject instead, sent only
 after they were checked). The file's own checks (the Hub's sha256 or git blob sha1, a mirror's
 recorded ids) need the bytes in file order while parts finish in any order: a part that lands
@@ -60,9 +60,10 @@ from prefetch.transfer import (
     Cancelled,
     Filled,
     TransferConfig,
-    Watchdog,
     connection_closed,
+    engine_watchdog,
     fill_watched,
+    open_watched,
     read_slice,
     retry_read,
 )
@@ -239,7 +240,7 @@ class PartStreamer:
         self._config = config
         self._progress = progress or NullProgress()
         self._stop = stop or threading.Event()
-        self._watchdog = Watchdog(config.transfer, self._stop)
+        self._watchdog = engine_watchdog(config.transfer, self._stop)
         self._slice = read_slice(config.transfer)
         self.stats = StreamStats()
         concurrency = config.transfer.concurrency
@@ -510,8 +511,10 @@ class PartStreamer:
 
     def _read_once(self, file: RemoteFile, start: int, view: memoryview, at: Filled) -> None:
         end = start + len(view)
-        reader = self._source.open_range(file, start + at.pos, end)
-        watch = self._watchdog.watch(reader, f"{file.path} bytes {start + at.pos}-{end - 1}")
+        reader, watch = open_watched(
+            self._watchdog, f"{file.path} bytes {start + at.pos}-{end - 1}",
+            partial(self._source.open_range, file, start + at.pos, end),
+        )  # fmt: skip
         try:
             fill_watched(
                 reader, watch, view, at, slice_size=self._slice, stop=self._stop,

@@ -16,8 +16,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import http.client
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -27,6 +29,7 @@ from urllib.parse import urlsplit
 import urllib3
 
 from prefetch import settings
+from prefetch.deadline import attach_to_watches
 from prefetch.errors import (
     AccessDeniedError,
     NotFoundError,
@@ -37,7 +40,7 @@ from prefetch.errors import (
     TransientSourceError,
 )
 from prefetch.redact import redact
-from prefetch.sources.base import shutdown_socket_of
+from prefetch.sources.base import range_answer_problem, shutdown_socket_of
 
 #: A redirect's body is read (so its connection goes back to the pool) only up to this size.
 DRAIN_LIMIT = 64 * 1024
@@ -52,32 +55,82 @@ class HttpClient(Protocol):
     def request(self, method: str, url: str, **kwargs: Any) -> Any: ...
 
 
-_SHARED_POOLS: dict[tuple[int, object], HttpClient] = {}
+_SHARED_POOLS: dict[tuple[int, object, str | None], HttpClient] = {}
 _SHARED_LOCK = threading.Lock()
 
 
-def shared_http_pool(size: int = 32, proxies: settings.Proxies | None = None) -> HttpClient:
-    """One pooled client per process, pool size and proxy settings (default: the environment's,
-    read now), so the agent reuses connections across syncs and a model with its own proxy
-    never shares a pool with one that goes direct."""
+def shared_http_pool(
+    size: int = 32, proxies: settings.Proxies | None = None, *, ca_certs: str | None = None
+) -> HttpClient:
+    """One pooled client per process, pool size, proxy settings (default: the environment's,
+    read now) and CA bundle, so the agent reuses connections across syncs and a model with its
+    own proxy never shares a pool with one that goes direct."""
     proxies = settings.proxies() if proxies is None else proxies
-    key = (size, proxies.key())
+    key = (size, proxies.key(), ca_certs)
     with _SHARED_LOCK:
         pool = _SHARED_POOLS.get(key)
         if pool is None:
-            pool = _SHARED_POOLS[key] = make_http_pool(size, proxies=proxies)
+            pool = _SHARED_POOLS[key] = make_http_pool(size, proxies=proxies, ca_certs=ca_certs)
         return pool
 
 
-def make_http_pool(size: int = 32, *, proxies: settings.Proxies | None = None) -> HttpClient:
+def make_http_pool(
+    size: int = 32, *, proxies: settings.Proxies | None = None, ca_certs: str | None = None
+) -> HttpClient:
     """A urllib3 pool for ranged GETs: no urllib3 retries or redirects (done by the caller), and
-    the proxies (default: the environment's, read now) honoured per host."""
+    the proxies (default: the environment's, read now) honoured per host; ``ca_certs``: a CA
+    bundle to verify TLS with instead of the system's."""
     kwargs: dict[str, Any] = {"num_pools": 8, "maxsize": size, "block": False, "retries": False}
+    if ca_certs:
+        kwargs["ca_certs"] = ca_certs
     proxies = settings.proxies() if proxies is None else proxies
-    direct = urllib3.PoolManager(**kwargs)
+    direct = watched_pools(urllib3.PoolManager(**kwargs))
     if not proxies.by_scheme:
         return direct
     return ProxyRouter(direct, proxies, kwargs)
+
+
+# ---- stop and deadlines reach the header wait ----------------------------------------------------
+
+
+def _interrupt_socket(sock: object) -> Callable[[], None]:
+    def interrupt() -> None:
+        if isinstance(sock, socket.socket):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    return interrupt
+
+
+class _WatchedHTTPConnection(urllib3.connection.HTTPConnection):
+    """A connection whose wait for response headers a watch can interrupt: the calling
+    thread's watches (:mod:`prefetch.deadline`: a ranged read the engine watches, a metadata
+    call under a deadline, a resolve a stop interrupts) get the socket, so a stop, a stall or a
+    deadline shuts it down instead of waiting out the read timeout (60 s). The socket stays
+    attached until the watch ends, so the body read is covered too."""
+
+    def getresponse(self) -> urllib3.response.HTTPResponse:  # type: ignore[override]
+        attach_to_watches(_interrupt_socket(self.sock))
+        return super().getresponse()
+
+
+class _WatchedHTTPSConnection(urllib3.connection.HTTPSConnection):
+    getresponse = _WatchedHTTPConnection.getresponse  # type: ignore[assignment]
+
+
+class _WatchedHTTPPool(urllib3.HTTPConnectionPool):
+    ConnectionCls = _WatchedHTTPConnection
+
+
+class _WatchedHTTPSPool(urllib3.HTTPSConnectionPool):
+    ConnectionCls = _WatchedHTTPSConnection
+
+
+def watched_pools(manager: urllib3.PoolManager) -> urllib3.PoolManager:
+    """``manager`` making connections whose header wait a watch can interrupt (urllib3's
+    documented per-scheme pool classes)."""
+    manager.pool_classes_by_scheme = {"http": _WatchedHTTPPool, "https": _WatchedHTTPSPool}
+    return manager
 
 
 class ProxyRouter:
@@ -89,7 +142,8 @@ class ProxyRouter:
         self._direct = direct
         self._proxies = proxies
         self._proxied = {
-            url: urllib3.ProxyManager(url, **kwargs) for url in set(proxies.by_scheme.values())
+            url: watched_pools(urllib3.ProxyManager(url, **kwargs))
+            for url in set(proxies.by_scheme.values())
         }
 
     def manager_for(self, url: str) -> HttpClient:
@@ -319,19 +373,158 @@ class BodyReader:
         self._on_close(self._clean and not self._aborted)
 
 
+# ---- one request, one answer ---------------------------------------------------------------------
+
+
+class Response:
+    """One answer on the seam: the status, the headers (case-insensitive), and ``raw``, the
+    response whose body is still unread (None when a library already consumed it). ``error``:
+    the (code, message) a library parsed from an error answer, when it did."""
+
+    def __init__(
+        self, status: int, headers: Any, raw: Any, *, error: tuple[str, str] | None = None
+    ) -> None:
+        self.status = status
+        self.headers = headers
+        self.raw = raw
+        self.error = error
+
+    def read(self, limit: int) -> bytes:
+        """At most ``limit`` bytes of the body."""
+        data: bytes = self.raw.read(limit) if self.raw is not None else b""
+        return data
+
+    def release(self) -> None:
+        """The body was read to its end: the connection goes back to the pool."""
+        if self.raw is not None:
+            release = getattr(self.raw, "release_conn", None)
+            if release is not None:
+                release()
+            else:
+                self.raw.close()
+
+    def discard(self) -> None:
+        """Close the connection without reading (it may be the one that failed)."""
+        if self.raw is None:
+            return
+        try:
+            self.raw.close()
+        finally:
+            release = getattr(self.raw, "release_conn", None)
+            if release is not None:
+                release()
+
+
+def origin_of(url: str) -> tuple[str, str, int]:
+    """Scheme, host and port of a URL (the default port when none is written)."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    port = parts.port or (443 if scheme == "https" else 80)
+    return scheme, (parts.hostname or "").lower(), port
+
+
+def send(
+    http: HttpClient,
+    method: str,
+    url: str,
+    *,
+    headers: Mapping[str, str],
+    timeout: Any = None,
+    decode: bool = False,
+    credentials: Mapping[str, str] | None = None,
+    credentials_origin: str | None = None,
+) -> Response:
+    """Send one request on the pool: no redirects, no urllib3 retries (the callers do both), the
+    body left unread. Transport failures raise urllib3's errors (see :func:`transport_error`);
+    the wait for the headers is interrupted by the calling thread's watch (see above).
+
+    ``credentials`` (headers such as Authorization) go only to ``credentials_origin``'s scheme,
+    host and port: a redirect or a next-page link to another host never receives them."""
+    if (
+        credentials
+        and credentials_origin is not None
+        and origin_of(url) == origin_of(credentials_origin)
+    ):
+        headers = {**headers, **credentials}
+    kwargs: dict[str, Any] = {
+        "headers": dict(headers),
+        "preload_content": False,
+        "redirect": False,
+        "retries": False,
+        "decode_content": decode,
+    }
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    resp = http.request(method, url, **kwargs)
+    return Response(int(resp.status), resp.headers, resp)
+
+
+def check_range_answer(
+    what: str,
+    start: int,
+    end: int,
+    size: int,
+    status: int | None,
+    content_range: str | None,
+    content_length: int | str | None,
+) -> None:
+    """THE range rule of every source: the answer to a GET of bytes ``[start, end)`` of a
+    ``size``-byte object must be exactly that range (:func:`range_answer_problem`); anything else
+    would write wrong bytes at this offset, so it is a SourceChangedError (the partial file is
+    dropped: its bytes can no longer be trusted)."""
+    problem = range_answer_problem(start, end, size, status, content_range, content_length)
+    if problem is not None:
+        raise SourceChangedError(f"{what}: {problem}")
+
+
+def range_body_reader(
+    answer: Response,
+    what: str,
+    length: int,
+    *,
+    translate: Callable[[Exception, str], Exception] = transport_error,
+) -> BodyReader:
+    """The reader of a checked ranged answer: straight from the ``http.client`` response when
+    the seam sent it (else through the library's body object); the connection goes back to the
+    pool only after a clean read."""
+
+    def finish(reusable: bool) -> None:
+        if reusable:
+            answer.release()
+        else:
+            answer.discard()
+
+    return BodyReader(
+        answer.raw,
+        what,
+        length,
+        raw=http_client_response(answer.raw),
+        socket_owner=answer.raw,
+        on_close=finish,
+        length_known=answer.headers.get("Content-Length") is not None,
+        translate=translate,
+    )
+
+
 __all__ = [
     "BodyReader",
     "HttpClient",
     "ProxyRouter",
+    "Response",
+    "check_range_answer",
     "discard",
     "error_class",
     "http_client_response",
     "make_http_pool",
     "no_proxy_matches",
+    "origin_of",
     "parse_retry_after",
+    "range_body_reader",
     "redact_url",
     "release_small_body",
+    "send",
     "shared_http_pool",
     "status_error",
     "transport_error",
+    "watched_pools",
 ]

@@ -41,7 +41,10 @@ def range_answer_problem(
         return f"the server answered {status}, not 206 (it ignored the Range header)"
     got = content_range.strip() if content_range is not None else None
     if got != expected:
-        return f"the server answered Content-Range {got!r}, expected {expected!r}"
+        problem = f"the server answered Content-Range {got!r}, expected {expected!r}"
+        if got is not None and not got.endswith(f"/{size}"):
+            problem += " (the file is not the size the listing stated)"
+        return problem
     if content_length is not None and str(content_length).strip() != str(end - start):
         return f"the body is {str(content_length).strip()} bytes, the range is {end - start}"
     return None

@@ -44,6 +44,7 @@ from urllib.parse import parse_qs, quote, urljoin, urlsplit
 import urllib3
 
 from prefetch import __version__, settings
+from prefetch.deadline import Alarms, call_with_deadline
 from prefetch.errors import (
     AccessDeniedError,
     ConfigError,
@@ -56,19 +57,23 @@ from prefetch.errors import (
     SourceError,
     TransientSourceError,
 )
-from prefetch.retry import RetryPolicy, call_with_deadline, call_with_retries
+from prefetch.retry import RetryPolicy, call_with_retries
 from prefetch.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.sources._http import (
     BodyReader,
     HttpClient,
+    check_range_answer,
     discard,
     error_class,
     http_client_response,
+    origin_of,
     redact_url,
     release_small_body,
+    send,
     shared_http_pool,
     status_error,
     transport_error,
+    watched_pools,
 )
 from prefetch.spec import ModelSpec, SourceURI
 
@@ -138,11 +143,7 @@ def _token_of(option: str | bool | None) -> str | None:
     return None if option is False else hub_token()
 
 
-def _origin(url: str) -> tuple[str, str, int]:
-    parts = urlsplit(url)
-    scheme = parts.scheme.lower()
-    port = parts.port or (443 if scheme == "https" else 80)
-    return scheme, (parts.hostname or "").lower(), port
+_origin = origin_of
 
 
 def _normalize_etag(value: str | None) -> str | None:
@@ -346,7 +347,10 @@ class HubSource:
         self._endpoint = endpoint.rstrip("/")
         self._origin = _origin(self._endpoint)
         self._token = token
+        if isinstance(http, urllib3.PoolManager):
+            watched_pools(http)  # a deadline or a stop interrupts its header waits too
         self._http = http
+        self._alarms = Alarms(name="hub-deadlines")
         self._retry = retry or RetryPolicy()
         self._timeout = timeout or urllib3.Timeout(connect=10.0, read=60.0)
         self._redirect_ttl = redirect_ttl
@@ -405,7 +409,9 @@ class HubSource:
 
         def once() -> T:
             deadline = time.monotonic() + self._metadata_timeout
-            return call_with_deadline(lambda: fn(deadline), self._metadata_timeout, what=what)
+            return call_with_deadline(
+                lambda: fn(deadline), self._metadata_timeout, what=what, alarms=self._alarms
+            )
 
         return call_with_retries(once, self._retry, what=what)
 
@@ -552,19 +558,13 @@ class HubSource:
     def _get(self, url: str, headers: dict[str, str], what: str, *, decode: bool = False) -> Any:
         """GET ``url`` on the pool (no redirects, no urllib3 retries, the body left unread), the
         token added only on the endpoint's origin; ``decode``: undo a gzip Content-Encoding."""
-        if self._token and _origin(url) == self._origin:
-            headers = {**headers, "Authorization": f"Bearer {self._token}"}
+        token = {"Authorization": f"Bearer {self._token}"} if self._token else None
         try:
-            return self._http.request(
-                "GET",
-                url,
-                headers=headers,
-                redirect=False,
-                retries=False,
-                preload_content=False,
-                decode_content=decode,
-                timeout=self._timeout,
-            )
+            answer = send(
+                self._http, "GET", url, headers=headers, timeout=self._timeout, decode=decode,
+                credentials=token, credentials_origin=self._endpoint,
+            )  # fmt: skip
+            return answer.raw
         except Exception as exc:
             raise transport_error(exc, what) from exc
 
@@ -598,26 +598,18 @@ class HubSource:
         self, file: RemoteFile, resp: Any, url: str, start: int, end: int, what: str
     ) -> BodyReader:
         status = resp.status
-        if status != 206:
+        if not 200 <= status < 300:  # a 2xx that is not 206 breaks the range rule, below
             error = self._status_error(file, resp, url, what)
             discard(resp)
             raise error
         self._check_pins(file, resp, url, what)
         h = resp.headers
-        expected = f"bytes {start}-{end - 1}/{file.size}"
-        content_range = (h.get("Content-Range") or "").strip()
-        if content_range != expected:
-            discard(resp)
-            raise SourceChangedError(
-                f"{what}: the server answered Content-Range {content_range!r}, expected "
-                f"{expected!r} (the file is not the size the listing stated)"
-            )
         length = h.get("Content-Length")
-        if length is not None and length.strip() != str(end - start):
+        try:
+            check_range_answer(what, start, end, file.size, status, h.get("Content-Range"), length)
+        except SourceChangedError:
             discard(resp)
-            raise SourceChangedError(
-                f"{what}: the body is {length.strip()} bytes, the range is {end - start}"
-            )
+            raise
         encoding = (h.get("Content-Encoding") or "identity").strip().lower()
         if encoding != "identity":
             discard(resp)

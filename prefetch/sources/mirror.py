@@ -69,8 +69,8 @@ class MirrorSource:
         #: ``version`` is its Hub id, which is what the layout names its blob by)
         self._etags: dict[str, str] = {}
         self._lock = threading.Lock()
-        self._lean_ready = False  # see _prepare_lean_path
-        self._lean_lock = threading.Lock()
+        self._signed_ready = False  # see _prepare_signed_path
+        self._signed_lock = threading.Lock()
 
     @property
     def uri(self) -> str:
@@ -179,7 +179,7 @@ class MirrorSource:
         """One small object's body, retried like every S3 call; ``missing`` is the message of
         the RevisionNotFoundError raised when it does not exist."""
         what = f"reading {self._where(key)}"
-        self._prepare_lean_path()  # static keys: read without creating a botocore client
+        self._prepare_signed_path()  # static keys: read without creating a botocore client
         data = self._objects.read_object(key, what, limit=MAX_METADATA_BYTES)
         if data is None:
             raise RevisionNotFoundError(missing)
@@ -193,7 +193,7 @@ class MirrorSource:
         byte is downloaded."""
         if file.described:
             return file
-        self._prepare_lean_path()
+        self._prepare_signed_path()
         seen = self._objects.describe(file.with_(version="", checksums=()))
         recorded = next((c for c in file.checksums if c.algorithm == "crc64nvme"), None)
         stated = next(
@@ -210,20 +210,20 @@ class MirrorSource:
             self._etags[file.locator] = seen.version
         return file.with_(described=True)
 
-    def _prepare_lean_path(self) -> None:
-        """Metadata and blob requests on the S3 source's lean path (~1.5 ms of CPU less each
+    def _prepare_signed_path(self) -> None:
+        """Metadata and blob requests on the S3 source's transport seam (~1.5 ms of CPU less each
         than botocore's; with static keys, no botocore client at all), set up once, before the
         first read. A listing the credentials may not make leaves the reads on botocore; any
         other failure (no such bucket, an unreachable endpoint) is the mirror's answer, and
         trying botocore after it would only make the caller wait twice before a fallback."""
-        with self._lean_lock:  # the other describing threads wait: they would use botocore
-            if self._lean_ready:
+        with self._signed_lock:  # the other describing threads wait: they would use botocore
+            if self._signed_ready:
                 return
             try:
-                self._objects.ensure_lean_path()
+                self._objects.ensure_signed_path()
             except AccessDeniedError as exc:
                 log.debug("reads of %s stay on botocore: %s", self.uri, exc)
-            self._lean_ready = True
+            self._signed_ready = True
 
     def open_range(self, file: RemoteFile, start: int, end: int) -> RangeReader:
         with self._lock:

@@ -1,32 +1,30 @@
-"""S3 source: list, describe (HEAD with checksums) and ranged GETs pinned to the ETag, via boto3.
+"""S3 source: list, describe (HEAD with checksums) and ranged GETs pinned to the ETag.
 
-The boto3 client is passed in (tests give one pointed at a local server). boto3's own retries
-are turned off by :func:`make_s3_client`: retrying lives in one place (prefetch.retry), around
-whole operations and inside the range task, so a retry resumes from the last byte written.
-With the static keys of the environment or the settings, the listing and every object
-request are signed and sent without botocore (:mod:`prefetch.sources.s3_direct`: no botocore
-import, no client). Otherwise the listing goes through the client; once it has, the per-object
-requests (HEAD, whole-object GET, ranged GET) are sent on the lean path of
-:mod:`prefetch.sources.s3_lean`, addressed and signed as botocore signed the listing but
-without its per-request cost (~1.5 ms of CPU each).
+S3 is addressing plus a signer, on the one transport seam (:mod:`prefetch.sources._http`): every
+object request (HEAD, whole-object GET, ranged GET, part-size HEAD, metadata reads) is built by
+an :class:`~prefetch.sources.s3_direct.S3Bucket` and signed by one of two signers: static keys
+(SigV4 here, :mod:`prefetch.sources.s3_direct`: no botocore import, no client) or botocore's
+credential chain (its public ``S3SigV4Auth``, :mod:`prefetch.sources.s3_botocore`), whose
+addressing comes from the listing botocore made. What stays on botocore's client: the listing
+when the keys are not static, keys with "." / ".." segments and what the seam cannot sign (see
+s3_botocore), through :class:`~prefetch.sources.s3_botocore.BotocoreObjects`, answered in the
+same shape. boto3's retries are off (:func:`make_s3_client`): retrying lives in prefetch.retry.
 """
 
 from __future__ import annotations
 
 import contextlib
-import heapq
 import http.client
 import logging
 import re
 import sys
 import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
 import urllib3.exceptions
 
 from prefetch import settings
+from prefetch.deadline import SCOPE, Alarms, Watch, call_with_deadline
 from prefetch.errors import (
     AccessDeniedError,
     BucketNotFoundError,
@@ -40,24 +38,27 @@ from prefetch.retry import RetryPolicy, call_with_retries
 from prefetch.snapshot import Checksum, RemoteFile, Snapshot, listing_digest
 from prefetch.sources._http import (
     BodyReader,
+    HttpClient,
+    Response,
+    check_range_answer,
     error_class,
-    http_client_response,
     parse_retry_after,
+    range_body_reader,
     shared_http_pool,
     transport_error,
 )
-from prefetch.sources.base import range_answer_problem, shutdown_socket_of
+from prefetch.sources.base import shutdown_socket_of
+from prefetch.sources.s3_botocore import (
+    BotocoreObjects,
+    botocore_signed_endpoint,
+    capture_listing_requests,
+)
 from prefetch.sources.s3_direct import (
-    DirectBucket,
+    S3Bucket,
     StaticCredentials,
     direct_settings,
+    profile_section,
     sends_as_signed,
-)
-from prefetch.sources.s3_lean import (
-    LeanResponse,
-    ObjectRequests,
-    capture_listing_requests,
-    lean_requests_for,
 )
 from prefetch.spec import SIDECAR_MANIFEST, ModelSpec, SourceURI
 from prefetch.verify import STRENGTH
@@ -92,8 +93,29 @@ _SMALL_BUDGET = 64 * 1024 * 1024
 MAX_SIDECAR_BYTES = 64 * 1024 * 1024
 #: The error codes of a GET for a key that does not exist.
 _MISSING_KEY_CODES = ("NoSuchKey", "404", "NotFound")
+#: botocore's response field name -> the header it comes from (what the S3 source reads).
+HEADER_FIELDS = (
+    ("ETag", "etag"),
+    ("ContentLength", "content-length"),
+    ("ContentRange", "content-range"),
+    ("ChecksumSHA256", "x-amz-checksum-sha256"),
+    ("ChecksumSHA1", "x-amz-checksum-sha1"),
+    ("ChecksumCRC64NVME", "x-amz-checksum-crc64nvme"),
+    ("ChecksumCRC32C", "x-amz-checksum-crc32c"),
+    ("ChecksumCRC32", "x-amz-checksum-crc32"),
+    ("ChecksumType", "x-amz-checksum-type"),
+    ("ServerSideEncryption", "x-amz-server-side-encryption"),
+    ("SSECustomerAlgorithm", "x-amz-server-side-encryption-customer-algorithm"),
+)
+_ERROR_CODE = re.compile(rb"<Code>([^<]{1,200})</Code>")
+_ERROR_MESSAGE = re.compile(rb"<Message>([^<]{0,500})</Message>")
+#: At most this much of an error answer's body is read for its code and message.
+_ERROR_BODY_LIMIT = 64 * 1024
 #: A small object's body must arrive within this many seconds (at least 17 KiB/s for 1 MiB).
 SMALL_GET_LIMIT = 60.0
+#: A listing page or a metadata object (sidecar, mirror refs and commits) must arrive within this
+#: many seconds per attempt (as the Hub's metadata calls).
+METADATA_TIMEOUT = 120.0
 
 
 def make_s3_client(
@@ -153,7 +175,7 @@ class LazyS3Client:
     def __init__(self, **settings: Any) -> None:
         self.settings = settings  #: make_s3_client's keyword arguments
         self._client: Any = None
-        self._direct_buckets: dict[str, DirectBucket | None] = {}
+        self._direct_buckets: dict[str, S3Bucket | None] = {}
         self._lock = threading.Lock()
 
     @property
@@ -171,7 +193,7 @@ class LazyS3Client:
             raise AttributeError(name)
         return getattr(self.client(), name)
 
-    def direct_bucket(self, bucket: str) -> DirectBucket | None:
+    def direct_bucket(self, bucket: str) -> S3Bucket | None:
         """The botocore-free lister of ``bucket`` (one per bucket, so the region a redirect
         taught it is kept), or None when botocore must list."""
         with self._lock:
@@ -179,7 +201,20 @@ class LazyS3Client:
                 self._direct_buckets[bucket] = self._make_direct(bucket)
             return self._direct_buckets[bucket]
 
-    def _make_direct(self, bucket: str) -> DirectBucket | None:
+    def http(self) -> HttpClient:
+        """The seam's pool for this client's settings (size, proxy)."""
+        opts = self.settings
+        return shared_http_pool(
+            int(opts.get("max_pool_connections", 32)), settings.proxies(override=opts.get("proxy"))
+        )
+
+    def timeout(self) -> urllib3.Timeout:
+        opts = self.settings
+        return urllib3.Timeout(
+            connect=float(opts.get("connect_timeout", 10)), read=float(opts.get("read_timeout", 60))
+        )
+
+    def _make_direct(self, bucket: str) -> S3Bucket | None:
         opts = self.settings
         if opts.get("profile") is not None:
             return None  # a profile's own credentials or settings: botocore's to resolve
@@ -192,16 +227,10 @@ class LazyS3Client:
         )  # fmt: skip
         if found is None:
             return None
-        http = shared_http_pool(
-            int(opts.get("max_pool_connections", 32)), settings.proxies(override=opts.get("proxy"))
-        )
-        timeout = urllib3.Timeout(
-            connect=float(opts.get("connect_timeout", 10)), read=float(opts.get("read_timeout", 60))
-        )
-        return DirectBucket(
+        return S3Bucket.static(
             bucket, endpoint_url=found.endpoint_url, region=found.region,
-            credentials=found.credentials, http=http, timeout=timeout,
-            on_error=lambda what, answer: _answer_error(what, answer, has_body=True),
+            credentials=found.credentials, http=self.http(), timeout=self.timeout(),
+            on_error=lambda what, answer: answer_error(what, answer, has_body=True),
         )  # fmt: skip
 
 
@@ -275,26 +304,6 @@ def _transport_or_other(exc: Exception, what: str) -> SourceError:
     return SourceError(f"{what}: {type(exc).__name__}: {exc}")
 
 
-def _body_reader(body: Any, what: str, length: int, *, length_known: bool) -> BodyReader:
-    """The reader of a checked ranged GET's StreamingBody. botocore's StreamingBody wraps a
-    urllib3 response; the ``http.client`` response beneath it is read directly when nothing
-    has been read or buffered above it yet (the layers are private: otherwise the StreamingBody
-    itself is read). A body running past the range is a SourceError."""
-    raw = getattr(body, "_raw_stream", None)
-    fresh = getattr(body, "_amount_read", 0) == 0 and not getattr(raw, "_decoded_buffer", None)
-    return BodyReader(
-        body,
-        what,
-        length,
-        raw=http_client_response(raw) if fresh else None,
-        socket_owner=raw,
-        on_close=lambda _reusable: body.close(),
-        length_known=length_known,
-        translate=_read_failure,
-        overrun=SourceError,
-    )
-
-
 def _read_failure(exc: Exception, what: str) -> Exception:
     """A failed body read: a socket or protocol failure is transient (as for every source),
     anything else is translated as botocore's."""
@@ -329,10 +338,43 @@ def _client_error(what: str, code: str, status: int, msg: str) -> SourceError:
     return cls(f"{what}: {code or status}: {msg}")
 
 
-def _answer_error(what: str, answer: LeanResponse, *, has_body: bool) -> SourceError:
-    """The error of a lean request's error answer, as :func:`translate` makes it of botocore's
-    (plus the server's Retry-After on a transient one: S3 throttling may send it)."""
-    code, msg = answer.error_code_and_message(has_body=has_body)
+def error_code_and_message(answer: Response, *, has_body: bool) -> tuple[str, str]:
+    """The S3 error code and message of an error answer (read from at most 64 KiB of its XML
+    body; a HEAD has none: then the status); the connection is not reused."""
+    if answer.error is not None:
+        answer.discard()
+        return answer.error
+    body = b""
+    if has_body:
+        with contextlib.suppress(Exception):
+            body = answer.read(_ERROR_BODY_LIMIT)
+    answer.discard()
+    code = _ERROR_CODE.search(body)
+    message = _ERROR_MESSAGE.search(body)
+    code_text = code.group(1).decode("utf-8", "replace").strip() if code else str(answer.status)
+    return code_text, (message.group(1).decode("utf-8", "replace") if message else code_text)
+
+
+def fields_of(answer: Response) -> dict[str, Any]:
+    """An answer's headers in botocore's shape (``ETag``, ``ContentLength``, ``Checksum*``, ...,
+    ``ResponseMetadata.HTTPStatusCode``): what the describe code reads."""
+    out: dict[str, Any] = {"ResponseMetadata": {"HTTPStatusCode": answer.status}}
+    for name, header in HEADER_FIELDS:
+        value = answer.headers.get(header)
+        if value is not None:
+            out[name] = value
+    if "ContentLength" in out:
+        try:
+            out["ContentLength"] = int(out["ContentLength"])
+        except ValueError:
+            del out["ContentLength"]
+    return out
+
+
+def answer_error(what: str, answer: Response, *, has_body: bool) -> SourceError:
+    """The error of an S3 error answer, as :func:`translate` makes it of botocore's (plus the
+    server's Retry-After on a transient one: S3 throttling may send it)."""
+    code, msg = error_code_and_message(answer, has_body=has_body)
     if code == "NoSuchBucket":
         return BucketNotFoundError(f"{what}: bucket does not exist")
     error = _client_error(what, code, answer.status, msg)
@@ -340,84 +382,6 @@ def _answer_error(what: str, answer: LeanResponse, *, has_body: bool) -> SourceE
     if isinstance(error, TransientSourceError) and retry_after is not None:
         return TransientSourceError(str(error), retry_after=retry_after)
     return error
-
-
-def _lean_body_reader(answer: LeanResponse, what: str, length: int) -> BodyReader:
-    """The reader of a checked ranged GET sent by the lean path: straight from the
-    ``http.client`` response; the connection goes back to the pool only after a clean read."""
-
-    def finish(reusable: bool) -> None:
-        if reusable:
-            answer.release()
-        else:
-            answer.discard()
-
-    return BodyReader(
-        answer.raw,
-        what,
-        length,
-        raw=http_client_response(answer.raw),
-        socket_owner=answer.raw,
-        on_close=finish,
-        length_known=answer.headers.get("Content-Length") is not None,
-        translate=_read_failure,
-        overrun=SourceError,
-    )
-
-
-class _Alarms:
-    """Callbacks run at deadlines by one daemon thread. The whole-object GET of every small
-    object is bounded in time (see ``_read_small_body``); a ``threading.Timer`` each would
-    start and stop one OS thread per file (~7% of the CPU of 1000 small files, measured). Each
-    S3 source has its own; the thread ends after ``idle`` seconds with nothing scheduled (the
-    agent makes a source per sync) and starts again with the next alarm."""
-
-    def __init__(self, idle: float = 30.0) -> None:
-        self._cond = threading.Condition()
-        self._heap: list[tuple[float, int, list[Callable[[], None] | None]]] = []
-        self._seq = 0
-        self._thread: threading.Thread | None = None
-        self._idle = idle
-
-    def schedule(self, delay: float, fn: Callable[[], None]) -> list[Callable[[], None] | None]:
-        """Run ``fn`` in ``delay`` seconds unless the returned handle is cancelled first."""
-        handle: list[Callable[[], None] | None] = [fn]
-        with self._cond:
-            self._seq += 1
-            heapq.heappush(self._heap, (time.monotonic() + delay, self._seq, handle))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="s3-alarms", daemon=True)
-                self._thread.start()
-            self._cond.notify()
-        return handle
-
-    @staticmethod
-    def cancel(handle: list[Callable[[], None] | None]) -> None:
-        handle[0] = None
-
-    @property
-    def running(self) -> bool:
-        with self._cond:
-            return self._thread is not None
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._heap or self._heap[0][0] > time.monotonic():
-                    if self._heap and self._heap[0][2][0] is None:
-                        heapq.heappop(self._heap)  # cancelled: forget it now
-                        continue
-                    if not self._heap:
-                        if not self._cond.wait(self._idle) and not self._heap:
-                            self._thread = None  # idle: the next schedule starts another
-                            return
-                        continue
-                    self._cond.wait(self._heap[0][0] - time.monotonic())
-                _, _, handle = heapq.heappop(self._heap)
-            fn = handle[0]
-            if fn is not None:
-                with contextlib.suppress(Exception):
-                    fn()
 
 
 class _BytesReader:
@@ -451,61 +415,125 @@ class S3Source:
         self._small_lock = threading.Lock()
         #: Seconds a whole-object GET of a small object (see SMALL_OBJECT) may take.
         self.small_get_limit = SMALL_GET_LIMIT
-        self._alarms = _Alarms()
-        #: Object GETs and HEADs without botocore's per-request machinery: the bucket's
-        #: DirectBucket when the listing was made without botocore (s3_direct), else set up
-        #: from the listing request botocore signed (s3_lean); None until the first listing,
-        #: or when neither can be.
-        self._lean_path: ObjectRequests | None = None
-        #: False: every request goes through botocore (for comparisons; see bench/).
-        self.lean_requests = True
+        #: Seconds one attempt at a listing page or a metadata object may take in all.
+        self.metadata_timeout = METADATA_TIMEOUT
+        self._alarms = Alarms(name="s3-alarms")
+        #: The bucket on the transport seam (addressing + a signer), set up by the first
+        #: listing; None until then, or when the seam cannot reproduce botocore's requests.
+        self._bucket: S3Bucket | None = None
+        #: Object requests through botocore's client (see ``_objects_for``).
+        self._botocore = BotocoreObjects(client, uri.location)
+        #: False: every request goes through botocore's client (for comparisons; see bench/).
+        self.signed_requests = True
 
-    def _call(self, what: str, fn: Any, **kwargs: Any) -> Any:
-        def once() -> Any:
+    def _call(self, what: str, fn: Any, *, bounded: bool = False, **kwargs: Any) -> Any:
+        """``fn(**kwargs)`` retried per the policy, its errors the package's; ``bounded``: each
+        attempt as a whole within ``metadata_timeout`` (a listing page or metadata object
+        trickled byte by byte resets the socket timeout at every byte)."""
+
+        def attempt() -> Any:
             try:
                 return fn(**kwargs)
             except PrefetchError:
                 raise  # already one of ours (e.g. a stalled small-object GET)
             except Exception as exc:
+                SCOPE.raise_if_aborted()  # a stop interrupted it: not a failure to retry
                 raise translate(exc, what) from exc
+
+        def once() -> Any:
+            if not bounded:
+                return attempt()
+            return call_with_deadline(
+                attempt, self.metadata_timeout, what=what, alarms=self._alarms
+            )
 
         return call_with_retries(once, self._retry, what=what)
 
-    def _lean_for(self, key: str) -> ObjectRequests | None:
-        """The lean path for requests about ``key`` (None: botocore's). A key with a dot
-        segment stays on botocore when the path is the direct one (see ``sends_as_signed``)."""
-        lean = self._lean_path
-        if isinstance(lean, DirectBucket) and not sends_as_signed(key):
-            return None
-        return lean
+    def _objects_for(self, key: str) -> S3Bucket | BotocoreObjects:
+        """Who sends requests about ``key``: the seam's bucket once a listing set it up, else
+        botocore's client (and for a key with a dot segment: see ``sends_as_signed``)."""
+        bucket = self._bucket
+        if bucket is None or not sends_as_signed(key):
+            return self._botocore
+        return bucket
 
     def list_page(self, what: str, **kwargs: Any) -> dict[str, Any]:
         """One ListObjectsV2 page of the bucket (botocore's arguments but Bucket, and answer
-        shape): without botocore when the client allows it (see LazyS3Client), else through
-        botocore, whose signed request then sets up the lean object path."""
+        shape): on the seam with static keys (see LazyS3Client), else through botocore, whose
+        signed request then sets up the seam's bucket with botocore's signer."""
         bucket = self._uri.location
         lister = self._client.direct_bucket(bucket) if self._lists_directly() else None
         if lister is not None:
-            page: dict[str, Any] = self._call(what, lister.list_objects_v2, Bucket=bucket, **kwargs)
-            if self.lean_requests and self._lean_path is None:
-                self._lean_path = lister  # its object requests need no botocore either
+            page: dict[str, Any] = self._call(
+                what, lister.list_objects_v2, bounded=True, Bucket=bucket, **kwargs
+            )
+            if self.signed_requests and self._bucket is None:
+                self._bucket = lister  # its object requests need no botocore either
             return page
         with capture_listing_requests(self._client) as sent:
-            page = self._call(what, self._client.list_objects_v2, Bucket=bucket, **kwargs)
-        if sent and self.lean_requests:
-            self._lean_path = lean_requests_for(self._client, sent[-1])
+            page = self._call(
+                what, self._client.list_objects_v2, bounded=True, Bucket=bucket, **kwargs
+            )
+        ca_certs = self._ca_bundle() if self.signed_requests and self._bucket is None else False
+        if ca_certs is not False and ca_certs is not True:
+            found = botocore_signed_endpoint(sent)
+            if found is not None:
+                endpoint, signer = found
+                http, timeout = self._seam_pool(ca_certs)
+                self._bucket = S3Bucket(
+                    bucket, base_url=lambda _region: endpoint.base_url, region=endpoint.region,
+                    signer=signer, http=http, timeout=timeout,
+                    on_error=lambda what, answer: answer_error(what, answer, has_body=True),
+                )  # fmt: skip
         return page
 
-    def ensure_lean_path(self) -> None:
-        """Set up the lean object path for a reader that lists nothing (the mirror source reads
+    def _ca_bundle(self) -> str | bool | None:
+        """The CA bundle botocore verifies TLS with (``AWS_CA_BUNDLE``, a profile's
+        ``ca_bundle``): None for the system's, False when the configuration cannot be read
+        (then botocore's client sends every request)."""
+        env = settings.aws_environ()
+        if env.get("AWS_CA_BUNDLE"):
+            return env["AWS_CA_BUNDLE"]
+        profile = getattr(self._client, "settings", {}).get("profile")
+        section = profile_section({**env, "AWS_PROFILE": profile} if profile else env)
+        if section is None:
+            return False
+        return section.get("ca_bundle") or None
+
+    def _seam_pool(self, ca_certs: str | None) -> tuple[HttpClient, urllib3.Timeout]:
+        """The seam's pool and timeouts for requests botocore's signer signs: the lazy
+        client's settings, or a client's own public configuration."""
+        if isinstance(self._client, LazyS3Client):
+            opts = self._client.settings
+            proxy = opts.get("proxy")
+            size = int(opts.get("max_pool_connections", 32))
+            timeout = self._client.timeout()
+        else:
+            config = getattr(getattr(self._client, "meta", None), "config", None)
+            # botocore's explicit proxies (make_s3_client always sets them; {} is "direct"),
+            # or None: the environment's, as botocore would read them
+            chosen = getattr(config, "proxies", None)
+            proxy = (
+                (chosen.get("https") or chosen.get("http") or "") if chosen is not None else None
+            )
+            size = int(getattr(config, "max_pool_connections", None) or 32)
+            timeout = urllib3.Timeout(
+                connect=float(getattr(config, "connect_timeout", None) or 10),
+                read=float(getattr(config, "read_timeout", None) or 60),
+            )
+        pool = shared_http_pool(size, settings.proxies(override=proxy), ca_certs=ca_certs)
+        return pool, timeout
+
+    def ensure_signed_path(self) -> None:
+        """Set up the seam's bucket for a reader that lists nothing (the mirror source reads
         its blobs by key): a listing of at most one key under the prefix tells where the bucket
         is and how to sign, as the model's listing would."""
-        if self.lean_requests and self._lean_path is None:
+        if self.signed_requests and self._bucket is None:
             where = f"s3://{self._uri.location}/{self._uri.path}"
             self.list_page(f"listing {where}", Prefix=self._uri.path, MaxKeys=1)
 
     def _lists_directly(self) -> bool:
-        return self.lean_requests and isinstance(self._client, LazyS3Client)
+        return self.signed_requests and isinstance(self._client, LazyS3Client)
 
     # -- resolve -----------------------------------------------------------------------------
 
@@ -562,48 +590,27 @@ class S3Source:
     def read_object(self, key: str, what: str, *, limit: int) -> bytes | None:
         """The whole body of the object ``key`` of the bucket (None: there is no such object),
         refused past ``limit`` bytes; retried like every S3 call. For metadata (a sidecar, a
-        mirror's refs and commits): on the lean path once it is set up, so a pull with static
-        keys reads them without botocore too."""
-        lean = self._lean_for(key)
+        mirror's refs and commits): on the seam once it is set up, so a pull with static keys
+        reads them without botocore too."""
+        objects = self._objects_for(key)
 
-        def over_limit() -> SourceError:
-            return SourceError(f"{what}: larger than {limit} bytes")
-
-        def read_lean() -> bytes | None:
-            assert lean is not None
-            answer = lean.send("GET", key, headers={})
+        def read() -> bytes | None:
+            answer = objects.send("GET", key, headers={})
             if answer.status >= 300:
                 if answer.status == 404:
-                    code, _ = answer.error_code_and_message(has_body=True)
+                    code, _ = error_code_and_message(answer, has_body=True)
                     if code != "NoSuchBucket":
                         return None
-                raise _answer_error(what, answer, has_body=True)
-            data: bytes = answer.raw.read(limit + 1)
+                    raise BucketNotFoundError(f"{what}: bucket does not exist")
+                raise answer_error(what, answer, has_body=True)
+            data = answer.read(limit + 1)
             if len(data) > limit:
                 answer.discard()
-                raise over_limit()
+                raise SourceError(f"{what}: larger than {limit} bytes")
             answer.release()
             return data
 
-        def read_botocore() -> bytes | None:
-            import botocore.exceptions as bce  # loaded with the client this read creates
-
-            try:
-                resp = self._client.get_object(Bucket=self._uri.location, Key=key)
-            except bce.ClientError as exc:
-                if str(exc.response.get("Error", {}).get("Code", "")) in _MISSING_KEY_CODES:
-                    return None
-                raise
-            body = resp["Body"]
-            try:
-                data: bytes = body.read(limit + 1)
-            finally:
-                body.close()
-            if len(data) > limit:
-                raise over_limit()
-            return data
-
-        found: bytes | None = self._call(what, read_lean if lean is not None else read_botocore)
+        found: bytes | None = self._call(what, read, bounded=True)
         return found
 
     def _apply_sidecar(self, sidecar: RemoteFile, files: list[RemoteFile]) -> list[RemoteFile]:
@@ -648,56 +655,32 @@ class S3Source:
                 raise
         bucket, key = self._uri.location, file.locator
         what = f"s3://{bucket}/{key}"
-        lean = self._lean_for(key)
-        if lean is not None:
-            head = self._call(
-                f"HEAD {what}", self._lean_head, lean=lean, key=key, label=f"HEAD {what}",
-                headers={"x-amz-checksum-mode": "ENABLED", **_if_match(file.version)},
-            )  # fmt: skip
-            return self._described(file, head, what)
         head = self._call(
-            f"HEAD {what}",
-            self._client.head_object,
-            Bucket=bucket,
-            Key=key,
-            ChecksumMode="ENABLED",
-            **({"IfMatch": file.version} if file.version else {}),
-        )
+            f"HEAD {what}", self._head, key=key, label=f"HEAD {what}",
+            headers={"x-amz-checksum-mode": "ENABLED", **_if_match(file.version)},
+        )  # fmt: skip
         return self._described(file, head, what)
 
-    def _lean_answer(
-        self,
-        lean: ObjectRequests,
-        method: str,
-        key: str,
-        what: str,
-        *,
-        headers: dict[str, str],
-        query: str = "",
-    ) -> LeanResponse:
-        """Send one request on the lean path; an error answer or a transport failure raises
-        the error botocore's path would."""
+    def _answer(
+        self, method: str, key: str, what: str, *, headers: dict[str, str], query: str = ""
+    ) -> Response:
+        """Send one object request; an error answer or a transport failure raises the
+        package's error (the same whoever sent it: the seam or botocore's client)."""
         try:
-            answer = lean.send(method, key, headers=headers, query=query)
+            answer = self._objects_for(key).send(method, key, headers=headers, query=query)
         except Exception as exc:
             raise translate(exc, what) from exc
         if answer.status >= 300:
-            raise _answer_error(what, answer, has_body=method != "HEAD")
+            raise answer_error(what, answer, has_body=method != "HEAD")
         return answer
 
-    def _lean_head(
-        self,
-        *,
-        lean: ObjectRequests,
-        key: str,
-        label: str,
-        headers: dict[str, str],
-        query: str = "",
+    def _head(
+        self, *, key: str, label: str, headers: dict[str, str], query: str = ""
     ) -> dict[str, Any]:
-        """A HEAD on the lean path, answered in botocore's shape (``label`` names it in errors)."""
-        answer = self._lean_answer(lean, "HEAD", key, label, headers=headers, query=query)
+        """A HEAD, answered in botocore's shape (``label`` names it in errors)."""
+        answer = self._answer("HEAD", key, label, headers=headers, query=query)
         answer.release()
-        return answer.fields()
+        return fields_of(answer)
 
     def _described(self, file: RemoteFile, head: dict[str, Any], what: str) -> RemoteFile:
         """``file`` with the checksums a HEAD (or whole-object GET) response states."""
@@ -743,28 +726,13 @@ class S3Source:
         bucket, key = self._uri.location, file.locator
         what = f"s3://{bucket}/{key}"
 
-        lean = self._lean_for(key)
-
         def get() -> tuple[dict[str, Any], bytes]:
-            if lean is not None:
-                answer = self._lean_answer(
-                    lean, "GET", key, f"GET {what}",
-                    headers={"x-amz-checksum-mode": "ENABLED", **_if_match(file.version)},
-                )  # fmt: skip
-                data = self._read_small_body(answer.raw, what, finish=answer.discard)
-                return answer.fields(), data
-            resp = self._client.get_object(
-                Bucket=bucket,
-                Key=key,
-                ChecksumMode="ENABLED",
-                **({"IfMatch": file.version} if file.version else {}),
-            )
-            body = resp["Body"]
-            # the raw bytes: botocore would check the checksum itself, and a mismatch must be
-            # found (and handled: delete, retry once) by Verify like for every other file
-            raw = getattr(body, "_raw_stream", None)
-            return resp, self._read_small_body(raw if raw is not None else body, what,
-                                               finish=body.close)  # fmt: skip
+            answer = self._answer(
+                "GET", key, f"GET {what}",
+                headers={"x-amz-checksum-mode": "ENABLED", **_if_match(file.version)},
+            )  # fmt: skip
+            data = self._read_small_body(answer, what)
+            return fields_of(answer), data
 
         resp, data = self._call(f"GET {what}", get)
         status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
@@ -779,29 +747,34 @@ class S3Source:
             self._small[(key, described.version)] = data
         return described
 
-    def _read_small_body(self, body: Any, what: str, *, finish: Callable[[], None]) -> bytes:
-        """The whole body of a small object's GET, then ``finish()``. A trickling server would
-        hold this read for ever (each byte resets the socket's read timeout), and the engine's
-        stall rule only watches ranged reads: so the read is bounded by ``small_get_limit``."""
-        fired = threading.Event()
-
-        def too_slow() -> None:
-            fired.set()
-            shutdown_socket_of(body)
-
-        cut = self._alarms.schedule(self.small_get_limit, too_slow)
+    def _read_small_body(self, answer: Response, what: str) -> bytes:
+        """The whole body of a small object's GET (then the connection is released). A
+        trickling server would hold this read for ever (each byte resets the socket's read
+        timeout), and the engine's stall rule only watches ranged reads: so the read is bounded
+        by ``small_get_limit``."""
+        body = answer.raw
+        watch = Watch(f"GET {what}")
+        watch.attach(lambda: shutdown_socket_of(body))
+        limit = self.small_get_limit
+        too_slow = TransientSourceError(
+            f"GET {what}: the body took longer than {limit:g}s (a stalled server)"
+        )
+        alarm = self._alarms.schedule(limit, lambda: watch.abort(too_slow))
+        clean = False
         try:
-            return bytes(body.read())
-        except Exception as exc:
-            if fired.is_set():
-                raise TransientSourceError(
-                    f"GET {what}: the body took longer than {self.small_get_limit:g}s "
-                    "(a stalled server)"
-                ) from exc
+            data = bytes(body.read()) if body is not None else b""
+            clean = True
+            return data
+        except Exception:
+            watch.raise_if_aborted()
             raise
         finally:
-            self._alarms.cancel(cut)
-            finish()
+            alarm.cancel()
+            watch.close()  # from here no abort: the connection may go back to the pool
+            if clean and not watch.aborted:
+                answer.release()
+            else:
+                answer.discard()
 
     def _reserve_small(self, size: int) -> bool:
         with self._small_lock:
@@ -827,16 +800,9 @@ class S3Source:
         when the sizes do not add up, HEAD every part."""
         what = f"HEAD s3://{bucket}/{key} part"
 
-        lean = self._lean_for(key)
-
         def part_size(n: int) -> int:
-            if lean is not None:
-                h = self._call(f"{what} {n}", self._lean_head, lean=lean, key=key,
-                               label=f"{what} {n}", headers={},
-                               query=f"partNumber={n}")  # fmt: skip
-            else:
-                h = self._call(f"{what} {n}", self._client.head_object, Bucket=bucket, Key=key,
-                               PartNumber=n)  # fmt: skip
+            h = self._call(f"{what} {n}", self._head, key=key, label=f"{what} {n}", headers={},
+                           query=f"partNumber={n}")  # fmt: skip
             return int(h["ContentLength"])
 
         try:
@@ -860,53 +826,21 @@ class S3Source:
             return _BytesReader(memoryview(small)[start:end])
         bucket, key = self._uri.location, file.locator
         what = f"s3://{bucket}/{key} bytes {start}-{end - 1}"
-        lean = self._lean_for(key)
-        if lean is not None:
-            return self._lean_open_range(lean, file, start, end, what)
-        kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{end - 1}"}
-        if file.version:
-            kwargs["IfMatch"] = file.version
-        try:
-            resp = self._client.get_object(**kwargs)
-        except Exception as exc:
-            raise translate(exc, what) from exc
-        etag = str(resp.get("ETag", "")).strip('"')
-        if file.version and etag and etag != file.version:
-            resp["Body"].close()
-            raise SourceChangedError(f"{what}: the object changed during the download")
-        problem = range_answer_problem(
-            start,
-            end,
-            file.size,
-            resp.get("ResponseMetadata", {}).get("HTTPStatusCode"),
-            resp.get("ContentRange"),
-            resp.get("ContentLength"),
-        )
-        if problem is not None:
-            resp["Body"].close()
-            raise SourceError(f"{what}: {problem}")
-        length = resp.get("ContentLength")
-        return _body_reader(resp["Body"], what, end - start, length_known=length is not None)
-
-    def _lean_open_range(
-        self, lean: ObjectRequests, file: RemoteFile, start: int, end: int, what: str
-    ) -> BodyReader:
-        """``open_range`` on the lean path: the same checks of the answer as botocore's path."""
         headers = {"Range": f"bytes={start}-{end - 1}", **_if_match(file.version)}
-        answer = self._lean_answer(lean, "GET", file.locator, what, headers=headers)
-        resp = answer.fields()
-        etag = str(resp.get("ETag", "")).strip('"')
+        answer = self._answer("GET", key, what, headers=headers)
+        etag = str(answer.headers.get("ETag") or "").strip('"')
         if file.version and etag and etag != file.version:
             answer.discard()
             raise SourceChangedError(f"{what}: the object changed during the download")
-        problem = range_answer_problem(
-            start, end, file.size, answer.status, resp.get("ContentRange"),
-            resp.get("ContentLength"),
-        )  # fmt: skip
-        if problem is not None:
+        try:
+            check_range_answer(
+                what, start, end, file.size, answer.status, answer.headers.get("Content-Range"),
+                answer.headers.get("Content-Length"),
+            )  # fmt: skip
+        except SourceChangedError:
             answer.discard()
-            raise SourceError(f"{what}: {problem}")
-        return _lean_body_reader(answer, what, end - start)
+            raise
+        return range_body_reader(answer, what, end - start, translate=_read_failure)
 
 
 def _part_layout_needed(head: dict[str, Any]) -> bool:

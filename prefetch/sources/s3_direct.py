@@ -9,8 +9,8 @@ every other), ListObjectsV2 and the object GETs and HEADs are signed here (SigV4
 ``hashlib``/``hmac``), sent on the shared urllib3 pool (with the source's proxy), and the
 listing's XML parsed with ``xml.etree``. Anything else (a profile, IRSA, IMDS, a CA bundle,
 FIPS or dual-stack endpoints, an access point ARN...) leaves :func:`direct_settings` returning
-None, and the caller uses botocore as before (with the lean object path of
-:mod:`prefetch.sources.s3_lean`). The botocore client is only created when something needs it,
+None, and botocore lists (and signs the object requests: :mod:`prefetch.sources.s3_botocore`).
+The botocore client is only created when something needs it,
 see ``LazyS3Client`` in s3.py.
 
 Addressing is the one botocore uses for the same settings where it matters: a custom endpoint
@@ -30,11 +30,11 @@ import re
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import SplitResult, quote, unquote_plus, urlsplit
 
 from prefetch import __version__, settings
-from prefetch.sources.s3_lean import LeanResponse
+from prefetch.sources._http import HttpClient, Response, send
 
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 _USER_AGENT = f"model-prefetch/{__version__}"
@@ -147,6 +147,33 @@ def _host_header(parts: SplitResult) -> str:
     return host if parts.port in (None, default) else f"{host}:{parts.port}"
 
 
+class Signer(Protocol):
+    """Signs one bodyless S3 request: the headers to send with it (``headers`` included)."""
+
+    def sign(
+        self, method: str, url: str, region: str, headers: Mapping[str, str]
+    ) -> dict[str, str]: ...
+
+
+class StaticKeySigner:
+    """Static keys, signed here (:func:`sign_v4`): no botocore import."""
+
+    def __init__(
+        self,
+        credentials: StaticCredentials,
+        *,
+        clock: Callable[[], datetime.datetime] | None = None,
+    ) -> None:
+        self.credentials = credentials
+        self._clock = clock  # tests: a fixed time (None: now)
+
+    def sign(
+        self, method: str, url: str, region: str, headers: Mapping[str, str]
+    ) -> dict[str, str]:
+        now = self._clock() if self._clock is not None else None
+        return sign_v4(method, url, self.credentials, region, now=now, headers=headers)
+
+
 def bucket_base_url(bucket: str, endpoint_url: str | None, region: str) -> str:
     """Where the bucket's keys are (ends with '/'): see the module docstring."""
     if endpoint_url:
@@ -198,33 +225,53 @@ def parse_list_page(body: bytes) -> dict[str, Any]:
     return page
 
 
-class DirectBucket:
-    """One bucket's ``list_objects_v2`` and object requests (GET, HEAD), signed here (see the
-    module docstring). :meth:`send` is the object path ``S3Source`` also takes through botocore's
-    credentials (``s3_lean.LeanS3.send``): the same arguments, the same answer."""
+class S3Bucket:
+    """One bucket's ``list_objects_v2`` and object requests (GET, HEAD): S3 as addressing (where
+    a key is: ``base_url(region)``) plus a :class:`Signer`, sent on the transport seam. The
+    signer is static keys (:class:`StaticKeySigner`) or botocore's credential chain
+    (``s3_botocore.BotocoreSigner``): the same requests, the same answers."""
 
     def __init__(
         self,
         bucket: str,
         *,
-        endpoint_url: str | None,
+        base_url: Callable[[str], str],
         region: str,
-        credentials: StaticCredentials,
-        http: Any,
+        signer: Signer,
+        http: HttpClient,
         timeout: Any = None,
-        on_error: Callable[[str, LeanResponse], Exception],
+        on_error: Callable[[str, Response], Exception],
     ) -> None:
         self.bucket = bucket
-        self.endpoint_url = endpoint_url
         self.region = region
-        self._credentials = credentials
+        self._base_url = base_url
+        self._signer = signer
         self._http = http
         self._timeout = timeout
         self._on_error = on_error
 
+    @classmethod
+    def static(
+        cls,
+        bucket: str,
+        *,
+        endpoint_url: str | None,
+        region: str,
+        credentials: StaticCredentials,
+        http: HttpClient,
+        timeout: Any = None,
+        on_error: Callable[[str, Response], Exception],
+    ) -> S3Bucket:
+        """The bucket addressed as botocore would for these settings, signed with static keys."""
+        return cls(
+            bucket, base_url=lambda region: bucket_base_url(bucket, endpoint_url, region),
+            region=region, signer=StaticKeySigner(credentials), http=http, timeout=timeout,
+            on_error=on_error,
+        )  # fmt: skip
+
     @property
     def base_url(self) -> str:
-        return bucket_base_url(self.bucket, self.endpoint_url, self.region)
+        return self._base_url(self.region)
 
     def list_objects_v2(
         self,
@@ -250,27 +297,27 @@ class DirectBucket:
         if answer.status in _REDIRECT_STATUSES:
             moved = answer.headers.get("x-amz-bucket-region")
             if moved and moved != self.region and _REGION.match(moved):
-                _drain(answer.raw)
+                _drain(answer)
                 self.region = moved  # the bucket's region, for every later request too
                 answer = self._send(query)
         if answer.status != 200:
             raise self._on_error(f"listing s3://{self.bucket}/{Prefix}", answer)
         try:
-            body = answer.raw.read(MAX_PAGE_BYTES + 1)
+            body = answer.read(MAX_PAGE_BYTES + 1)
         finally:
-            answer.raw.release_conn()
+            answer.release()
         if len(body) > MAX_PAGE_BYTES:
             raise ValueError(f"a listing page larger than {MAX_PAGE_BYTES} bytes")
         return parse_list_page(body)
 
-    def _send(self, query: str) -> LeanResponse:
+    def _send(self, query: str) -> Response:
         base = self.base_url
         path_only = base[:-1] if base.endswith("/") and urlsplit(base).path != "/" else base
         return self._request("GET", f"{path_only}?{query}", {})
 
     def send(
         self, method: str, key: str, *, headers: Mapping[str, str], query: str = ""
-    ) -> LeanResponse:
+    ) -> Response:
         """One signed request for the object ``key`` (``query``: already encoded, e.g.
         ``partNumber=1``). Transport failures raise urllib3's errors. A key with a "." or ".."
         segment is refused (ValueError): urllib3 would normalize its path and send another
@@ -280,14 +327,10 @@ class DirectBucket:
         url = self.base_url + _uri_encode(key, keep_slash=True)
         return self._request(method, f"{url}?{query}" if query else url, headers)
 
-    def _request(self, method: str, url: str, headers: Mapping[str, str]) -> LeanResponse:
-        signed = sign_v4(method, url, self._credentials, self.region, headers=headers)
+    def _request(self, method: str, url: str, headers: Mapping[str, str]) -> Response:
+        signed = self._signer.sign(method, url, self.region, headers)
         signed["user-agent"] = _USER_AGENT
-        kwargs: dict[str, Any] = {"headers": signed, "preload_content": False, "redirect": False}
-        if self._timeout is not None:
-            kwargs["timeout"] = self._timeout
-        resp = self._http.request(method, url, **kwargs)
-        return LeanResponse(int(resp.status), resp.headers, resp)
+        return send(self._http, method, url, headers=signed, timeout=self._timeout)
 
 
 def sends_as_signed(key: str) -> bool:
@@ -297,11 +340,11 @@ def sends_as_signed(key: str) -> bool:
     return not any(segment in (".", "..") for segment in key.split("/"))
 
 
-def _drain(raw: Any) -> None:
+def _drain(answer: Response) -> None:
     try:
-        raw.read(64 * 1024)
+        answer.read(64 * 1024)
     finally:
-        raw.release_conn()
+        answer.release()
 
 
 @dataclass(frozen=True)
@@ -334,7 +377,7 @@ def direct_settings(
     credentials = credentials or env_credentials(env)
     if credentials is None:
         return None
-    profile = _profile_section(env)
+    profile = profile_section(env)
     if profile is None:
         return None
     if any(key in profile for key in _BOTOCORE_ONLY_PROFILE_KEYS):
@@ -349,7 +392,7 @@ def direct_settings(
     return DirectSettings(credentials, chosen, endpoint)
 
 
-def _profile_section(env: Mapping[str, str]) -> dict[str, str] | None:
+def profile_section(env: Mapping[str, str]) -> dict[str, str] | None:
     """The config file's section of the active profile ({} when there is no file, or no such
     section for the default profile); None when botocore would fail or must decide (a named
     profile that is not there, a file that does not parse)."""

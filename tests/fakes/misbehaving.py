@@ -53,6 +53,12 @@ class Misbehaviour:
     trickle: tuple[int, float] | None = None
     #: Send this many bytes of the body, then nothing (the connection stays open).
     stall_after: int | None = None
+    #: Send nothing at all, not even the status line (the connection stays open).
+    no_headers: bool = False
+    #: Apply only to GETs whose range starts at or after this byte.
+    from_byte: int = 0
+    #: Apply to HEADs instead of GETs (only ``no_headers`` means anything there).
+    head: bool = False
     key: str | None = None
     count: int | None = None
 
@@ -111,10 +117,14 @@ class MisbehavingS3:
             "AWS_DEFAULT_REGION": "us-east-1",
         }
 
-    def _take_rule(self, key: str) -> Misbehaviour | None:
+    def _take_rule(self, key: str, start: int = 0, *, head: bool = False) -> Misbehaviour | None:
         with self._lock:
             for rule in self._rules:
                 if rule.key is not None and rule.key != key:
+                    continue
+                if rule.head != head:
+                    continue
+                if start < rule.from_byte:
                     continue
                 if rule.count is not None:
                     rule.count -= 1
@@ -201,14 +211,23 @@ def _handler_for(s3: MisbehavingS3) -> type[BaseHTTPRequestHandler]:
                 return
             headers = {"ETag": f'"{obj.etag}"', "Last-Modified": "Thu, 01 Jan 2026 00:00:00 GMT"}
             if head:
+                rule = s3._take_rule(key, head=True)
+                if rule is not None and rule.no_headers:
+                    self.close_connection = True
+                    self._hold()
+                    return
                 self._send(200, {**headers, "Content-Length": str(len(obj.data))}, b"", head=True)
                 return
             self._get(obj, key, headers)
 
         def _get(self, obj: _Object, key: str, headers: dict[str, str]) -> None:
             size = len(obj.data)
-            rule = s3._take_rule(key) or Misbehaviour()
             asked = _parse_range(self.headers.get("Range"), size)
+            rule = s3._take_rule(key, asked[0] if asked else 0) or Misbehaviour()
+            if rule.no_headers:
+                self.close_connection = True
+                self._hold()
+                return
             if asked is None or rule.ignore_range:
                 status, start, end = 200, 0, size
             else:
@@ -285,3 +304,40 @@ def _parse_range(value: str | None, size: int) -> tuple[int, int] | None:
     start = int(first)
     end = min(int(last) + 1, size) if last.isdigit() else size
     return (start, end) if start < end else None
+
+
+class SilentServer:
+    """A loopback server that accepts connections, reads what is sent, and never answers (not
+    even a status line) until it stops: a client waits for response headers for ever."""
+
+    def __init__(self) -> None:
+        import socket
+
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.2)
+        self.port = self._listener.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.accepted = 0
+        self._closing = threading.Event()
+        self._conns: list[Any] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+
+    def _accept(self) -> None:
+        while not self._closing.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                continue
+            self.accepted += 1
+            self._conns.append(conn)
+
+    def __enter__(self) -> SilentServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._closing.set()
+        self._thread.join()
+        for conn in self._conns:
+            conn.close()
+        self._listener.close()

@@ -1,11 +1,11 @@
-"""The S3 source's lean object requests (prefetch/sources/s3_lean.py): signed like botocore
-signs, addressed where botocore addresses, credentials as fresh as botocore's, errors the same."""
+"""The S3 source's object requests with botocore's credential chain (sources/s3_botocore.py:
+botocore's public signer on the transport seam): signed like botocore signs, addressed where
+botocore addresses, credentials as fresh as botocore's, errors the same."""
 
 from __future__ import annotations
 
 import datetime
 import os
-import time
 from typing import Any
 
 import boto3
@@ -19,7 +19,7 @@ from prefetch.errors import AccessDeniedError, SourceChangedError
 from prefetch.locals3 import REGION
 from prefetch.snapshot import RemoteFile
 from prefetch.sources.s3 import S3Source
-from prefetch.sources.s3_lean import capture_listing_requests, endpoint_of_listing
+from prefetch.sources.s3_botocore import capture_listing_requests, endpoint_of_listing
 from prefetch.spec import ModelSpec, parse_source_uri
 
 from .support import pull_s3 as pull
@@ -63,7 +63,7 @@ def _botocore_urls(region: str, key: str, **client_kwargs: Any) -> tuple[Any, st
     with capture_listing_requests(client) as listings:
         client.list_objects_v2(Bucket="bkt", Prefix="m/")
     client.get_object(Bucket="bkt", Key=key)
-    return listings[-1], sent[-1].url
+    return listings.requests[-1], sent[-1].url
 
 
 @pytest.mark.parametrize(
@@ -158,7 +158,7 @@ class _RotatingProvider(CredentialProvider):
         return RefreshableCredentials.create_from_metadata(self._fresh(), self._fresh, self.METHOD)
 
 
-def test_lean_requests_use_credentials_as_refreshed_at_each_request(s3_server, s3_client, bucket):
+def test_signed_requests_use_credentials_as_refreshed_at_each_request(s3_server, s3_client, bucket):
     data = os.urandom(5000)
     put(s3_client, bucket, "m/a.bin", data)
     provider = _RotatingProvider(s3_server.access_key, s3_server.secret_key)
@@ -208,26 +208,3 @@ def test_an_object_deleted_after_the_listing_is_a_changed_source(s3_client, buck
         with pytest.raises(SourceChangedError, match=r"disappeared|changed"):
             source.describe(listed[path])
     assert calls == []
-
-
-def test_the_small_get_alarms_run_on_time_skip_cancelled_ones_and_end_their_thread_when_idle():
-    """One alarm thread per S3 source bounds its small GETs; an agent makes a source per sync,
-    so the thread must not outlive its work (it ends when idle and starts again when needed)."""
-    import threading
-
-    from prefetch.sources.s3 import _Alarms
-
-    alarms = _Alarms(idle=0.2)
-    fired = threading.Event()
-    cancelled = threading.Event()
-    handle = alarms.schedule(0.05, cancelled.set)
-    alarms.cancel(handle)
-    alarms.schedule(0.1, fired.set)
-    assert fired.wait(5) and not cancelled.is_set()
-    deadline = time.monotonic() + 5
-    while alarms.running and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not alarms.running
-    again = threading.Event()
-    alarms.schedule(0.0, again.set)
-    assert again.wait(5)
