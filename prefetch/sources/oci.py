@@ -36,7 +36,6 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 import urllib3
@@ -54,17 +53,19 @@ from prefetch.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.sources import oci_manifest as om
 from prefetch.sources import oci_tar
 from prefetch.sources._http import (
-    BodyReader,
     HttpClient,
-    discard,
-    http_client_response,
+    Response,
+    check_range_answer,
+    origin_of,
+    range_body_reader,
     redact_url,
     release_small_body,
+    send,
     shared_http_pool,
     status_error,
     transport_error,
 )
-from prefetch.sources.base import RangeReader, Source, range_answer_problem
+from prefetch.sources.base import RangeReader, Source
 from prefetch.sources.oci_auth import RegistryAuth
 from prefetch.spec import ModelSpec, SourceURI
 
@@ -91,12 +92,6 @@ def registry_base(registry: str, plain_http: tuple[str, ...] = ()) -> str:
     return f"{'http' if plain else 'https'}://{registry}"
 
 
-def _origin(url: str) -> tuple[str, str, int]:
-    parts = urlsplit(url)
-    scheme = parts.scheme.lower()
-    return scheme, (parts.hostname or "").lower(), parts.port or (443 if scheme == "https" else 80)
-
-
 class OciSource:
     """One repository of one registry (``uri``: ``oci://registry/repo[:tag|@digest]``)."""
 
@@ -116,7 +111,7 @@ class OciSource:
         #: a mirror's ``?ns=<origin registry>`` (what containerd sends a mirror: Spegel needs it)
         self._query = f"?ns={namespace}" if namespace else ""
         self._base = registry_base(uri.location, plain_http)
-        self._origin = _origin(self._base)
+        self._origin = origin_of(self._base)
         self._http = http
         self._auth = auth or RegistryAuth(uri.location, http)
         self._retry = retry or RetryPolicy()
@@ -137,32 +132,31 @@ class OciSource:
 
     # -- requests --------------------------------------------------------------------------------
 
-    def _send(self, url: str, headers: Mapping[str, str], what: str) -> Any:
-        """GET ``url`` (no redirects followed), with the registry's authorization on its own
-        origin; a 401 there is answered (token or login) once and the request sent again."""
+    def _send(self, url: str, headers: Mapping[str, str], what: str) -> Response:
+        """GET ``url`` on the seam (no redirects followed), the registry's authorization sent
+        only to its own origin; a 401 there is answered (token or login) once and the request
+        sent again (an expired token mid-pull)."""
         for attempt in (1, 2):
-            sent = dict(headers, **{"User-Agent": USER_AGENT})
-            own = _origin(url) == self._origin
-            auth = self._auth.header(self._scope) if own else None
-            if auth is not None:
-                sent["Authorization"] = auth
+            auth = self._auth.header(self._scope)
             try:
-                resp = self._http.request(
-                    "GET", url, headers=sent, redirect=False, retries=False,
-                    preload_content=False, decode_content=False, timeout=self._timeout,
+                answer = send(
+                    self._http, "GET", url, headers={**headers, "User-Agent": USER_AGENT},
+                    timeout=self._timeout,
+                    credentials={"Authorization": auth} if auth is not None else None,
+                    credentials_origin=self._base,
                 )  # fmt: skip
             except Exception as exc:
                 raise transport_error(exc, what) from exc
-            if resp.status == 401 and own and attempt == 1:
-                challenge = resp.headers.get("WWW-Authenticate")
-                release_small_body(resp)
+            if answer.status == 401 and origin_of(url) == self._origin and attempt == 1:
+                challenge = answer.headers.get("WWW-Authenticate")
+                release_small_body(answer.raw)
                 self._auth.forget(self._scope)
                 self._auth.answer(challenge, self._scope, what)
                 continue
-            return resp
+            return answer
         raise AssertionError("unreachable")
 
-    def _get(self, path: str, headers: Mapping[str, str], what: str) -> tuple[Any, str]:
+    def _get(self, path: str, headers: Mapping[str, str], what: str) -> tuple[Response, str]:
         """GET ``/v2/<repo>/<path>``, following redirects (the headers sent again, the
         authorization only to the registry); the answer and the URL that gave it."""
         url = f"{self._base}/v2/{self._repo}/{path}{self._query}"
@@ -171,7 +165,7 @@ class OciSource:
             if resp.status not in _REDIRECTS:
                 return resp, url
             location = resp.headers.get("Location")
-            release_small_body(resp)
+            release_small_body(resp.raw)
             if not location:
                 raise SourceError(f"{what}: a redirect without a Location from {redact_url(url)}")
             target = urljoin(url, str(location))
@@ -180,10 +174,10 @@ class OciSource:
             url = target
         raise SourceError(f"{what}: more than {_MAX_REDIRECTS} redirects")
 
-    def _refusal(self, resp: Any, url: str, what: str) -> SourceError:
-        status = int(resp.status)
+    def _refusal(self, resp: Response, url: str, what: str) -> SourceError:
+        status = resp.status
         detail = _error_detail(resp)
-        discard(resp)
+        resp.discard()
         return status_error(
             status, f"{what}: HTTP {status} from {redact_url(url)}{detail}",
             retry_after=resp.headers.get("Retry-After"),
@@ -202,7 +196,7 @@ class OciSource:
     def _fetch_manifest(self, reference: str, what: str) -> tuple[bytes, str, str | None]:
         resp, url = self._get(f"manifests/{reference}", {"Accept": om.ACCEPT}, what)
         if resp.status == 404:
-            discard(resp)
+            resp.discard()
             raise RevisionNotFoundError(f"{what}: not found in {redact_url(url)}")
         if resp.status != 200:
             raise self._refusal(resp, url, what)
@@ -211,7 +205,7 @@ class OciSource:
         except Exception as exc:
             raise transport_error(exc, what) from exc
         finally:
-            discard(resp)
+            resp.discard()
         if len(data) > om.MAX_MANIFEST_BYTES:
             raise InvalidListingError(f"{what}: larger than {om.MAX_MANIFEST_BYTES} bytes")
         stated = (resp.headers.get("Docker-Content-Digest") or "").strip() or None
@@ -344,17 +338,17 @@ class OciSource:
             raise self._refusal(resp, url, what)
         stated = (resp.headers.get("Docker-Content-Digest") or "").strip()
         if stated and stated != layer.digest:
-            discard(resp)
+            resp.discard()
             raise SourceChangedError(f"{what}: the registry served blob {stated}")
         try:
             return oci_tar.unpack_layer(
-                resp, kind=layer.archive or "tar", size=layer.size, digest_hex=layer.hex,
+                resp.raw, kind=layer.archive or "tar", size=layer.size, digest_hex=layer.hex,
                 staging=root, what=what, max_unpacked=max(64 * layer.size, 1 << 30),
             )  # fmt: skip
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise transport_error(exc, what) from exc
         finally:
-            discard(resp)
+            resp.discard()
 
     def _staging_root(self) -> Path:
         if self._staging is None:
@@ -389,28 +383,19 @@ class OciSource:
         h = resp.headers
         stated = (h.get("Docker-Content-Digest") or "").strip()
         if stated and stated != file.locator:
-            discard(resp)
+            resp.discard()
             raise SourceChangedError(f"{what}: the registry served blob {stated}")
         length = h.get("Content-Length")
-        problem = range_answer_problem(
-            start, end, file.size, resp.status, h.get("Content-Range"), length
-        )
-        if problem is not None and _whole_blob(resp.status, start, end, file.size, length):
-            problem = None  # the Range ignored, but the range asked for was the whole blob
-        if problem is not None:
-            discard(resp)
-            raise SourceChangedError(f"{what}: {problem}")
-
-        def finish(reusable: bool) -> None:
-            if reusable:
-                resp.release_conn()
-            else:
-                discard(resp)
-
-        return BodyReader(
-            resp, what, end - start, raw=http_client_response(resp), socket_owner=resp,
-            on_close=finish, length_known=length is not None,
-        )  # fmt: skip
+        if not _whole_blob(resp.status, start, end, file.size, length):
+            # the range asked for was not the whole blob: the answer must be exactly it
+            try:
+                check_range_answer(
+                    what, start, end, file.size, resp.status, h.get("Content-Range"), length
+                )
+            except SourceChangedError:
+                resp.discard()
+                raise
+        return range_body_reader(resp, what, end - start)
 
 
 def _whole_blob(status: int, start: int, end: int, size: int, length: str | None) -> bool:
@@ -418,7 +403,7 @@ def _whole_blob(status: int, start: int, end: int, size: int, length: str | None
     return status == 200 and start == 0 and end == size and (length is None or length == str(size))
 
 
-def _error_detail(resp: Any) -> str:
+def _error_detail(resp: Response) -> str:
     """The registry's own error code (``{"errors":[{"code":"DENIED",...}]}``), if any."""
     try:
         body = resp.read(16 * 1024)
