@@ -327,3 +327,16 @@ def test_an_artifact_pushed_by_skopeo_is_pulled_into_the_hf_layout(registry, tmp
     snap = snapshot_download("acme/skopeo", cache_dir=home / "hub", local_files_only=True)
     for path, data in FILES.items():
         assert Path(snap, path).read_bytes() == data
+
+
+def test_a_range_past_the_end_is_clamped_to_the_descriptor_size(registry, pusher):
+    pusher.modelpack("models/clamp", "v1", {"w.bin": b"0123456789"})
+    spec = ModelSpec(source=parse_source_uri(f"oci://{registry.host}/models/clamp:v1"))
+    source = open_source(spec).source
+    (file,) = source.resolve(spec).files
+    reader = source.open_range(file, 4, file.size + 1000)  # a registry would answer 416
+    buf = bytearray(64)
+    n = reader.readinto(memoryview(buf))
+    assert reader.readinto(memoryview(buf)[n:]) == 0
+    reader.close()
+    assert bytes(buf[:n]) == b"456789"
