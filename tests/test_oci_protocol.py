@@ -238,3 +238,23 @@ def test_kill_9_mid_pull_then_resume_fetches_only_what_was_in_flight(registry, t
         assert (dest / "model.safetensors").read_bytes() == big["model.safetensors"]
     finally:
         proxy.stop()
+
+
+def test_ecr_hosts_get_a_login_from_the_aws_credential_chain():
+    import boto3
+    from botocore.stub import Stubber
+
+    from prefetch.sources.oci_auth import ecr_credentials, ecr_region
+
+    host = "123456789012.dkr.ecr.eu-west-1.amazonaws.com"
+    assert ecr_region(host) == "eu-west-1"
+    assert ecr_region("ghcr.io") is None and ecr_credentials("ghcr.io") is None
+    client = boto3.client("ecr", region_name="eu-west-1", aws_access_key_id="a",
+                          aws_secret_access_key="b")  # fmt: skip
+    with Stubber(client) as stub:
+        token = base64.b64encode(b"AWS:ecr-password").decode()
+        stub.add_response("get_authorization_token", {"authorizationData": [
+            {"authorizationToken": token, "proxyEndpoint": f"https://{host}"}]})  # fmt: skip
+        creds = ecr_credentials(host, client)
+    assert creds is not None and (creds.username, creds.secret) == ("AWS", "ecr-password")
+    assert "ecr-password" not in repr(creds)

@@ -5,6 +5,8 @@
   the host, then ``auths`` (base64 ``auth`` = ``user:password``, or an ``identitytoken``), then
   the ``credsStore`` helper. A helper is the binary ``docker-credential-<name>`` (``get``, the
   host on stdin, JSON on stdout), run only when present and bounded in time.
+* :func:`ecr_credentials`: for an ECR host with nothing in the docker config, a login from the
+  AWS credential chain (``ecr:GetAuthorizationToken``), as the ECR credential helper does.
 * :class:`RegistryAuth`: the ``Authorization`` header for a repository, and what to do about a
   401's ``WWW-Authenticate``: ``Basic`` (send the credentials) or ``Bearer realm=,service=,
   scope=`` (GET a token from the realm, anonymously or with the credentials, bounded in time;
@@ -26,6 +28,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 import urllib3
@@ -151,6 +154,38 @@ def helper_credentials(helper: str, registry: str) -> Credentials | None:
     return Credentials(user, secret)
 
 
+_ECR_HOST = re.compile(r"^(\d{12})\.dkr\.ecr(?:-fips)?\.([a-z0-9-]+)\.amazonaws\.com(?:\.cn)?$")
+
+
+def ecr_region(registry: str) -> str | None:
+    """The AWS region of an ECR registry host (``<account>.dkr.ecr.<region>.amazonaws.com``)."""
+    m = _ECR_HOST.match(registry.split(":", 1)[0].lower())
+    return m.group(2) if m else None
+
+
+def ecr_credentials(registry: str, client: Any = None) -> Credentials | None:
+    """ECR's credentials from the AWS credential chain (``GetAuthorizationToken``: base64 of
+    ``AWS:<password>``, valid 12 hours); None for a host that is not ECR. ``client``: an ECR
+    client (tests pass a stubbed one), else one made with botocore's default chain."""
+    region = ecr_region(registry)
+    if region is None:
+        return None
+    if client is None:
+        import boto3
+
+        client = boto3.client("ecr", region_name=region)
+    try:
+        answer = client.get_authorization_token()
+        token = answer["authorizationData"][0]["authorizationToken"]
+        user, _, secret = base64.b64decode(token).decode().partition(":")
+    except Exception as exc:
+        raise AccessDeniedError(
+            f"{registry}: ECR GetAuthorizationToken failed: {type(exc).__name__}: {exc}",
+            hint="AWS credentials with ecr:GetAuthorizationToken (the node role, or AWS_PROFILE)",
+        ) from exc
+    return Credentials(user, secret)
+
+
 def parse_challenge(header: str) -> tuple[str, dict[str, str]]:
     """``Bearer realm="...",service="..."`` as ("bearer", {realm:..., service:...})."""
     scheme, _, rest = header.strip().partition(" ")
@@ -184,7 +219,8 @@ class RegistryAuth:
 
     def _creds(self) -> Credentials | None:
         if self._credentials is None:
-            self._credentials = docker_credentials(self._registry) or False
+            found = docker_credentials(self._registry) or ecr_credentials(self._registry)
+            self._credentials = found or False
         return self._credentials if isinstance(self._credentials, Credentials) else None
 
     def header(self, scope: str) -> str | None:
@@ -288,6 +324,8 @@ __all__ = [
     "RegistryAuth",
     "docker_config_path",
     "docker_credentials",
+    "ecr_credentials",
+    "ecr_region",
     "helper_credentials",
     "parse_challenge",
 ]
