@@ -460,7 +460,7 @@ def open_oci_source(
     http: HttpClient | None = None,
     pool_size: int = 32,
     retry: RetryPolicy | None = None,
-    token_timeout: float = 30.0,
+    token_timeout: float = 10.0,
 ) -> OciSource | OciMirrors:
     """The OciSource for ``spec`` (an ``oci://`` URI), on the shared pool unless given one."""
     from prefetch import settings

@@ -206,7 +206,7 @@ class RegistryAuth:
         http: HttpClient,
         *,
         credentials: Credentials | bool | None = None,
-        timeout: float = 30.0,
+        timeout: float = 10.0,
     ) -> None:
         self._registry = registry
         self._http = http
@@ -284,7 +284,7 @@ class RegistryAuth:
             ).encode()  # fmt: skip
             headers["Content-Type"] = "application/x-www-form-urlencoded"
             url = realm
-        where = f"{what}: token from {redact_url(realm)}"
+        where = f"{what}: the token service ({redact_url(realm)})"
         try:
             resp = self._http.request(
                 method, url, headers=headers, body=body, redirect=False, retries=False,
