@@ -78,6 +78,11 @@ class Registry:
             time.sleep(0.05)
         raise RuntimeError("docker-registry did not start")
 
+    @property
+    def pid(self) -> int:
+        assert self._proc is not None
+        return self._proc.pid
+
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()
