@@ -11,7 +11,7 @@ from it by each tool in alternation (A B C, A B C, ...), each run into a fresh d
 * ``skopeo``: ``skopeo copy --src-tls-verify=false docker://... dir:DEST`` (blobs named by digest,
   checked by skopeo as it copies);
 * ``oras``: ``oras pull 127.0.0.1:PORT/bench/model:v1 -o DEST --plain-http`` (the Go CLI) if on
-  PATH.
+  PATH; ``oras-py``: PyPI ``oras``'s ``OrasClient.pull`` with ``--oras-python`` (no CLI).
 
 Measured with bench/harness.py like bench/run.py: wall seconds, CPU seconds (user+sys of the
 process tree), peak RSS of the tree, the registry's CPU meanwhile. Before each run the destination
@@ -40,8 +40,15 @@ from harness import Cache, MiB, count_bytes, mb_s, run_measured, say  # noqa: E4
 from prefetch.units import parse_size  # noqa: E402
 from tests.fakes.registry import Pusher, Registry  # noqa: E402
 
+#: oras-py (PyPI ``oras``) has no CLI: its client's ``pull``, run by a Python that has it.
+ORAS_PY = (
+    "import sys, oras.client; "
+    "oras.client.OrasClient(hostname=sys.argv[1], insecure=True)"
+    ".pull(target=sys.argv[2], outdir=sys.argv[3])"
+)
 
-def tools(host: str, dest: Path) -> dict[str, list[str]]:
+
+def tools(host: str, dest: Path, oras_python: str | None) -> dict[str, list[str]]:
     ref = f"{host}/bench/model:v1"
     found = {
         "prefetch": [sys.executable, "-m", "prefetch.cli", "pull", f"oci://{ref}", str(dest),
@@ -49,6 +56,8 @@ def tools(host: str, dest: Path) -> dict[str, list[str]]:
         "skopeo": ["skopeo", "copy", "--src-tls-verify=false", f"docker://{ref}", f"dir:{dest}"],
         "oras": ["oras", "pull", "--plain-http", ref, "-o", str(dest)],
     }  # fmt: skip
+    if oras_python:
+        found["oras-py"] = [oras_python, "-c", ORAS_PY, host, ref, str(dest)]
     return {name: argv for name, argv in found.items() if shutil.which(argv[0])}
 
 
@@ -59,6 +68,8 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--no-drop-caches", action="store_true")
     p.add_argument("--quiet-wait", type=float, default=30.0)
+    p.add_argument("--oras-python", default=None,
+                   help="a Python with PyPI oras installed (e.g. a venv's bin/python)")  # fmt: skip
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-oci-"))
     registry = Registry(work / "registry")
@@ -71,7 +82,7 @@ def main() -> int:
         total = sum(len(v) for v in files.values())
         del files
         dest = work / "dest"
-        rows = tools(registry.host, dest)
+        rows = tools(registry.host, dest, args.oras_python)
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         cache = Cache(not args.no_drop_caches, [], env, args.quiet_wait)
         say(f"{total / MiB:.0f} MiB in {args.shards + 1} layers; {cache.note}; tools: {list(rows)}")
