@@ -313,8 +313,8 @@ def hub_options(fn: F) -> F:
                      "DEST/hub/; plain: files at DEST/<path>. [default: hf for hf:// sources and "
                      "--hf-repo, plain otherwise]"),
         click.option("--hf-repo", default=None,
-                     help="S3 sources: publish in the Hugging Face layout under this repo id "
-                     "(org/name), so vLLM finds it offline."),
+                     help="S3 and OCI sources: publish in the Hugging Face layout under this "
+                     "repo id (org/name), so vLLM finds it offline."),
         click.option("--hf-revision", default=None,
                      help="With --hf-repo: the 40-hex commit id to publish under "
                      "[default: a digest of the S3 listing]."),
@@ -417,9 +417,10 @@ def open_pull_source(
     "--mirror",
     "mirrors",
     multiple=True,
-    metavar="S3_URI",
+    metavar="URI",
     help="hf:// sources: an S3 mirror of the repo (written by `prefetch mirror`) to "
-    "pull from before the Hub; repeatable, tried in order.",
+    "pull from before the Hub; oci:// sources: a registry mirror (oci://host[:port][/prefix], "
+    "e.g. Spegel on the node) asked for the origin's digest; repeatable, tried in order.",
 )
 @click.option(
     "--no-hub-fallback",
@@ -463,9 +464,10 @@ def pull(
     record: SyncResult,
     **transfer: Any,
 ) -> None:
-    """Download a model from URI (s3://bucket/prefix or hf://org/name) into DEST, verified and
-    resumable. With the hf layout DEST is an HF_HOME: vLLM with HF_HOME=DEST and HF_HUB_OFFLINE=1
-    loads the model from it."""
+    """Download a model from URI (s3://bucket/prefix, hf://org/name, or
+    oci://registry/repo:tag or @sha256:digest) into DEST, verified and resumable. With the hf
+    layout DEST is an HF_HOME: vLLM with HF_HOME=DEST and HF_HUB_OFFLINE=1 loads the model from
+    it."""
     from prefetch.layout import layout_for
     from prefetch.sync import sync
 
@@ -588,7 +590,9 @@ def mirror(
     record: Any,
 ) -> None:
     """Mirror SRC (hf://org/name[@rev], or an s3:// mirror prefix) into DST (s3://bucket/prefix):
-    verified against the Hub's ids, resumable, and uploading nothing already there."""
+    verified against the Hub's ids, resumable, and uploading nothing already there. DST may be
+    oci://registry/repo:tag: a Hub commit is pushed as a ModelPack artifact, an oci:// SRC is
+    copied by digest."""
     from prefetch.mirror import MirrorConfig, S3Prefix, mirror_hub, mirror_s3
     from prefetch.mirror.upload import make_writer_client
     from prefetch.sources import SourceSettings, open_source, pool_size

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import logging
 import os
 import tempfile
@@ -409,8 +410,6 @@ def _error_detail(resp: Response) -> str:
         body = resp.read(16 * 1024)
     except Exception:
         return ""
-    import json
-
     try:
         errors = json.loads(body).get("errors")
         codes = [str(e.get("code")) for e in errors if isinstance(e, dict)][:3]
@@ -437,7 +436,7 @@ class OciMirrors:
         if origin_fallback:
             candidates.append((str(origin.uri), origin))
         self._ordered = OrderedSource(candidates)
-        self._sources = [m for m in mirrors] + ([origin] if origin_fallback else [])
+        self._sources = [*mirrors, *([origin] if origin_fallback else [])]
 
     def resolve(self, spec: ModelSpec) -> Snapshot:
         reference = self._origin.uri.revision or "latest"
