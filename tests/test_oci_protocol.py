@@ -258,3 +258,44 @@ def test_ecr_hosts_get_a_login_from_the_aws_credential_chain():
         creds = ecr_credentials(host, client)
     assert creds is not None and (creds.username, creds.secret) == ("AWS", "ecr-password")
     assert "ecr-password" not in repr(creds)
+
+
+def bcrypt_line(user: str, password: str) -> str | None:
+    """An htpasswd line (bcrypt, which distribution requires), from libc's crypt."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            import crypt
+        except ImportError:
+            return None
+        hashed = crypt.crypt(
+            password, crypt.mksalt(crypt.METHOD_BLOWFISH, rounds=16)
+        )  # cheap: a test
+    return f"{user}:{hashed}" if hashed and hashed.startswith("$2") else None
+
+
+def test_a_registry_behind_htpasswd_takes_the_docker_login(tmp_path, no_docker_config):
+    line = bcrypt_line("alice", "s3cret")
+    if line is None:
+        pytest.skip("no bcrypt in libc's crypt")
+    (tmp_path / "htpasswd").write_text(line + "\n")
+    reg = Registry(tmp_path / "reg", htpasswd=tmp_path / "htpasswd")
+    reg.start()
+    try:
+        auth = base64.b64encode(b"alice:s3cret").decode()
+        Pusher(reg.url, {"Authorization": f"Basic {auth}"}).modelpack("models/p", "v1", FILES)
+        uri = f"oci://{reg.host}/models/p:v1"
+        spec = ModelSpec(source=parse_source_uri(uri))
+        http = urllib3.PoolManager(retries=False)
+        src = OciSource(spec.source, http=http, retry=RetryPolicy(attempts=1))
+        with pytest.raises(AccessDeniedError, match="asks for a login") as info:
+            src.resolve(spec)
+        assert info.value.hint is not None and "docker login" in info.value.hint
+        write_docker_config(no_docker_config, {"auths": {f"https://{reg.host}": {"auth": auth}}})
+        src = OciSource(spec.source, http=http, retry=RetryPolicy(attempts=1))
+        sync(spec, src, PlainLayout(tmp_path / "d"), CONFIG)
+        assert published(tmp_path / "d") == FILES
+    finally:
+        reg.stop()
