@@ -386,7 +386,7 @@ class ModelSpec:
 
     def source_kind(self, served_by: str) -> str:
         """What kind of source served a sync of this model, from the URI it names
-        (``SyncResult.served_by``): "mirror" (one of ``mirrors``), "hub" or "s3". A bounded
+        (``SyncResult.served_by``): "mirror" (one of ``mirrors``), "hub", "oci" or "s3". A bounded
         set, for metric labels."""
         if served_by.startswith("hf://"):
             return "hub"

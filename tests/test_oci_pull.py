@@ -36,6 +36,7 @@ from .fakes.registry import (
     registry_binary,
     sha256_digest,
 )
+from .support import config_text
 
 MiB = 1024 * 1024
 CONFIG = TransferConfig(
@@ -97,6 +98,9 @@ def test_pull_by_tag_resolves_the_digest_once_and_writes_every_layer(registry, p
     again = cli("pull", f"oci://{registry.host}/models/tiny@{pushed.digest}", str(tmp_path / "d"))
     assert again.returncode == 0, again.stderr
     assert "up to date, 0 bytes downloaded" in again.stdout
+    check = cli("verify", str(tmp_path / "d"))
+    assert check.returncode == 0, check.stderr
+    assert f"{len(FILES)} files verified" in check.stdout
 
 
 def test_hf_layout_loads_offline_with_huggingface_hub(registry, pusher, tmp_path):
@@ -114,6 +118,12 @@ def test_hf_layout_loads_offline_with_huggingface_hub(registry, pusher, tmp_path
     assert Path(found).resolve().name == pushed.layers["model.safetensors"].split(":", 1)[1]
     snap = snapshot_download("acme/hfl", cache_dir=cache, local_files_only=True)
     assert Path(snap, "tokenizer/tokenizer.json").read_bytes() == FILES["tokenizer/tokenizer.json"]
+    check = cli("verify", str(home))
+    assert check.returncode == 0, check.stderr
+    models = [{"name": "hfl", "source": f"oci://{registry.host}/models/hfl", "hfRepo": "acme/hfl"}]
+    (tmp_path / "models.yaml").write_text(config_text(home, models))
+    listed = cli("ls", "--config", str(tmp_path / "models.yaml"))
+    assert listed.returncode == 0 and "acme/hfl" in listed.stdout, listed.stdout + listed.stderr
 
 
 def test_a_tampered_blob_is_refused_and_nothing_is_published(registry, pusher, tmp_path):
