@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -143,6 +144,7 @@ def _parse_oci_uri(uri: str, rest: str) -> SourceURI:
     mirror may name the registry alone (``oci://host:port``: the origin's repo is read there)."""
     expected = "expected oci://registry/repo:tag or oci://registry/repo@sha256:<digest>"
     host, _, name = rest.partition("/")
+    host = _expand_host(uri, host)
     if not host or not _OCI_HOST.match(host):
         raise ConfigError(
             f"malformed OCI URI {uri!r}: {host!r} is not a registry host ({expected})"
@@ -166,6 +168,23 @@ def _parse_oci_uri(uri: str, rest: str) -> SourceURI:
     if reference is not None and not name:
         raise ConfigError(f"malformed OCI URI {uri!r}: no repository ({expected})")
     return SourceURI("oci", host.lower(), name, reference)
+
+
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def _expand_host(uri: str, host: str) -> str:
+    """``${NAME}`` in a registry host taken from the environment: the node's own mirror
+    (Spegel, Dragonfly) is at the node's IP, which a DaemonSet has as an env var (the downward
+    API's ``status.hostIP``) and a config file cannot spell."""
+
+    def value(m: re.Match[str]) -> str:
+        found = os.environ.get(m.group(1))
+        if not found:
+            raise ConfigError(f"malformed OCI URI {uri!r}: ${{{m.group(1)}}} is not set")
+        return found
+
+    return _ENV_REF.sub(value, host)
 
 
 def default_model_name(uri: SourceURI) -> str:

@@ -79,3 +79,11 @@ def test_the_agent_config_takes_an_oci_model_with_mirrors(tmp_path):
     (model,) = config.models
     assert model.source.scheme == "oci" and model.repo_id == "org/llama"
     assert [str(m) for m in model.mirrors] == ["oci://127.0.0.1:30020"]
+
+
+def test_a_registry_host_may_name_an_env_var(monkeypatch):
+    monkeypatch.setenv("NODE_IP", "10.0.3.7")
+    assert parse_source_uri("oci://${NODE_IP}:30020").location == "10.0.3.7:30020"
+    monkeypatch.delenv("NODE_IP")
+    with pytest.raises(ConfigError, match=r"\$\{NODE_IP\} is not set"):
+        parse_source_uri("oci://${NODE_IP}:30020")
