@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import urllib3
 
 from prefetch.errors import (
     ChecksumMismatchError,
@@ -27,6 +28,7 @@ from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.sync import sync
 from prefetch.transfer import TransferConfig
 
+from .fakes.oci_proxy import RegistryProxy
 from .fakes.registry import (
     MODELPACK_ARTIFACT,
     OCI_INDEX,
@@ -350,3 +352,36 @@ def test_a_range_past_the_end_is_clamped_to_the_descriptor_size(registry, pusher
     assert reader.readinto(memoryview(buf)[n:]) == 0
     reader.close()
     assert bytes(buf[:n]) == b"456789"
+
+
+def test_a_blob_the_mirror_lacks_is_read_from_the_origin(tmp_path_factory, tmp_path):
+    origin = Registry(tmp_path_factory.mktemp("origin2"))
+    mirror = Registry(tmp_path_factory.mktemp("mirror2"))
+    origin.start()
+    mirror.start()
+    try:
+        files = {**FILES, "model.safetensors": os.urandom(8 * MiB + 1)}  # 9 chunks
+        pushed = Pusher(origin.url).modelpack("models/part", "v1", files)
+        assert Pusher(mirror.url).modelpack("models/part", "v1", files).digest == pushed.digest
+        gone = pushed.layers["model.safetensors"]  # a mirror that has the rest only
+        http = urllib3.PoolManager()
+        assert http.request("DELETE", f"{mirror.url}/v2/models/part/blobs/{gone}").status == 202
+        proxy = RegistryProxy(mirror.url).start()
+        try:
+            spec = ModelSpec(
+                source=parse_source_uri(f"oci://{origin.host}/models/part@{pushed.digest}"),
+                mirrors=(parse_source_uri(f"oci://{proxy.host}"),),
+            )
+            result = sync(spec, open_source(spec).source, PlainLayout(tmp_path / "d"), CONFIG)
+        finally:
+            proxy.stop()
+        assert result.served_by.startswith(f"oci://{proxy.host}/")
+        for path, data in files.items():
+            assert (tmp_path / "d" / path).read_bytes() == data
+        served = {p.split("/blobs/", 1)[1].split("?")[0] for p, _ in proxy.blob_gets()}
+        assert pushed.layers["config.json"] in served  # the mirror served what it has
+        # the blob it lacks: asked once per chunk in flight at most, then only at the origin
+        assert 1 <= sum(gone in p for p, _ in proxy.blob_gets()) <= CONFIG.concurrency
+    finally:
+        mirror.stop()
+        origin.stop()

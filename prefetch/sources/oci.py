@@ -49,6 +49,7 @@ from prefetch.errors import (
     SourceChangedError,
     SourceError,
 )
+from prefetch.redact import redact
 from prefetch.retry import RetryPolicy, call_with_retries
 from prefetch.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.sources import oci_manifest as om
@@ -424,7 +425,11 @@ class OciMirrors:
     digest in order and the origin last (:class:`~prefetch.sources.ordered.OrderedSource`'s
     fallback rule). A mirror serves only bytes that hash to the origin's digests, so it cannot
     change what is published; with a tag and the origin down nothing can be pulled (pin the
-    digest to pull through a mirror alone)."""
+    digest to pull through a mirror alone).
+
+    Blobs are content-addressed, so each may come from any of them: a blob the source that
+    served the manifest lacks (a Spegel peer set, a cache filled partly) or cannot serve now is
+    read from the next one in order, and that answer is remembered for the rest of the sync."""
 
     def __init__(
         self, origin: OciSource, mirrors: list[OciSource], *, origin_fallback: bool = True
@@ -437,6 +442,9 @@ class OciMirrors:
             candidates.append((str(origin.uri), origin))
         self._ordered = OrderedSource(candidates)
         self._sources = [*mirrors, *([origin] if origin_fallback else [])]
+        self._first = 0  # the source that served the manifest
+        self._lacking: set[tuple[int, str]] = set()  # (source, blob) that failed
+        self._lock = threading.Lock()
 
     def resolve(self, spec: ModelSpec) -> Snapshot:
         reference = self._origin.uri.revision or "latest"
@@ -444,13 +452,41 @@ class OciMirrors:
             _, reference, _ = self._origin.fetch_manifest(reference)
         for source in self._sources:
             source.pin(reference)
-        return self._ordered.resolve(spec)
+        snapshot = self._ordered.resolve(spec)
+        for i, source in enumerate(self._sources):
+            if snapshot.source.startswith(f"oci://{source.uri.location}/{source.uri.path}@"):
+                self._first = i
+        return snapshot
 
     def describe(self, file: RemoteFile) -> RemoteFile:
         return file
 
     def open_range(self, file: RemoteFile, start: int, end: int) -> RangeReader:
-        return self._ordered.open_range(file, start, end)
+        if not file.locator.startswith("sha256:"):  # an archive member, staged by its reader
+            return self._ordered.open_range(file, start, end)
+        from prefetch.sources.ordered import FALLBACK_ERRORS
+
+        failure: SourceError | None = None
+        for i in range(self._first, len(self._sources)):
+            with self._lock:
+                if (i, file.locator) in self._lacking:
+                    continue
+            try:
+                return self._sources[i].open_range(file, start, end)
+            except FALLBACK_ERRORS as exc:
+                failure = exc
+                with self._lock:
+                    self._lacking.add((i, file.locator))
+                if i + 1 < len(self._sources):
+                    log.warning(
+                        "%s: %s cannot serve it (%s); reading it from %s", file.path,
+                        self._sources[i].uri, redact(str(exc)), self._sources[i + 1].uri,
+                    )  # fmt: skip
+        if failure is None:  # every source failed this blob earlier in the sync
+            with self._lock:
+                self._lacking.clear()
+            return self._sources[self._first].open_range(file, start, end)
+        raise failure
 
 
 def open_oci_source(
