@@ -440,6 +440,16 @@ def open_pull_source(
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
 @click.option("--progress/--no-progress", default=None,
               help="Progress bar (default: when stderr is a terminal).")  # fmt: skip
+@click.option(
+    "--warm-page-cache",
+    "warm",
+    is_flag=True,
+    help="After the pull, read the model's files into the page cache (skipped with "
+    "a warning when they do not fit in --warm-memory-share of the available memory).",
+)
+@click.option("--warm-memory-share", default=0.5, show_default=True, metavar="SHARE",
+              type=click.FloatRange(0.0, 1.0, min_open=True),
+              help="The share of available memory a warm-up may fill.")  # fmt: skip
 @transfer_options
 @json_even_on_failure(lambda params: SyncResult(model=params["name"], source=params["uri"]))
 def pull(
@@ -461,6 +471,8 @@ def pull(
     delete: bool,
     as_json: bool,
     progress: bool | None,
+    warm: bool,
+    warm_memory_share: float,
     record: SyncResult,
     **transfer: Any,
 ) -> None:
@@ -493,6 +505,12 @@ def pull(
                       stop=stop_on_sigterm(), so_far=record, snapshot=snapshot)  # fmt: skip
     finally:
         record.seconds = round(time.monotonic() - t0, 3)
+    warmed = None
+    if warm:
+        from prefetch.warm import WarmLimits, published_files, warm_files
+
+        files = published_files(layout, Path(result.path))
+        warmed = warm_files(files, WarmLimits(memory_share=warm_memory_share), model=spec.name)
     if result.files_unverified:
         click.echo(
             f"Warning: {len(result.files_unverified)} file(s) had no checksum at the source "
@@ -501,8 +519,14 @@ def pull(
             err=True,
         )
     if as_json:
-        click.echo(json.dumps(result.to_json(), sort_keys=True))
+        out = result.to_json()
+        if warmed is not None:
+            out["warm"] = warmed.to_json()
+            out["timings"]["warm"] = round(warmed.seconds, 3)
+        click.echo(json.dumps(out, sort_keys=True))
         return
+    if warmed is not None and warmed.state != "warm":
+        click.echo(f"Warning: page-cache warm-up {warmed.state}: {warmed.reason}", err=True)
     if result.up_to_date:
         click.echo(f"{spec.name}: up to date, 0 bytes downloaded ({result.files} files) in {dest}")
     else:
@@ -718,6 +742,7 @@ _LazyGroup.lazy_commands.update(
         for name in ("agent", "ls", "gc", "status")  # each defined there as <name>_cmd
     }
 )
+_LazyGroup.lazy_commands["cache"] = ("prefetch.cache_cli", "cache")
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -34,8 +34,10 @@ builtin where that is true, so callers can also catch them as ``FileNotFoundErro
     ├── LayoutError                          the destination cannot be written / is not ours
     │   └── LockTimeoutError                 another pull holds the model's lock for too long
     ├── NodeGateError                        the Kubernetes API refused a node label/taint change
-    └── ClusterReadError                     prefetch status could not read the Nodes (no
-                                             kubeconfig, unreachable API server, 401/403)
+    ├── ClusterReadError                     prefetch status could not read the Nodes (no
+    │                                        kubeconfig, unreachable API server, 401/403)
+    └── CompileCacheError                    a compile cache that cannot be pushed (not
+                                             finished, still changing) or a bad cache key
 
 Each kind of failure has one stable name, :func:`error_reason` (table :data:`ERROR_REASONS`):
 the CLI's ``error_reason`` in ``--json`` and the agent's ``reason`` (the sync-failures metric's
@@ -168,6 +170,10 @@ class ClusterReadError(PrefetchError):
     """Reading the cluster with the user's kubeconfig failed (``prefetch status``)."""
 
 
+class CompileCacheError(PrefetchError):
+    """A compile cache that cannot be published as asked (see prefetch.compile_cache)."""
+
+
 #: The one vocabulary of failure kinds, for scripts and dashboards (an error's message is for
 #: people and may change). Subclasses first: the first class the exception is an instance of
 #: names it; anything else is ``internal`` (a bug).
@@ -189,6 +195,7 @@ ERROR_REASONS: tuple[tuple[type[BaseException], str], ...] = (
     (LayoutError, "layout"),
     (ConfigError, "config"),
     (NodeGateError, "node_gate"),
+    (CompileCacheError, "compile_cache"),
     (PrefetchError, "error"),
     (KeyboardInterrupt, "cancelled"),
     (OSError, "os_error"),

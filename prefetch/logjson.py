@@ -101,6 +101,20 @@ def _field(record: logging.LogRecord, key: str) -> object:
     return value
 
 
+def _safe(value: object) -> object:
+    """An extra field's value fit for the log: numbers as they are; anything else (a string,
+    an exception, a dict holding a URL) redacted, structured values kept structured."""
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    if isinstance(value, str):
+        return scrub(value)
+    text = json.dumps(value, default=str, ensure_ascii=False)
+    try:
+        return json.loads(scrub(text))
+    except ValueError:  # the redaction cut through the JSON's quoting: keep it as text
+        return scrub(text)
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
@@ -113,7 +127,7 @@ class JsonFormatter(logging.Formatter):
         for key in EXTRA_FIELDS:
             value = _field(record, key)
             if value is not None:
-                out[key] = scrub(value) if isinstance(value, str) else value
+                out[key] = _safe(value)
         if record.exc_info and record.exc_info[1] is not None:
             exc = record.exc_info[1]
             out.setdefault("error", scrub(f"{type(exc).__name__}: {exc}"))

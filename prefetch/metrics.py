@@ -37,6 +37,9 @@ model_prefetch_sync_phase_duration_seconds                 histogram  model, pha
 model_prefetch_time_to_ready_seconds                       histogram  since (***)
 model_prefetch_ready_after_seconds                         gauge      since (***)
 model_prefetch_node_progress_writes_total                  counter    result=ok|failed
+model_prefetch_warmups_total                               counter    model, result (****)
+model_prefetch_warm_duration_seconds                       gauge      model (the last warm-up)
+model_prefetch_warm_bytes                                  gauge      model (the last warm-up)
 process_start_time_seconds, process_cpu_seconds_total...   (the process collector)
 =========================================================  =========  ========================
 
@@ -45,6 +48,7 @@ process_start_time_seconds, process_cpu_seconds_total...   (the process collecto
 observed for each sync that changed the cache (see :class:`prefetch.sync.SyncTimings`).
 (***) ``since`` is ``node_creation`` (the Node's ``metadata.creationTimestamp``) or
 ``agent_start``; observed once per agent process, when every required model is first ready.
+(****) ``result`` is a :class:`prefetch.warm.WarmReport` state: warm, skipped, stopped or failed.
 """
 
 from __future__ import annotations
@@ -244,6 +248,24 @@ class AgentMetrics:
             ["result"],
             registry=r,
         )
+        self.warmups = Counter(
+            p + "warmups",
+            "Page-cache warm-ups of a model (warmPageCache), by how they ended.",
+            ["model", "result"],
+            registry=r,
+        )
+        self.warm_duration = Gauge(
+            p + "warm_duration_seconds",
+            "Seconds the model's last page-cache warm-up took.",
+            ["model"],
+            registry=r,
+        )
+        self.warm_bytes = Gauge(
+            p + "warm_bytes",
+            "Bytes the model's last page-cache warm-up read into the page cache.",
+            ["model"],
+            registry=r,
+        )
         for since in READY_SINCE:
             self.time_to_ready.labels(since)  # zero from the start: increase() sees the first
         for result in ("ok", "failed"):
@@ -277,6 +299,8 @@ class AgentMetrics:
             self.remaining_bytes,
             self.last_success,
             self.download_rate,
+            self.warm_duration,
+            self.warm_bytes,
         ):
             _remove(gauge, model)
         for s in MODEL_STATES:
@@ -298,6 +322,12 @@ class AgentMetrics:
         """One sync's phase durations (``SyncTimings.to_json()``)."""
         for phase in SYNC_PHASES:
             self.sync_phase_duration.labels(model, phase).observe(timings.get(phase, 0.0))
+
+    def observe_warm(self, model: str, result: str, seconds: float, nbytes: int) -> None:
+        """One page-cache warm-up (:class:`prefetch.warm.WarmReport`)."""
+        self.warmups.labels(model, result).inc()
+        self.warm_duration.labels(model).set(seconds)
+        self.warm_bytes.labels(model).set(nbytes)
 
     def observe_time_to_ready(self, since: str, seconds: float) -> None:
         """A time to ready (``since`` one of :data:`READY_SINCE`); called once per process."""

@@ -28,6 +28,7 @@ from typing import TypeVar
 
 from prefetch.errors import InvalidListingError
 from prefetch.paths import path_problem, ref_name_problem
+from prefetch.safejson import load_json
 
 T = TypeVar("T")
 
@@ -146,10 +147,9 @@ def parse_mirror_commit(body: bytes, *, where: str) -> MirrorCommit:
     Refuses what is not this format: not JSON, another ``format``, a field missing or of the
     wrong type, a commit that is not 40 hex, an unsafe path, a path listed twice, an id that
     does not fit its kind, a negative size, a CRC64NVME that is not S3's base64."""
-    try:
-        data = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InvalidListingError(f"the mirror metadata {where} is not JSON: {e}") from None
+    data = load_json(
+        body, where=f"the mirror metadata {where}", max_bytes=64 << 20, error=InvalidListingError
+    )
     if not isinstance(data, dict):
         raise InvalidListingError(f"the mirror metadata {where} is not a JSON object")
     fmt = data.get("format")

@@ -16,31 +16,40 @@ import logging
 import re
 import unicodedata
 
+#: Header, field and parameter names whose value is a secret wherever it is printed.
+_SECRET_NAME = (
+    r"(?:proxy-)?authorization|x-amz-security-token|x-amz-signature|x-amz-credential"
+    r"|(?:aws_)?(?:secret(?:_access)?_key|session_token)|password|token|cookie"
+)
 _SECRETS = (
+    # botocore's SigV4 debug lines: the canonical request carries the session token and the
+    # string to sign plus the signature are as good as one; nothing after the label is kept
+    (
+        re.compile(r"(?is)\b(CanonicalRequest|StringToSign|String to sign|Signature):\s.*"),
+        r"\1: ***",
+    ),
     # presigned URLs: signature, credential and session token query parameters
     (re.compile(r"(?i)\b(X-Amz-(?:Signature|Credential|Security-Token)=)[^&\s\"']+"), r"\1***"),
     (re.compile(r"(?i)\b(Signature=|Expires=|Policy=|Key-Pair-Id=)[^&\s\"']+"), r"\1***"),
-    # Authorization headers (also as logged in a Python dict) and bearer tokens
+    # a quoted value of a secret header or field, as Python logs a dict of str or of bytes
+    # ('X-Amz-Security-Token': b'...', "authorization": "Bearer ..."): the whole quoted value
+    (
+        re.compile(rf"(?i)\b({_SECRET_NAME})([\"']?\s*[:=]\s*b?)([\"'])(?:(?!\3).)*\3"),
+        r"\1\2\3***\3",
+    ),
+    # an unquoted one (an HTTP header line, a canonical request's name:value, key=value pairs)
     (
         re.compile(
-            r"(?i)\b(authorization[\"']?\s*[:=]\s*[\"']?)(?:bearer\s+|aws4-hmac-sha256\s+)?"
-            r"[^\s\"',}]+"
+            rf"(?i)\b({_SECRET_NAME})([\"']?\s*[:=]\s*)(?!b?[\"'])"
+            r"(?:bearer\s+|basic\s+|aws4-hmac-sha256\s+)?[^\s\"',}&]+"
         ),
-        r"\1***",
+        r"\1\2***",
     ),
     (re.compile(r"(?i)\b(bearer\s+)[A-Za-z0-9._~+/=-]{8,}"), r"\1***"),
     # Hugging Face user/org tokens
     (re.compile(r"\bhf_[A-Za-z0-9]{16,}\b"), "hf_***"),
     # a password in a URL's user info (a proxy's http://user:password@host:3128)
     (re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^/\s:@\"']*:)[^/\s@\"']+@"), r"\1***@"),
-    # key=value / "key": "value" pairs whose key names a secret
-    (
-        re.compile(
-            r"(?i)\b((?:aws_)?(?:secret(?:_access)?_key|session_token|password|token)"
-            r"[\"']?\s*[:=]\s*[\"']?)[^\s\"',}&]+"
-        ),
-        r"\1***",
-    ),
 )
 
 
@@ -78,6 +87,10 @@ class RedactingFilter(logging.Filter):
         except Exception:  # a malformed call: logging reports it when formatting
             return True
         record.msg, record.args = printable(redact(message)), None
+        if record.name.startswith("urllib3.") and record.levelno < logging.ERROR:
+            # urllib3 attaches a traceback to its warnings (a header it could not parse): the
+            # caller reports the failure in one line, so the warning stays one line too
+            record.exc_info, record.exc_text = None, None
         if record.exc_info and not record.exc_text:
             record.exc_text = redact(logging.Formatter().formatException(record.exc_info))
         return True

@@ -15,8 +15,9 @@ import click
 
 from prefetch.agent.config import DEFAULT_CACHE_DIR, DEFAULT_CONFIG_PATH, AgentConfig
 from prefetch.agent.gate_driver import GateFactory, NodeGateLike
+from prefetch.compile_cache import GPU_PRODUCT_LABEL
 from prefetch.constants import DEFAULT_LISTEN
-from prefetch.errors import ConfigError, LockTimeoutError
+from prefetch.errors import ConfigError, LockTimeoutError, PrefetchError
 from prefetch.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,14 @@ _cache_dir_option = click.option(
 )
 @_cache_dir_option
 @click.option(
+    "--gpu-product",
+    envvar="PREFETCH_GPU_PRODUCT",
+    default=None,
+    show_envvar=True,
+    help="The GPU product that keys compileCaches entries without a gpuProduct "
+    "[default: the node label nvidia.com/gpu.product].",
+)
+@click.option(
     "--log-format",
     type=click.Choice(["json", "text"]),
     default="json",
@@ -82,6 +91,7 @@ def agent_cmd(
     listen: str | None,
     node_name: str | None,
     cache_dir: str | None,
+    gpu_product: str | None,
     log_format: str,
     log_level: str,
 ) -> None:
@@ -107,8 +117,22 @@ def agent_cmd(
         event_sink=in_cluster_events(node_name),
         handle_signals=True,
         exit_on_stuck=True,
+        gpu_product=gpu_product or _node_gpu_product(node_name),
     )
     asyncio.run(agent.run())
+
+
+def _node_gpu_product(node_name: str | None) -> str | None:
+    """The node label nvidia.com/gpu.product (GPU feature discovery sets it), read once at
+    start; None outside a cluster or when it cannot be read (logged)."""
+    from prefetch.agent.node import in_cluster_gate
+
+    try:
+        gate = in_cluster_gate(node_name)
+        return gate.label(GPU_PRODUCT_LABEL) if gate is not None else None
+    except PrefetchError as exc:
+        logging.getLogger("prefetch.agent").warning("cannot read the node's GPU product: %s", exc)
+        return None
 
 
 def _cluster_gate_factory(node_name: str | None) -> GateFactory:

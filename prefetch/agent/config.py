@@ -18,6 +18,8 @@
     syncDeadline: auto                    # bound of one sync attempt (auto: 10m, or the bytes to
                                           # fetch at 4 MiB/s if longer; a duration; off: none)
     minFreeSpace: 1GiB                    # kept free on the cache filesystem
+    warmMemoryShare: 0.5                  # a warm-up fills at most this share of free memory
+    warmReadRate: 2GB                     # bytes/s bound for warm-up reads (0: unbounded)
     s3: {endpointUrl: null}               # default: AWS_ENDPOINT_URL, else AWS
     models:
       - name: llama-3-70b-awq             # DNS label; used in node labels
@@ -33,6 +35,8 @@
         mirrors: [s3://bucket/hf/org/name/]   # hf only: `prefetch mirror` prefixes tried first,
         hubFallback: true                 # in order; then the Hub unless this is false
         syncDeadline: 2h                  # this model's attempts (default: the top-level one)
+        warmPageCache: false              # read the files into the page cache once published
+        gateOnWarm: false                 # ready only after that warm-up (implies warmPageCache)
 
 One model per Hub repo: two models that publish into the same ``hub/models--org--name`` (two
 ``hf://`` sources of one repo, whatever their revisions, or an S3 mirror whose ``hfRepo`` is
@@ -55,8 +59,9 @@ from typing import Any, ClassVar, TypeVar
 
 import yaml
 
+from prefetch.compile_cache import CacheKey
 from prefetch.constants import DEFAULT_LABEL_PREFIX, DEFAULT_LISTEN, DEFAULT_STARTUP_TAINT_KEY
-from prefetch.errors import ConfigError
+from prefetch.errors import ConfigError, PrefetchError
 from prefetch.retry import RetryPolicy
 from prefetch.spec import (
     ModelSpec,
@@ -68,6 +73,7 @@ from prefetch.spec import (
 )
 from prefetch.transfer import TransferConfig
 from prefetch.units import parse_duration, parse_size
+from prefetch.warm import DEFAULT_MEMORY_SHARE, DEFAULT_READ_RATE, WarmLimits
 
 DEFAULT_CONFIG_PATH = "/etc/model-prefetch/models.yaml"
 DEFAULT_CACHE_DIR = "/var/cache/model-prefetch"
@@ -91,12 +97,19 @@ _TOP_KEYS = (
     "retryBackoff",
     "syncDeadline",
     "minFreeSpace",
+    "warmMemoryShare",
+    "warmReadRate",
     "s3",
     "models",
+    "compileCaches",
 )
 _MODEL_KEYS = (
     "name", "source", "revision", "include", "exclude", "required", "hfRepo", "pin", "proxy",
-    "mirrors", "hubFallback", "syncDeadline",
+    "mirrors", "hubFallback", "syncDeadline", "warmPageCache", "gateOnWarm",
+)  # fmt: skip
+_COMPILE_CACHE_KEYS = (
+    "name", "source", "target", "vllm", "model", "revision", "tensorParallelSize", "gpuProduct",
+    "torch", "cuda", "required",
 )  # fmt: skip
 _BACKOFF_KEYS = ("initial", "max")
 _S3_KEYS = ("endpointUrl",)
@@ -117,6 +130,32 @@ class Backoff:
 
     def delay(self, failures: int) -> float:
         return min(self.max, self.initial * 2.0 ** max(failures - 1, 0))
+
+
+#: Stands for the node's GPU product in an entry that has no ``gpuProduct`` (never in a key).
+_NODE_GPU = "<node>"
+
+
+@dataclass(frozen=True)
+class CompileCacheEntry:
+    """A ``compileCaches`` entry: a plain model at ``prefix`` + its key + ``/``. ``key`` holds
+    every field; without ``gpu_configured`` its GPU product is the node's."""
+
+    name: str
+    prefix: str
+    key: CacheKey
+    gpu_configured: bool
+    required: bool
+
+    def spec(self, node_gpu: str | None) -> tuple[ModelSpec, CacheKey] | None:
+        """The entry as a model and its key; None without any GPU product to key it by."""
+        key = self.key
+        if not self.gpu_configured:
+            if not node_gpu or not node_gpu.strip():
+                return None
+            key = replace(key, gpu_product=node_gpu)
+        source = parse_source_uri(f"{self.prefix.rstrip('/')}/{key.key}/")
+        return ModelSpec(source=source, name=self.name, required=self.required), key
 
 
 @dataclass(frozen=True)
@@ -180,6 +219,20 @@ class AgentConfig:
     min_free_space: int = 1 * GiB
     s3_endpoint_url: str | None = None
     models: tuple[ModelSpec, ...] = ()
+    #: Models whose files are read into the page cache once published (``warmPageCache``), and
+    #: those of them whose readiness waits for that warm-up (``gateOnWarm``): by model name.
+    warm_page_cache: frozenset[str] = frozenset()
+    gate_on_warm: frozenset[str] = frozenset()
+    warm_memory_share: float = DEFAULT_MEMORY_SHARE
+    warm_read_rate: int | None = DEFAULT_READ_RATE
+    #: ``compileCaches`` entries, by name: each is also in ``models`` (its source the entry's
+    #: prefix + key), and a sync that finds no published cache there is not a failure.
+    compile_caches: tuple[tuple[str, CacheKey], ...] = ()
+    #: Every ``compileCaches`` entry as written; those without a ``gpuProduct`` are in
+    #: ``models`` only once the node's GPU product is known (:meth:`with_gpu_product`).
+    compile_cache_entries: tuple[CompileCacheEntry, ...] = ()
+    #: Entries left out for want of a GPU product (no ``gpuProduct``, no node label).
+    unkeyed_compile_caches: tuple[str, ...] = ()
     #: The file this came from (None when built in code), and a digest of its bytes.
     path: Path | None = None
     digest: str = ""
@@ -194,6 +247,33 @@ class AgentConfig:
         """The ``syncDeadline`` of model ``name``: its own, else the top-level one."""
         return self.model_deadlines.get(name, self.sync_deadline)
 
+    def with_gpu_product(self, gpu_product: str | None) -> AgentConfig:
+        """This config with its compile cache entries keyed: those without a ``gpuProduct``
+        of their own take ``gpu_product`` (the node label ``nvidia.com/gpu.product``)."""
+        names = {e.name for e in self.compile_cache_entries}
+        models = [m for m in self.models if m.name not in names]
+        keyed: list[tuple[str, CacheKey]] = []
+        unkeyed: list[str] = []
+        for entry in self.compile_cache_entries:
+            found = entry.spec(gpu_product)
+            if found is None:
+                unkeyed.append(entry.name)
+                continue
+            models.append(found[0])
+            keyed.append((entry.name, found[1]))
+        return replace(
+            self,
+            models=tuple(models),
+            compile_caches=tuple(keyed),
+            unkeyed_compile_caches=tuple(unkeyed),
+        )
+
+    def is_compile_cache(self, name: str) -> bool:
+        return any(n == name for n, _key in self.compile_caches)
+
+    def warm_limits(self) -> WarmLimits:
+        return WarmLimits(memory_share=self.warm_memory_share, read_rate=self.warm_read_rate)
+
     def transfer_config(self) -> TransferConfig:
         return TransferConfig(
             concurrency=self.concurrency,
@@ -205,16 +285,22 @@ class AgentConfig:
         )
 
     def with_overrides(
-        self, *, cache_dir: Path | None = None, listen: str | None = None
+        self,
+        *,
+        cache_dir: Path | None = None,
+        listen: str | None = None,
+        gpu_product: str | None = None,
     ) -> AgentConfig:
-        """This config with the command line's ``--cache-dir`` / ``--listen`` applied."""
+        """This config with the command line's ``--cache-dir`` / ``--listen`` applied, and
+        its compile caches keyed by ``gpu_product`` (``--gpu-product`` or the node's label)."""
         changes: dict[str, Any] = {}
         if cache_dir is not None:
             changes["cache_dir"] = cache_dir
         if listen is not None:
             parse_listen(listen, field_name="--listen")
             changes["listen"] = listen
-        return replace(self, **changes) if changes else self
+        config = replace(self, **changes) if changes else self
+        return config.with_gpu_product(gpu_product) if gpu_product else config
 
 
 def load_config(path: str | Path) -> AgentConfig:
@@ -562,11 +648,21 @@ def _s3(value: Any, path: str) -> str | None:
 
 
 def _parse(doc: Any) -> AgentConfig:
+    return _parse_fields(doc).with_gpu_product(None)
+
+
+def _parse_fields(doc: Any) -> AgentConfig:
     m = _mapping(doc, "")
     _check_keys(m, _TOP_KEYS, "")
     d = AgentConfig()
     verify_rate = _get(m, "verifyReadRate", "", _size, d.verify_read_rate or 0)
+    warm_rate = _get(m, "warmReadRate", "", _size, d.warm_read_rate or 0)
     models = _get(m, "models", "", _models, ())
+    caches = _get(m, "compileCaches", "", _compile_caches, ())
+    taken = {spec.name for spec in models}
+    for i, entry in enumerate(caches):
+        if entry.name in taken:
+            raise ConfigError(f"compileCaches[{i}].name: {entry.name!r} is also a model's name")
     return AgentConfig(
         cache_dir=Path(_get(m, "cacheDir", "", _str, str(d.cache_dir))),
         label_prefix=_get(m, "labelPrefix", "", _label_prefix, d.label_prefix),
@@ -587,7 +683,68 @@ def _parse(doc: Any) -> AgentConfig:
         min_free_space=_get(m, "minFreeSpace", "", _size, d.min_free_space),
         s3_endpoint_url=_get(m, "s3", "", _s3, None),
         models=models,
+        compile_cache_entries=caches,
+        warm_page_cache=frozenset(_flagged(m, ("warmPageCache", "gateOnWarm"))),
+        gate_on_warm=frozenset(_flagged(m, ("gateOnWarm",))),
+        warm_memory_share=_get(m, "warmMemoryShare", "", _share, d.warm_memory_share),
+        warm_read_rate=warm_rate or None,
     )
+
+
+def _flagged(doc: Mapping[str, Any], keys: tuple[str, ...]) -> list[str]:
+    """The names of the models (already validated) with any of the boolean ``keys`` true."""
+    entries = doc.get("models") or []
+    return [
+        str(e["name"])
+        for i, e in enumerate(entries)
+        if any(_get(e, k, f"models[{i}]", _bool, False) for k in keys)
+    ]
+
+
+def _compile_caches(value: Any, path: str) -> tuple[CompileCacheEntry, ...]:
+    """``compileCaches``: each entry a plain model at ``source`` + the entry's key + ``/``."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ConfigError(f"{path}: expected a list of compile caches, got {_kind(value)}")
+    out: list[CompileCacheEntry] = []
+    for i, item in enumerate(value):
+        where = f"{path}[{i}]"
+        e = _mapping(item, where)
+        _check_keys(e, _COMPILE_CACHE_KEYS, where)
+        for needed in ("name", "source", "vllm", "model", "revision"):
+            if needed not in e:
+                raise ConfigError(f"{where}.{needed}: missing")
+        if _get(e, "target", where, _str, "vllm") != "vllm":
+            raise ConfigError(f"{where}.target: only vllm is supported")
+        gpu = _get(e, "gpuProduct", where, _opt_str, None)
+        try:
+            key = CacheKey(
+                vllm=_get(e, "vllm", where, _str, ""),
+                model=_get(e, "model", where, _str, ""),
+                revision=_get(e, "revision", where, _str, ""),
+                tensor_parallel=_get(e, "tensorParallelSize", where, _int_range(1, 1024), 1),
+                gpu_product=gpu or _NODE_GPU,
+                torch=_get(e, "torch", where, _opt_str, None),
+                cuda=_get(e, "cuda", where, _opt_str, None),
+            )
+        except PrefetchError as exc:
+            raise ConfigError(f"{where}: {exc}") from exc
+        source = _get(e, "source", where, _source_uri, None)
+        assert source is not None
+        if source.scheme != "s3":
+            raise ConfigError(f"{where}.source: expected s3://bucket/prefix/")
+        name = _get(e, "name", where, _str, "")
+        validate_name(name, field_name=f"{where}.name")
+        required = _get(e, "required", where, _bool, False)
+        out.append(CompileCacheEntry(name, str(source), key, bool(gpu), required))
+    return tuple(out)
+
+
+def _share(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise ConfigError(f"{path}: expected a number in (0, 1], got {value!r}")
+    return float(value)
 
 
 def _chunk_size(value: Any, path: str) -> int:

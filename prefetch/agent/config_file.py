@@ -30,17 +30,29 @@ class ConfigFile:
         *,
         cache_dir: Path | None = None,
         listen: str | None = None,
+        gpu_product: str | None = None,
     ) -> None:
         self.path = path
         self._metrics = metrics
         self._cache_dir = cache_dir
         self._listen = listen
+        self._gpu_product = gpu_product
         self._seen_digest = ""
         #: Why the last reload was rejected (shown on /readyz); None after a good one.
         self.last_error: str | None = None
 
     def overridden(self, config: AgentConfig) -> AgentConfig:
-        return config.with_overrides(cache_dir=self._cache_dir, listen=self._listen)
+        config = config.with_overrides(
+            cache_dir=self._cache_dir, listen=self._listen, gpu_product=self._gpu_product
+        )
+        for name in config.unkeyed_compile_caches:
+            log.warning(
+                "%s: compile cache left out: no gpuProduct and no GPU product for this node "
+                "(the node label nvidia.com/gpu.product, or --gpu-product)",
+                name,
+                extra={"model": name, "phase": "config"},
+            )
+        return config
 
     def load_first(self) -> AgentConfig:
         """At start-up: the file must load (errors are the process's)."""

@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 
 from prefetch.agent.config import AgentConfig
 from prefetch.agent.events import (
@@ -32,7 +33,13 @@ from prefetch.agent.events import (
 from prefetch.agent.gate_driver import GateDriver
 from prefetch.agent.scheduler import ModelState, Scheduler
 from prefetch.agent.space import SpaceManager
-from prefetch.errors import ChecksumMismatchError, DeadlineExceededError, PrefetchError
+from prefetch.compile_cache import COMPLETE
+from prefetch.errors import (
+    ChecksumMismatchError,
+    DeadlineExceededError,
+    NoMatchingFilesError,
+    PrefetchError,
+)
 from prefetch.layout import Layout
 from prefetch.logjson import scrub, sync_context
 from prefetch.metrics import AgentMetrics
@@ -49,6 +56,7 @@ from prefetch.sync import (
 )
 from prefetch.transfer import Cancelled, TransferConfig
 from prefetch.units import format_bytes
+from prefetch.warm import WarmReport, published_files, warm_files
 
 # The jobs' lines keep the logger name they have always had, so log queries keep matching.
 log = logging.getLogger("prefetch.agent.reconcile")
@@ -131,10 +139,17 @@ class SyncJob:
                 ms.sync_cancelled()
         except Exception as exc:
             if parts.scheduler.current(ms):
-                self._failed(ms, exc)
+                if _nothing_published(ms, exc, parts.config()):
+                    self._nothing_published(ms)
+                else:
+                    self._failed(ms, exc)
         else:
             if parts.scheduler.current(ms):
+                ms.nothing_published = False
                 self._ok(ms, result)
+                if self._wants_warm(ms, result, parts.config()):  # reported, not gating
+                    parts.publish(ms)
+                    await asyncio.to_thread(self._warm, ms, result, parts.config(), stop)
         finally:
             ms.job = None
             if parts.scheduler.current(ms):
@@ -148,9 +163,38 @@ class SyncJob:
         """:meth:`_blocking`, then tell the warming story this sync is over (before the loop
         hears how it went, so WarmingStarted is told before the model's ModelReady)."""
         try:
-            return self._blocking(ms, config, stop)
+            result = self._blocking(ms, config, stop)
+            if ms.spec.name in config.gate_on_warm and self._wants_warm(ms, result, config):
+                self._warm(ms, result, config, stop)  # before the model is ready: gating
+            return result
         finally:
             self._parts.warming.settled(ms.spec.name)
+
+    @staticmethod
+    def _wants_warm(ms: ModelState, result: SyncResult, config: AgentConfig) -> bool:
+        """``warmPageCache`` models warm once per revision and agent process."""
+        return ms.spec.name in config.warm_page_cache and ms.warmed_revision != result.revision
+
+    def _warm(
+        self, ms: ModelState, result: SyncResult, config: AgentConfig, stop: threading.Event
+    ) -> None:
+        """In a worker thread: read the model's published files into the page cache. A failed
+        or skipped warm-up is reported (log, /readyz, metrics), never a sync failure."""
+        parts, name = self._parts, ms.spec.name
+        ms.warming = True
+        try:
+            files = published_files(parts.store.layout(ms.spec), Path(result.path))
+            report = warm_files(files, config.warm_limits(), stop=stop, model=name)
+        except (OSError, PrefetchError) as exc:  # the records could not be read
+            report = WarmReport("failed", reason=str(exc))
+            log.warning("%s: page-cache warm-up failed: %s", name, exc,
+                        extra={"model": name, "phase": "warm", "error": str(exc)})  # fmt: skip
+        finally:
+            ms.warming = False
+        ms.warm = report
+        if report.state != "stopped":
+            ms.warmed_revision = result.revision
+        parts.metrics.observe_warm(name, report.state, report.seconds, report.bytes_read)
 
     def _blocking(self, ms: ModelState, config: AgentConfig, stop: threading.Event) -> SyncResult:
         """In a worker thread: resolve and plan under the model's lock, make room, sync, all
@@ -172,6 +216,10 @@ class SyncJob:
                 parts.warming.planned(spec.name, plan.snapshot.total_bytes, plan.bytes_to_fetch)
                 if stop.is_set():
                     raise Cancelled("stopped")
+                if config.is_compile_cache(spec.name) and not any(
+                    f.path == COMPLETE for f in plan.snapshot.files
+                ):  # a push in progress (or one that died): never pull half a cache
+                    raise _NothingPublished(f"{spec.source}: no {COMPLETE}")
                 if ms.ready and not store.copy_intact(spec, ms.digest):
                     parts.in_loop(parts.drop_ready(ms, "cached files are missing or truncated"))
                 room.enter_context(
@@ -243,6 +291,20 @@ class SyncJob:
                 "rate": round(rate),
                 "source": served_by,
             },
+        )
+
+    def _nothing_published(self, ms: ModelState) -> None:
+        """A compile cache whose key has nothing complete published: not a failure (the first
+        node of its kind compiles and publishes); looked for again at the next resolve."""
+        spec = ms.spec
+        ms.sync_succeeded(SyncResult(model=spec.name, source=str(spec.source), up_to_date=True),
+                          time.monotonic())  # fmt: skip
+        ms.nothing_published = True
+        log.info(
+            "%s: no compile cache published at %s yet; vLLM compiles from scratch",
+            spec.name,
+            scrub(str(spec.source)),
+            extra={"model": spec.name, "phase": "sync"},
         )
 
     def _tell_ok(self, ms: ModelState, result: SyncResult, *, became_ready: bool) -> None:
@@ -391,6 +453,17 @@ def _duration(seconds: float) -> str:
     minutes, secs = divmod(rest, 60)
     parts = [f"{n}{unit}" for n, unit in ((hours, "h"), (minutes, "m"), (secs, "s")) if n]
     return "".join(parts) or "0s"
+
+
+class _NothingPublished(Exception):
+    """A compile cache's key holds files but not the push's completion marker."""
+
+
+def _nothing_published(ms: ModelState, exc: BaseException, config: AgentConfig) -> bool:
+    """Whether ``exc`` only says that a compile cache entry has nothing published yet."""
+    return config.is_compile_cache(ms.spec.name) and isinstance(
+        exc, _NothingPublished | NoMatchingFilesError
+    )
 
 
 def _served_by(result: SyncResult, spec: ModelSpec) -> str:

@@ -334,6 +334,20 @@ class NodeGate:
             ) from exc
         return parse_timestamp((node.get("metadata") or {}).get("creationTimestamp"))
 
+    def label(self, key: str) -> str | None:
+        """The node's label ``key`` (None when it has none), e.g. ``nvidia.com/gpu.product``.
+        One GET; raises :class:`NodeGateError` when the node cannot be read."""
+        try:
+            node = self._get()
+        except ApiException as exc:
+            raise self._fatal(exc, "get", _describe(exc)) from exc
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise NodeGateError(
+                f"could not read node {self.node_name!r}: {type(exc).__name__}: {exc}"
+            ) from exc
+        value = ((node.get("metadata") or {}).get("labels") or {}).get(key)
+        return value if isinstance(value, str) else None
+
     # -- one round -------------------------------------------------------------------------
 
     def _get(self) -> dict[str, Any]:

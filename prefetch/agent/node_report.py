@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import urllib3
 from kubernetes import client as k8s_client
@@ -32,7 +32,9 @@ from prefetch.constants import (
     PROGRESS_ANNOTATION,
     PROGRESS_INTERVAL,
 )
-from prefetch.errors import ClusterReadError
+from prefetch.errors import ClusterReadError, PrefetchError
+from prefetch.redact import printable
+from prefetch.safejson import load_json
 from prefetch.units import format_bytes
 
 __all__ = ["ModelRow", "NodeReport", "cluster_api", "list_nodes", "node_report", "table"]
@@ -43,6 +45,11 @@ _PAGE = 500
 _DEFAULT_KUBECONFIG = "~/.kube/config"
 _TIMEOUT = 15.0
 _MOVING = frozenset({"syncing", "updating"})
+#: Kubernetes caps a Node's annotations at 256 KiB together: a note can be no larger.
+MAX_NOTE_BYTES = 256 * 1024
+_MAX_COUNT = 2**63
+_MAX_TEXT = 253  # a model name is a label value (63) in a key; reasons are short sentences
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -184,67 +191,123 @@ def _refused(exc: ApiException, host: str) -> ClusterReadError:
 
 
 def node_report(node: Mapping[str, Any], now: float) -> NodeReport:
-    """What ``prefetch status`` says about ``node`` (``now``: Unix time, for the note's age)."""
-    metadata = node.get("metadata") or {}
-    name = str(metadata.get("name", "?"))
-    labels: Mapping[str, str] = metadata.get("labels") or {}
-    taints = (node.get("spec") or {}).get("taints") or []
-    raw = (metadata.get("annotations") or {}).get(PROGRESS_ANNOTATION)
+    """What ``prefetch status`` says about ``node`` (``now``: Unix time, for the note's age).
+    The note is written by whatever can patch the Node: one that is not JSON, too large, too
+    deep, or holds a value of the wrong type or range is this node's ``problem``, never an
+    exception that would hide every other node."""
+    metadata = _mapping(node.get("metadata"))
+    name = _text(metadata.get("name", "?"))
+    labels = _mapping(metadata.get("labels"))
+    taints = _mapping(node.get("spec")).get("taints")
+    taints = taints if isinstance(taints, list) else []
+    raw = _mapping(metadata.get("annotations")).get(PROGRESS_ANNOTATION)
     if raw is None:
         return NodeReport(
             name, _has_taint(taints, DEFAULT_STARTUP_TAINT_KEY), problem="no agent report"
         )
-    note = _parse_note(raw)
-    if note is None:
+    try:
+        return _from_note(name, _parse_note(raw), labels, taints, now)
+    except _BadNote as exc:
         return NodeReport(
-            name, _has_taint(taints, DEFAULT_STARTUP_TAINT_KEY), problem="unreadable agent report"
+            name,
+            _has_taint(taints, DEFAULT_STARTUP_TAINT_KEY),
+            problem=f"unreadable agent report: {exc}",
         )
-    prefix = str(note.get("prefix") or DEFAULT_LABEL_PREFIX)
-    rows = [_model_row(m, labels, prefix) for m in note.get("models") or [] if isinstance(m, dict)]
-    written = parse_timestamp(note.get("at"))
+
+
+def _mapping(value: object) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+class _BadNote(PrefetchError):
+    """Why a node's note cannot be shown."""
+
+
+def _from_note(
+    name: str, note: dict[str, Any], labels: Mapping[str, Any], taints: list[Any], now: float
+) -> NodeReport:
+    prefix = _field(note, "prefix", str) or DEFAULT_LABEL_PREFIX
+    models = _field(note, "models", list) or []
+    rows = [_model_row(i, m, labels, prefix) for i, m in enumerate(models)]
+    at = _field(note, "at", str)
+    written = parse_timestamp(at)
     age = max(now - written, 0.0) if written is not None else None
     moving = any(r.phase in _MOVING for r in rows)
+    ready = _field(note, "ready", bool)
     return NodeReport(
         node=name,
-        taint=_has_taint(taints, str(note.get("taint") or DEFAULT_STARTUP_TAINT_KEY)),
-        ready=bool(note.get("ready")),
-        written_at=note.get("at"),
+        taint=_has_taint(taints, _field(note, "taint", str) or DEFAULT_STARTUP_TAINT_KEY),
+        ready=bool(ready),
+        written_at=None if at is None else _text(at),
         age=age,
         stale=moving and age is not None and age > STALE_AFTER,
         models=rows,
     )
 
 
-def _parse_note(raw: str) -> dict[str, Any] | None:
-    try:
-        note = json.loads(raw)
-    except ValueError:
-        return None
-    if not isinstance(note, dict) or note.get("v") != NOTE_VERSION:
-        return None
+def _parse_note(raw: object) -> dict[str, Any]:
+    if not isinstance(raw, str):
+        raise _BadNote(f"a {type(raw).__name__}, not a string")
+    note = load_json(raw, where="the note", max_bytes=MAX_NOTE_BYTES, error=_BadNote)
+    if not isinstance(note, dict):
+        raise _BadNote("not a JSON object")
+    if note.get("v") != NOTE_VERSION:
+        raise _BadNote(f"not version {NOTE_VERSION}")
     return note
 
 
-def _model_row(entry: Mapping[str, Any], labels: Mapping[str, str], prefix: str) -> ModelRow:
-    name = str(entry.get("name", "?"))
+def _field(entry: Mapping[str, Any], key: str, kind: type[T]) -> T | None:
+    """``entry[key]`` when it is a ``kind`` (None when absent or null); _BadNote otherwise."""
+    value = entry.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise _BadNote(f"{key} is a {type(value).__name__}, not a {kind.__name__}")
+    return value
+
+
+def _model_row(index: int, entry: object, labels: Mapping[str, Any], prefix: str) -> ModelRow:
+    if not isinstance(entry, dict):
+        raise _BadNote(f"models[{index}] is a {type(entry).__name__}, not an object")
     try:
-        labelled = labels.get(label_key(prefix, name)) == READY_VALUE
-    except ValueError:  # an empty name, or a prefix that is not one
-        labelled = False
-    return ModelRow(
-        name=name,
-        phase=str(entry.get("phase", "?")),
-        done=_int(entry.get("done")),
-        total=_int(entry.get("total")),
-        rate=_int(entry.get("rate")),
-        eta=_int(entry.get("eta")),
-        labelled=labelled,
-        reason=entry.get("reason"),
-    )
+        name = _field(entry, "name", str) or "?"
+        try:
+            labelled = labels.get(label_key(prefix, name)) == READY_VALUE
+        except ValueError:  # an empty name, or a prefix that is not one
+            labelled = False
+        return ModelRow(
+            name=_text(name),
+            phase=_text(_field(entry, "phase", str) or "?"),
+            done=_count(entry, "done"),
+            total=_count(entry, "total"),
+            rate=_count(entry, "rate"),
+            eta=_count(entry, "eta"),
+            labelled=labelled,
+            reason=None if entry.get("reason") is None else _text(_field(entry, "reason", str)),
+        )
+    except _BadNote as exc:
+        raise _BadNote(f"models[{index}].{exc}") from None
 
 
-def _int(value: object) -> int | None:
-    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+def _count(entry: Mapping[str, Any], key: str) -> int | None:
+    """A byte count, rate or number of seconds: a whole number from 0 to 2**63."""
+    value = entry.get(key)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < _MAX_COUNT:
+        raise _BadNote(f"{key} is {_text(repr(value))[:40]}, not a count")
+    return value
+
+
+def _text(value: object) -> str:
+    """A name, phase or reason from the note, bounded and safe for a terminal (control
+    characters, escapes and bidi overrides escaped: nothing forges a row or moves the cursor)."""
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) > _MAX_TEXT:
+        text = text[:_MAX_TEXT] + "..."
+    return printable(text)
 
 
 def _has_taint(taints: list[Any], key: str) -> bool:
@@ -262,7 +325,7 @@ def table(reports: list[NodeReport]) -> list[str]:
     for report in reports:
         head = (report.node, _yes_no(report.ready), "on" if report.taint else "off")
         if report.problem is not None:
-            rows.append((*head, f"({report.problem})", "", "", "", "", "", ""))
+            rows.append((*head, f"({printable(report.problem)})", "", "", "", "", "", ""))
             continue
         age = _duration(report.age) + (" stale" if report.stale else "")
         for m in report.models:

@@ -108,6 +108,7 @@ class Agent:
         tick: float = 1.0,
         handle_signals: bool = False,
         exit_on_stuck: bool = False,
+        gpu_product: str | None = None,
     ) -> None:
         if config_path is None and config is None:
             raise ValueError("give config_path or config")
@@ -121,7 +122,7 @@ class Agent:
         self.warming = WarmingStory(self.events)
         self._warming = False  # a warming episode began; until every required model is ready
         self._config_file = ConfigFile(
-            config_path, self.metrics, cache_dir=cache_dir, listen=listen
+            config_path, self.metrics, cache_dir=cache_dir, listen=listen, gpu_product=gpu_product
         )
         self._sources = SourceOpener(s3_client, hub)
         self._tick = tick

@@ -25,6 +25,7 @@ from prefetch.metrics import MetricsSink
 from prefetch.retry import RetryPolicy
 from prefetch.spec import ModelSpec
 from prefetch.sync import SyncResult
+from prefetch.warm import WarmReport
 
 
 def failure_reason(exc: BaseException) -> str:
@@ -94,6 +95,13 @@ class ModelState:
     last_change: SyncResult | None = None
     #: The source that served the last successful sync (a mirror, the Hub, the S3 prefix).
     served_by: str | None = None
+    #: Page-cache warm-up (``warmPageCache``): running now, the last one's report, and the
+    #: revision it warmed (once per revision and agent process: a restarted node is cold).
+    warming: bool = False
+    warm: WarmReport | None = None
+    warmed_revision: str | None = None
+    #: A ``compileCaches`` entry with nothing published under its key yet (ready all the same).
+    nothing_published: bool = False
 
     @property
     def syncing(self) -> bool:

@@ -99,7 +99,16 @@ def model_status(ms: ModelState, now: float) -> JsonObject:
         "failures": ms.failures,
         "last_success": iso_utc(ms.last_success),
         "last_sync": _last_sync(ms),
+        "warm": _warm(ms),
+        "nothing_published": ms.nothing_published,
     }
+
+
+def _warm(ms: ModelState) -> JsonObject | None:
+    """The page-cache warm-up (``warmPageCache``): running, or how the last one went."""
+    if ms.warming:
+        return {"state": "warming"}
+    return ms.warm.to_json() if ms.warm is not None else None
 
 
 def _last_sync(ms: ModelState) -> JsonObject | None:
@@ -111,20 +120,33 @@ def _last_sync(ms: ModelState) -> JsonObject | None:
         "revision": result.revision,
         "seconds": result.seconds,
         "bytes_downloaded": result.bytes_downloaded,
-        "phases": result.timings.to_json(),
+        "phases": {**result.timings.to_json(), **_warm_phase(ms, result.revision)},
     }
+
+
+def _warm_phase(ms: ModelState, revision: str) -> dict[str, float]:
+    """The ``warm`` phase of the sync that fetched ``revision``, once its warm-up ran."""
+    if ms.warm is None or ms.warmed_revision != revision:
+        return {}
+    return {"warm": round(ms.warm.seconds, 3)}
 
 
 def _detail(ms: ModelState, now: float, remaining: int | None, files_left: int | None) -> str:
     """What a person reading /readyz wants to know about the model, in one line."""
     sink = ms.sink
+    if ms.ready and ms.nothing_published and not ms.last_error:
+        return "no compile cache published for this key yet (vLLM compiles from scratch)"
     if ms.ready:
         detail = "verified copy in the cache"
         if ms.phase is ModelPhase.UPDATING:
             detail += f"; updating: {format_bytes(remaining or 0)} to fetch"
+        elif ms.warming:
+            detail += "; warming the page cache"
         elif ms.last_error:
             detail += f"; last refresh failed: {ms.last_error}"
         return detail
+    if ms.warming:
+        return "warming the page cache (gateOnWarm)"
     if ms.phase is ModelPhase.SYNCING:
         if remaining is not None and sink is not None and sink.total:
             detail = f"downloading: {format_bytes(remaining)} left in {files_left} file(s)"

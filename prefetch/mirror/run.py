@@ -30,6 +30,7 @@ from prefetch.mirror_format import (
     ref_key,
     refs_prefix,
     snapshot_key,
+    snapshots_prefix,
 )
 from prefetch.progress import NullProgress, ProgressSink
 from prefetch.redact import redact
@@ -120,6 +121,7 @@ def mirror_hub(
     result.repo_id, result.commit = repo_id, snapshot.revision_id
     result.ref = spec.revision or "main"
     result.commits = [snapshot.revision_id]
+    _refuse_another_repo(dest, repo_id)
     entries = _hub_blobs(snapshot.files, dest, str(spec.source))
     result.files = len(entries)
     blobs = list({b.id: b for _, b in entries}.values())
@@ -185,6 +187,8 @@ def mirror_s3(
             f"{src.url(src.prefix)} mirrors several repos ({', '.join(repos)}); a mirror prefix "
             "holds one"
         )
+    if repos:
+        _refuse_another_repo(dest, repos[0])
     refs = _read_refs(src, listing)
     blobs: dict[str, _Blob] = {}
     for commit, _ in commits.values():
@@ -286,6 +290,29 @@ def _stored_crc(blob: _Blob) -> str:
 
 
 # -- metadata ------------------------------------------------------------------------------------
+
+
+def _refuse_another_repo(dest: S3Prefix, repo_id: str) -> None:
+    """Refuse, before writing anything, a destination prefix holding another repo's mirror:
+    a second repo's commits and refs there would repoint ``refs/main`` and break the first
+    repo's pulls. The writer never mixes repos, so any one commit's metadata names the repo."""
+    snapshots = S3Prefix(dest.client, dest.bucket, snapshots_prefix(dest.prefix))
+    for o in snapshots.list_objects():
+        if not _is_snapshot(ListedObject("snapshots/" + o.path, o.key, o.size, o.etag)):
+            continue
+        body = dest.get_bytes(o.key)
+        if body is None:
+            continue  # deleted since the listing
+        try:
+            there = parse_mirror_commit(body, where=dest.url(o.key)).repo_id
+        except InvalidListingError:
+            continue  # unreadable: replaced if it is this commit's (see _write_commit)
+        if there.casefold() != repo_id.casefold():
+            raise InvalidListingError(
+                f"{dest.url(dest.prefix)} holds the mirror of {there}; not mirroring {repo_id} "
+                "there (a mirror prefix holds one repo: choose another prefix)"
+            )
+        return
 
 
 def _write_commit(dest: S3Prefix, commit: MirrorCommit, body: bytes) -> None:

@@ -22,6 +22,7 @@ from prefetch import verify
 from prefetch.errors import BucketNotFoundError, PrefetchError, SourceError
 from prefetch.retry import RetryPolicy, call_with_retries
 from prefetch.sources.s3 import translate
+from prefetch.sources.s3_xml import ListingPages, listed_objects
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -163,6 +164,7 @@ class S3Prefix:
         """Every object under the prefix (folder markers left out), in key order."""
         found: list[ListedObject] = []
         token: dict[str, str] = {}
+        pages = ListingPages(self.url(self.prefix))
         while True:
             page = self._call(
                 f"listing {self.url(self.prefix)}",
@@ -170,15 +172,16 @@ class S3Prefix:
                 Prefix=self.prefix,
                 **token,
             )
-            for obj in page.get("Contents", []):
+            for obj in listed_objects(page, self.url(self.prefix)):
                 key = str(obj["Key"])
                 rel = key[len(self.prefix) :]
                 if rel and not rel.endswith("/"):
                     etag = str(obj.get("ETag", "")).strip('"')
                     found.append(ListedObject(rel, key, int(obj["Size"]), etag))
-            if not page.get("IsTruncated"):
+            next_token = pages.next_token(page)
+            if next_token is None:
                 return sorted(found, key=lambda o: o.key)
-            token = {"ContinuationToken": str(page["NextContinuationToken"])}
+            token = {"ContinuationToken": next_token}
 
     def put_small(self, key: str, body: bytes) -> None:
         """PutObject of a small body (metadata, a ref) with its CRC64NVME."""

@@ -41,6 +41,7 @@ from prefetch.errors import (
 )
 from prefetch.redact import redact
 from prefetch.sources.base import range_answer_problem, shutdown_socket_of
+from prefetch.sources.proxy_auth import proxy_failure, proxy_headers
 
 #: A redirect's body is read (so its connection goes back to the pool) only up to this size.
 DRAIN_LIMIT = 64 * 1024
@@ -142,7 +143,9 @@ class ProxyRouter:
         self._direct = direct
         self._proxies = proxies
         self._proxied = {
-            url: watched_pools(urllib3.ProxyManager(url, **kwargs))
+            url: watched_pools(
+                urllib3.ProxyManager(url, proxy_headers=proxy_headers(url), **kwargs)
+            )
             for url in set(proxies.by_scheme.values())
         }
 
@@ -276,7 +279,8 @@ def transport_error(exc: BaseException, what: str) -> SourceError:
     if isinstance(exc, urllib3.exceptions.SSLError):
         return SourceError(f"{what}: TLS error: {exc}")
     if isinstance(exc, urllib3.exceptions.ProxyError):
-        return TransientSourceError(f"{what}: proxy error: {exc}")
+        reason, transient = proxy_failure(exc)
+        return (TransientSourceError if transient else SourceError)(f"{what}: {reason}")
     if isinstance(exc, urllib3.exceptions.HTTPError | http.client.HTTPException | OSError):
         return TransientSourceError(f"{what}: {type(exc).__name__}: {exc}")
     return SourceError(f"{what}: {type(exc).__name__}: {exc}")

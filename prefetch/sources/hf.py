@@ -29,7 +29,6 @@ appears in a message, and neither do the signed query strings of CDN URLs.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import re
 import sys
@@ -58,6 +57,7 @@ from prefetch.errors import (
     TransientSourceError,
 )
 from prefetch.retry import RetryPolicy, call_with_retries
+from prefetch.safejson import load_json
 from prefetch.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.sources._http import (
     BodyReader,
@@ -75,6 +75,7 @@ from prefetch.sources._http import (
     transport_error,
     watched_pools,
 )
+from prefetch.sources.status_text import header_problem
 from prefetch.spec import ModelSpec, SourceURI
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ _TOKEN_HINT = "pass --token, set HF_TOKEN, or log in with `hf auth login` (token
 #: The headers of a metadata call (the token is added per request, on the endpoint's origin only).
 _API_HEADERS = {"User-Agent": USER_AGENT, "Accept": "application/json", "Accept-Encoding": "gzip"}
 #: A metadata answer larger than this is refused (a page of the tree is ~0.3 MB for 1000 files).
-_MAX_API_BODY = 64 * 1024 * 1024
+_MAX_API_BODY = _BODY = 64 * 1024 * 1024
 _NEXT_LINK = re.compile(r'<([^>]*)>\s*;[^,]*?\brel\s*=\s*"?next"?', re.IGNORECASE)
 
 
@@ -457,12 +458,7 @@ class HubSource:
             discard(resp)
             raise error
         body = _read_api_body(resp, url, what)
-        try:
-            value = json.loads(body)
-        except ValueError as exc:
-            raise SourceError(
-                f"{what}: the answer of {redact_url(url)} is not JSON ({exc})"
-            ) from exc
+        value = load_json(body, where=f"{what}: the answer of {redact_url(url)}", max_bytes=_BODY)
         return value, _next_page(resp.headers.get("Link"), url, what)
 
     def _remote_file(self, entry: _TreeFile, commit: str) -> RemoteFile:
@@ -564,9 +560,14 @@ class HubSource:
                 self._http, "GET", url, headers=headers, timeout=self._timeout, decode=decode,
                 credentials=token, credentials_origin=self._endpoint,
             )  # fmt: skip
-            return answer.raw
+            resp = answer.raw
         except Exception as exc:
             raise transport_error(exc, what) from exc
+        problem = header_problem(resp)
+        if problem is not None:  # its body would be read until the server closes
+            discard(resp)
+            raise SourceError(f"{what}: the answer of {redact_url(url)} {problem}")
+        return resp
 
     def _check_pins(self, file: RemoteFile, resp: Any, url: str, what: str) -> None:
         """The response (a redirect or the bytes) is for the commit and blob we listed."""

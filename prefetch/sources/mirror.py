@@ -45,6 +45,7 @@ from prefetch.retry import RetryPolicy
 from prefetch.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.sources.base import RangeReader
 from prefetch.sources.s3 import S3Source
+from prefetch.sources.s3_xml import listed_objects
 from prefetch.spec import ModelSpec, SourceURI
 
 log = logging.getLogger(__name__)
@@ -160,16 +161,16 @@ class MirrorSource:
         """Every ref the mirror holds, sorted (at most the first 1000)."""
         start = refs_prefix(self._uri.path)
         page = self._objects.list_page(f"listing {self._where(start)}", Prefix=start, MaxKeys=1000)
-        return sorted(str(o["Key"])[len(start) :] for o in page.get("Contents", []))
+        return sorted(str(o["Key"])[len(start) :] for o in listed_objects(page, self.uri))
 
     def is_mirror(self) -> bool:
         """Does the prefix hold a mirrored commit (a ``snapshots/<40 hex>.json`` object)? A
         copy of a Hugging Face cache folder has ``snapshots/<commit>/...`` instead: not one."""
         start = snapshots_prefix(self._uri.path)
         page = self._objects.list_page(
-            f"listing {self._where(start)}", Prefix=start, Delimiter="/", MaxKeys=100
+            f"listing {self.uri}", Prefix=start, Delimiter="/", MaxKeys=100
         )
-        names = (str(o["Key"])[len(start) :] for o in page.get("Contents", []))
+        names = (str(o["Key"])[len(start) :] for o in listed_objects(page, self.uri))
         return any(n.endswith(".json") and is_commit(n.removesuffix(".json")) for n in names)
 
     def _where(self, key: str) -> str:

@@ -60,6 +60,8 @@ from prefetch.sources.s3_direct import (
     profile_section,
     sends_as_signed,
 )
+from prefetch.sources.s3_xml import ListingPages, listed_objects
+from prefetch.sources.status_text import bare_status
 from prefetch.spec import SIDECAR_MANIFEST, ModelSpec, SourceURI
 from prefetch.verify import STRENGTH
 
@@ -296,6 +298,8 @@ def translate(exc: Exception, what: str) -> Exception:
 def _transport_or_other(exc: Exception, what: str) -> SourceError:
     """A failure that is not botocore's: urllib3's and http.client's (and socket errors) are
     transient, anything else a SourceError naming it."""
+    if isinstance(exc, urllib3.exceptions.ProxyError):
+        return transport_error(exc, what)
     if isinstance(
         exc,
         urllib3.exceptions.HTTPError | http.client.HTTPException | ConnectionError | TimeoutError,
@@ -375,6 +379,8 @@ def answer_error(what: str, answer: Response, *, has_body: bool) -> SourceError:
     """The error of an S3 error answer, as :func:`translate` makes it of botocore's (plus the
     server's Retry-After on a transient one: S3 throttling may send it)."""
     code, msg = error_code_and_message(answer, has_body=has_body)
+    if code == msg == str(answer.status):  # no S3 error document: say what the status means
+        msg = bare_status(answer.status, answer.headers)
     if code == "NoSuchBucket":
         return BucketNotFoundError(f"{what}: bucket does not exist")
     error = _client_error(what, code, answer.status, msg)
@@ -544,12 +550,13 @@ class S3Source:
         sidecar: RemoteFile | None = None
         seen_any = False
         token: str | None = None
+        pages = ListingPages(where)
         while True:
             kwargs: dict[str, Any] = {"Prefix": prefix, "MaxKeys": 1000}
             if token:
                 kwargs["ContinuationToken"] = token
             page = self.list_page(f"listing {where}", **kwargs)
-            for obj in page.get("Contents", []):
+            for obj in listed_objects(page, where):
                 key: str = obj["Key"]
                 rel = key[len(prefix) :]
                 if not rel or rel.endswith("/"):
@@ -565,9 +572,9 @@ class S3Source:
                     sidecar = remote
                 elif spec.wants(rel):
                     files.append(remote)
-            if not page.get("IsTruncated"):
+            token = pages.next_token(page)
+            if token is None:
                 break
-            token = page.get("NextContinuationToken")
         if not seen_any:
             raise NoMatchingFilesError(f"no objects under {where}")
         if not files:

@@ -7,7 +7,7 @@ plain static keys of the environment or of the client's settings (``AWS_ACCESS_K
 ``AWS_SECRET_ACCESS_KEY`` [/ ``AWS_SESSION_TOKEN``]: botocore's first provider, which wins over
 every other), ListObjectsV2 and the object GETs and HEADs are signed here (SigV4,
 ``hashlib``/``hmac``), sent on the shared urllib3 pool (with the source's proxy), and the
-listing's XML parsed with ``xml.etree``. Anything else (a profile, IRSA, IMDS, a CA bundle,
+listing's XML parsed by ``s3_xml``. Anything else (a profile, IRSA, IMDS, a CA bundle,
 FIPS or dual-stack endpoints, an access point ARN...) leaves :func:`direct_settings` returning
 None, and botocore lists (and signs the object requests: :mod:`prefetch.sources.s3_botocore`).
 The botocore client is only created when something needs it,
@@ -27,14 +27,14 @@ import hashlib
 import hmac
 import os
 import re
-import xml.etree.ElementTree as ET
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
-from urllib.parse import SplitResult, quote, unquote_plus, urlsplit
+from urllib.parse import SplitResult, quote, urlsplit
 
 from prefetch import __version__, settings
 from prefetch.sources._http import HttpClient, Response, send
+from prefetch.sources.s3_xml import parse_list_page
 
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 _USER_AGENT = f"model-prefetch/{__version__}"
@@ -181,48 +181,6 @@ def bucket_base_url(bucket: str, endpoint_url: str | None, region: str) -> str:
     if _VIRTUAL_HOSTABLE.match(bucket):
         return f"https://{bucket}.s3.{region}.amazonaws.com/"
     return f"https://s3.{region}.amazonaws.com/{bucket}/"
-
-
-def _local(tag: str) -> str:
-    return tag.rsplit("}", 1)[-1]
-
-
-def parse_list_page(body: bytes) -> dict[str, Any]:
-    """A ListObjectsV2 answer (``encoding-type=url``) in botocore's shape: ``Contents`` (Key,
-    Size, ETag), ``CommonPrefixes``, ``IsTruncated``, ``NextContinuationToken``, keys decoded."""
-    root = ET.fromstring(body)  # the configured endpoint's answer, size-bounded
-    if _local(root.tag) != "ListBucketResult":
-        raise ValueError(f"not a ListBucketResult: <{_local(root.tag)}>")
-    encoded = False
-    page: dict[str, Any] = {"Contents": [], "CommonPrefixes": [], "IsTruncated": False}
-    for child in root:
-        name = _local(child.tag)
-        if name == "EncodingType":
-            encoded = (child.text or "").strip().lower() == "url"
-    decode: Callable[[str], str] = unquote_plus if encoded else (lambda s: s)
-    for child in root:
-        name = _local(child.tag)
-        if name == "Contents":
-            fields = {_local(c.tag): c.text or "" for c in child}
-            page["Contents"].append(
-                {
-                    "Key": decode(fields["Key"]),
-                    "Size": int(fields.get("Size") or 0),
-                    "ETag": fields.get("ETag", ""),
-                }
-            )
-        elif name == "CommonPrefixes":
-            for c in child:
-                if _local(c.tag) == "Prefix":
-                    page["CommonPrefixes"].append({"Prefix": decode(c.text or "")})
-        elif name == "IsTruncated":
-            page["IsTruncated"] = (child.text or "").strip().lower() == "true"
-        elif name == "NextContinuationToken":
-            page["NextContinuationToken"] = child.text or ""
-    if page["IsTruncated"] and not page.get("NextContinuationToken"):
-        # listing on from nothing would list the first page again, for ever
-        raise ValueError("a truncated listing page without a continuation token")
-    return page
 
 
 class S3Bucket:

@@ -1,0 +1,78 @@
+"""``prefetch cache``: compile caches (see :mod:`prefetch.compile_cache`).
+
+``prefetch cache key ...`` prints the key for a vLLM build, model, revision, TP size and GPU;
+``prefetch cache push DIR s3://bucket/prefix/<key>`` publishes a finished cache once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from prefetch.compile_cache import DEFAULT_SETTLE, CacheKey, push
+
+
+@click.group("cache")
+def cache() -> None:
+    """Compile caches shared by the fleet (vLLM's VLLM_CACHE_ROOT)."""
+
+
+@cache.command("key")
+@click.option("--vllm", required=True, help="vLLM image digest (sha256:...) or version.")
+@click.option("--model", required=True, help="The model's name or repo id.")
+@click.option("--revision", required=True, help="The model's revision (commit).")
+@click.option("--tensor-parallel", default=1, show_default=True, type=click.IntRange(min=1))
+@click.option("--gpu-product", required=True, help="The node label nvidia.com/gpu.product.")
+@click.option("--torch", "torch_version", default=None, help="torch version, when pinned.")
+@click.option("--cuda", "cuda_version", default=None, help="CUDA version, when pinned.")
+@click.option("--json", "as_json", is_flag=True, help="Print the key and its fields as JSON.")
+def key_cmd(
+    vllm: str,
+    model: str,
+    revision: str,
+    tensor_parallel: int,
+    gpu_product: str,
+    torch_version: str | None,
+    cuda_version: str | None,
+    as_json: bool,
+) -> None:
+    """Print the cache key (the last segment of the cache's S3 prefix)."""
+    key = CacheKey(
+        vllm=vllm, model=model, revision=revision, tensor_parallel=tensor_parallel,
+        gpu_product=gpu_product, torch=torch_version, cuda=cuda_version,
+    )  # fmt: skip
+    if as_json:
+        click.echo(json.dumps({"key": key.key, "fields": key.fields()}, sort_keys=True))
+    else:
+        click.echo(key.key)
+
+
+@cache.command("push")
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.argument("uri")
+@click.option("--endpoint-url", envvar="AWS_ENDPOINT_URL", help="S3 endpoint (default: AWS).")
+@click.option(
+    "--settle",
+    default=DEFAULT_SETTLE,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Seconds to watch the files for changes before uploading.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON result on stdout.")
+def push_cmd(
+    directory: Path, uri: str, endpoint_url: str | None, settle: float, as_json: bool
+) -> None:
+    """Publish the finished compile cache DIRECTORY at URI (s3://bucket/prefix/<key>), unless
+    one is there already: the first writer wins, nothing is overwritten."""
+    from prefetch.sources.s3 import make_s3_client
+
+    client = make_s3_client(endpoint_url=endpoint_url)
+    result = push(client, directory, uri, settle=settle)
+    if as_json:
+        click.echo(json.dumps(result.to_json(), sort_keys=True))
+    elif result.uploaded:
+        click.echo(f"{uri}: published {result.files} file(s), {result.bytes} bytes")
+    else:
+        click.echo(f"{uri}: not uploaded ({result.reason})")

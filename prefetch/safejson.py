@@ -1,0 +1,92 @@
+"""JSON from outside, read with bounds: size, nesting depth, and numbers that are numbers.
+
+The standard library's :func:`json.loads` accepts ``NaN``/``Infinity``, turns ``1e999`` into
+``inf``, and recurses once per nesting level, so a document of ten thousand ``[`` ends in a
+``RecursionError``. Hub answers, a mirror's metadata and the agent's node annotation are written
+by someone else: :func:`load_json` reads them into plain values or raises one error naming the
+document (``where``) and what is wrong with it. Hand-written because no well-kept library offers
+a depth bound on the standard parser (orjson's is fixed at 1024 and it is not a dependency): the
+depth is checked by one regular-expression pass over the text before parsing it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+from prefetch.errors import PrefetchError, SourceError
+
+__all__ = ["MAX_DEPTH", "load_json"]
+
+#: Deeper than anything the Hub, a mirror or the agent writes (they nest 3 or 4 levels).
+MAX_DEPTH = 32
+#: Strings (with their escapes) and the brackets outside them.
+_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
+
+
+class _Refused(ValueError):
+    """A value the document may not hold (raised from the parser's hooks)."""
+
+
+def load_json(
+    data: bytes | str,
+    *,
+    where: str,
+    max_bytes: int,
+    max_depth: int = MAX_DEPTH,
+    error: type[PrefetchError] = SourceError,
+) -> Any:
+    """``data`` parsed, or ``error("<where>: ...")`` when it is larger than ``max_bytes``,
+    nested deeper than ``max_depth``, not JSON, or holds NaN, an infinity or an out-of-range
+    number."""
+    if len(data) > max_bytes:
+        raise error(f"{where} is {len(data)} bytes of JSON, more than the {max_bytes} allowed")
+    try:
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
+    except UnicodeDecodeError as exc:
+        raise error(f"{where} is not JSON (not UTF-8: {exc.reason} at byte {exc.start})") from None
+    depth = _depth(text)
+    if depth > max_depth:
+        raise error(f"{where} is JSON nested {depth} deep, more than the {max_depth} allowed")
+    try:
+        return json.loads(text, parse_constant=_constant, parse_float=_float, parse_int=_int)
+    except _Refused as exc:
+        raise error(f"{where} is not JSON ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise error(
+            f"{where} is not JSON ({exc.msg}: line {exc.lineno} column {exc.colno})"
+        ) from None
+    except (ValueError, RecursionError) as exc:
+        raise error(f"{where} is not JSON ({type(exc).__name__})") from None
+
+
+def _depth(text: str) -> int:
+    """The deepest bracket nesting outside strings (unbalanced text is left to the parser)."""
+    depth = deepest = 0
+    for match in _TOKENS.finditer(text):
+        token = match.group()
+        if token in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif token in "]}":
+            depth -= 1
+    return deepest
+
+
+def _constant(name: str) -> Any:
+    raise _Refused(f"{name} is no JSON number")
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _Refused(f"the number {text[:40]} is out of range")
+    return value
+
+
+def _int(text: str) -> int:
+    if len(text) > 40:  # far beyond any size, time or count; int() of it costs quadratic time
+        raise _Refused(f"the number {text[:40]}... is out of range")
+    return int(text)

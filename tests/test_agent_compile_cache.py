@@ -1,0 +1,155 @@
+"""The agent's ``compileCaches`` entries: the key in the config, a missing entry that is not an
+error, a half-pushed one that is not pulled, and a published one pulled through the engine into
+``<cacheDir>/models/<name>/`` (against the real local S3 server, SeaweedFS)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prefetch.agent.config import parse_config
+from prefetch.agent.node import NodeGate
+from prefetch.agent.reconcile import Agent
+from prefetch.compile_cache import CLAIM, GPU_PRODUCT_LABEL, CacheKey, push
+from prefetch.errors import ConfigError
+from tests.fakes.k8s_stub import KubeStub, running_stub
+from tests.support import AgentThread, config_text, model_status, put, wait_for
+
+from .test_compile_cache import tree, vllm_cache
+
+ENTRY = {
+    "name": "llama-compile",
+    "source": "s3://bkt/compile-cache/",
+    "target": "vllm",
+    "vllm": "vllm/vllm-openai:v0.18.0",
+    "model": "hugging-quants/Meta-Llama-3.1-70B-Instruct-AWQ-INT4",
+    "revision": "a" * 40,
+    "tensorParallelSize": 4,
+    "gpuProduct": "NVIDIA-A10G",
+}
+
+
+@pytest.fixture
+def stub() -> Iterator[KubeStub]:
+    yield from running_stub()
+
+
+KEY = CacheKey(
+    vllm="vllm/vllm-openai:v0.18.0",
+    model="hugging-quants/Meta-Llama-3.1-70B-Instruct-AWQ-INT4",
+    revision="a" * 40,
+    tensor_parallel=4,
+    gpu_product="NVIDIA-A10G",
+)
+
+
+def test_a_compile_cache_entry_is_a_model_at_its_key() -> None:
+    config = parse_config(config_text(Path("/c"), [], compileCaches=[ENTRY]))
+    [spec] = config.models
+    assert spec.name == "llama-compile"
+    assert str(spec.source) == f"s3://bkt/compile-cache/{KEY.key}/"
+    assert spec.required is False  # unless required: true
+    assert config.is_compile_cache("llama-compile")
+    tp8 = parse_config(
+        config_text(Path("/c"), [], compileCaches=[{**ENTRY, "tensorParallelSize": 8}])
+    )
+    assert str(tp8.models[0].source) != str(spec.source)
+
+
+def test_an_entry_without_gpu_product_is_keyed_by_the_node_s() -> None:
+    entry = {k: v for k, v in ENTRY.items() if k != "gpuProduct"}
+    config = parse_config(config_text(Path("/c"), [], compileCaches=[entry]))
+    assert config.models == () and config.unkeyed_compile_caches == ("llama-compile",)
+    on_a10g = config.with_overrides(gpu_product="NVIDIA-A10G")
+    [spec] = on_a10g.models
+    assert str(spec.source) == f"s3://bkt/compile-cache/{KEY.key}/"
+    assert on_a10g.unkeyed_compile_caches == () and on_a10g.is_compile_cache("llama-compile")
+    on_h100 = config.with_overrides(gpu_product="NVIDIA-H100-80GB-HBM3")
+    assert on_h100.models[0].source != spec.source
+    # a configured gpuProduct wins over the node's
+    fixed = parse_config(config_text(Path("/c"), [], compileCaches=[ENTRY]))
+    assert fixed.with_overrides(gpu_product="NVIDIA-H100-80GB-HBM3").models == fixed.models
+
+
+def test_the_node_gate_reads_the_gpu_product_label(stub: KubeStub) -> None:
+    stub.add_node("gpu-1", labels={GPU_PRODUCT_LABEL: "NVIDIA-A10G"})
+    stub.add_node("cpu-1", labels={})
+    assert NodeGate(stub.client(), "gpu-1").label(GPU_PRODUCT_LABEL) == "NVIDIA-A10G"
+    assert NodeGate(stub.client(), "cpu-1").label(GPU_PRODUCT_LABEL) is None
+
+
+def test_outside_a_cluster_the_agent_knows_no_gpu_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    from prefetch.agent.cli import _node_gpu_product
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert _node_gpu_product("gpu-1") is None
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"vllm": None}, "compileCaches[0].vllm: missing"),
+        ({"target": "sglang"}, "compileCaches[0].target: only vllm"),
+        ({"source": "hf://org/name"}, "compileCaches[0].source: expected s3://"),
+        ({"tensorParallelSize": 0}, "compileCaches[0].tensorParallelSize"),
+        ({"colour": "blue"}, "compileCaches[0].colour: unknown key"),
+        ({"name": "m"}, "compileCaches[0].name: 'm' is also a model's name"),
+    ],
+)
+def test_bad_compile_cache_entries_are_rejected(change: dict[str, Any], message: str) -> None:
+    entry = {k: v for k, v in {**ENTRY, **change}.items() if v is not None}
+    text = config_text(Path("/c"), [{"name": "m", "source": "s3://bkt/m"}], compileCaches=[entry])
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config(text)
+
+
+def test_the_agent_pulls_a_compile_cache_once_it_is_published_and_not_before(
+    s3_client: Any, bucket: str, tmp_path: Path
+) -> None:
+    # no gpuProduct: keyed by the node's (here given as the agent's --gpu-product)
+    entry = {k: v for k, v in ENTRY.items() if k != "gpuProduct"}
+    entry.update(source=f"s3://{bucket}/compile-cache/", required=True)
+    prefix = f"compile-cache/{KEY.key}/"
+    config = tmp_path / "models.yaml"
+    cache = tmp_path / "cache"
+    config.write_text(config_text(cache, [], compileCaches=[entry], resolveInterval="1s"))
+    agent = Agent(config, s3_client=s3_client, serve=False, tick=0.2, gpu_product="NVIDIA-A10G")
+    target = cache / "models" / "llama-compile"
+    with AgentThread(agent):
+        # nothing under the key: the first node of its kind; ready, so the gate opens
+        wait_for(
+            lambda: model_status(agent, "llama-compile").get("ready"), "ready", dump=agent.status
+        )
+        status = model_status(agent, "llama-compile")
+        assert status["nothing_published"] and "no compile cache published" in status["detail"]
+        assert status["failures"] == 0 and status["last_error"] is None
+        assert agent.readiness()[0] == 200
+
+        # a push in progress (its claim and one file, no completion marker): not pulled
+        put(s3_client, bucket, prefix + CLAIM, b"{}")
+        put(s3_client, bucket, prefix + "torch_compile_cache/x/half", b"half")
+        passes = agent.passes
+        wait_for(lambda: agent.passes > passes + 10, "a few passes")
+        assert model_status(agent, "llama-compile")["nothing_published"]
+        assert not (target / "torch_compile_cache").exists()
+        s3_client.delete_object(Bucket=bucket, Key=prefix + CLAIM)
+        s3_client.delete_object(Bucket=bucket, Key=prefix + "torch_compile_cache/x/half")
+
+        # node A publishes; this node pulls it, verified, at the next resolve
+        node_a = tmp_path / "node-a"
+        files = vllm_cache(node_a)
+        assert push(s3_client, node_a, f"s3://{bucket}/{prefix}", key=KEY, settle=0).uploaded
+        wait_for(
+            lambda: not model_status(agent, "llama-compile").get("nothing_published"),
+            "the published cache",
+            timeout=60,
+            dump=agent.status,
+        )
+        status = model_status(agent, "llama-compile")
+        assert status["ready"] and status["detail"] == "verified copy in the cache"
+    pulled = tree(target)
+    assert {k: pulled[k] for k in files} == files
