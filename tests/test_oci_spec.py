@@ -87,3 +87,15 @@ def test_a_registry_host_may_name_an_env_var(monkeypatch):
     monkeypatch.delenv("NODE_IP")
     with pytest.raises(ConfigError, match=r"\$\{NODE_IP\} is not set"):
         parse_source_uri("oci://${NODE_IP}:30020")
+
+
+def test_a_hostile_manifest_document_is_one_error():
+    from prefetch.errors import InvalidListingError
+    from prefetch.sources.oci_manifest import parse_document
+
+    with pytest.raises(InvalidListingError, match="nested"):
+        parse_document(b"[" * 10_000, "reg/m@sha256:x")
+    with pytest.raises(InvalidListingError, match="more than"):
+        parse_document(b" " * (5 << 20), "reg/m@sha256:x")
+    with pytest.raises(InvalidListingError, match="not a JSON object"):
+        parse_document(b"[1]", "reg/m@sha256:x")

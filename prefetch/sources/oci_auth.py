@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import os
 import re
 import shutil
@@ -34,6 +33,7 @@ from urllib.parse import urlencode, urlsplit
 import urllib3
 
 from prefetch.errors import AccessDeniedError, ConfigError, SourceError
+from prefetch.safejson import load_json
 from prefetch.sources._http import HttpClient, discard, redact_url, status_error, transport_error
 
 #: Helpers are asked at most this long (a helper that prompts or hangs must not stop a pull).
@@ -69,10 +69,9 @@ def docker_credentials(registry: str, config_path: Path | None = None) -> Creden
         return None
     except OSError as exc:
         raise ConfigError(f"the docker config {path} cannot be read: {exc.strerror}") from exc
-    try:
-        config = json.loads(text)
-    except ValueError as exc:
-        raise ConfigError(f"the docker config {path} is not JSON: {exc}") from exc
+    config = load_json(
+        text, where=f"the docker config {path}", max_bytes=16 << 20, error=ConfigError
+    )
     if not isinstance(config, dict):
         raise ConfigError(f"the docker config {path} is not a JSON object")
     helpers = config.get("credHelpers")
@@ -144,10 +143,11 @@ def helper_credentials(helper: str, registry: str) -> Credentials | None:
         ) from exc
     if done.returncode != 0:
         return None  # "credentials not found in native keychain": anonymous, as docker does
+    what = f"credential helper {helper}: its answer"
+    data = load_json(done.stdout, where=what, max_bytes=1 << 20)
     try:
-        data = json.loads(done.stdout)
         user, secret = str(data["Username"]), str(data["Secret"])
-    except (ValueError, KeyError, TypeError) as exc:
+    except (KeyError, TypeError) as exc:
         raise SourceError(f"credential helper {helper}: an answer that is not its JSON") from exc
     if user == "<token>":
         return Credentials(user, secret, identity_token=True)
@@ -305,12 +305,7 @@ class RegistryAuth:
                 raise transport_error(exc, where) from exc
         finally:
             discard(resp)
-        if len(data) > _MAX_TOKEN_BODY:
-            raise SourceError(f"{where}: an answer larger than {_MAX_TOKEN_BODY} bytes")
-        try:
-            doc = json.loads(data)
-        except ValueError as exc:
-            raise SourceError(f"{where}: an answer that is not JSON") from exc
+        doc = load_json(data, where=f"{where}: the answer", max_bytes=_MAX_TOKEN_BODY)
         token = doc.get("token") or doc.get("access_token") if isinstance(doc, dict) else None
         if not isinstance(token, str) or not token:
             raise SourceError(f"{where}: no token in the answer")

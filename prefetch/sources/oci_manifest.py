@@ -14,11 +14,11 @@ layer count): a registry is not trusted to send what it was asked for.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from dataclasses import dataclass
 
 from prefetch.errors import InvalidListingError, SourceChangedError
+from prefetch.safejson import load_json
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -87,12 +87,7 @@ def is_model_type(media_type: str) -> bool:
 
 def parse_document(data: bytes, what: str) -> dict[str, object]:
     """A manifest or index as JSON (an object), bounded in size."""
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise InvalidListingError(f"{what}: larger than {MAX_MANIFEST_BYTES} bytes")
-    try:
-        doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidListingError(f"{what}: not a JSON manifest ({exc})") from exc
+    doc = load_json(data, where=what, max_bytes=MAX_MANIFEST_BYTES, error=InvalidListingError)
     if not isinstance(doc, dict):
         raise InvalidListingError(f"{what}: not a JSON object")
     return doc
