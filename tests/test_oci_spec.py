@@ -99,3 +99,18 @@ def test_a_hostile_manifest_document_is_one_error():
         parse_document(b" " * (5 << 20), "reg/m@sha256:x")
     with pytest.raises(InvalidListingError, match="not a JSON object"):
         parse_document(b"[1]", "reg/m@sha256:x")
+
+
+def test_registry_addresses(monkeypatch):
+    from prefetch.sources.oci import registry_base
+
+    monkeypatch.delenv("PREFETCH_OCI_PLAIN_HTTP", raising=False)
+    assert registry_base("ghcr.io") == "https://ghcr.io"
+    assert registry_base("127.0.0.1:5000") == "http://127.0.0.1:5000"
+    assert registry_base("localhost:5000") == "http://localhost:5000"
+    assert registry_base("[::1]:5000") == "http://[::1]:5000"
+    assert registry_base("docker.io") == "https://registry-1.docker.io"
+    assert registry_base("10.0.3.7:30020") == "https://10.0.3.7:30020"
+    monkeypatch.setenv("PREFETCH_OCI_PLAIN_HTTP", "10.0.3.7:30020, mirror.local")
+    assert registry_base("10.0.3.7:30020") == "http://10.0.3.7:30020"
+    assert registry_base("mirror.local:5000") == "http://mirror.local:5000"

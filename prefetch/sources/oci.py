@@ -75,6 +75,8 @@ log = logging.getLogger(__name__)
 
 USER_AGENT = f"model-prefetch/{__version__}"
 PLAIN_HTTP_ENV = "PREFETCH_OCI_PLAIN_HTTP"
+#: Docker Hub's names: its API is at registry-1.docker.io, its official images under library/.
+DOCKER_HUB = ("docker.io", "index.docker.io", "registry-1.docker.io")
 #: Where archive layers are unpacked before they are published (default: the temp folder).
 STAGING_ENV = "PREFETCH_OCI_STAGING"
 _REDIRECTS = (301, 302, 303, 307, 308)
@@ -84,6 +86,8 @@ _MAX_REDIRECTS = 5
 def registry_base(registry: str, plain_http: tuple[str, ...] = ()) -> str:
     """``http://`` for a loopback host or one listed in ``plain_http`` (or the environment's
     ``PREFETCH_OCI_PLAIN_HTTP``), else ``https://``; then the host."""
+    if registry in DOCKER_HUB:
+        return "https://registry-1.docker.io"
     listed = {h.strip().lower() for h in os.environ.get(PLAIN_HTTP_ENV, "").split(",") if h}
     listed |= set(plain_http)
     host = urlsplit(f"//{registry}").hostname or ""
@@ -109,7 +113,8 @@ class OciSource:
         namespace: str | None = None,
     ) -> None:
         self._uri = uri
-        self._repo = uri.path
+        hub_official = uri.location in DOCKER_HUB and "/" not in uri.path
+        self._repo = f"library/{uri.path}" if hub_official else uri.path
         #: a mirror's ``?ns=<origin registry>`` (what containerd sends a mirror: Spegel needs it)
         self._query = f"?ns={namespace}" if namespace else ""
         self._base = registry_base(uri.location, plain_http)
