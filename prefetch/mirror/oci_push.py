@@ -36,6 +36,7 @@ from prefetch.snapshot import RemoteFile, Snapshot
 from prefetch.sources._http import (
     HttpClient,
     discard,
+    origin_of,
     redact_url,
     release_small_body,
     status_error,
@@ -96,8 +97,9 @@ class RegistryWriter:
     ) -> Any:  # fmt: skip
         for attempt in (1, 2):
             sent = {"User-Agent": USER_AGENT, **(headers or {})}
-            auth = self._auth.header(self._scope)
-            if auth is not None:
+            own = origin_of(url) == origin_of(self._base)
+            auth = self._auth.header(self._scope) if own else None
+            if auth is not None:  # never to another host (an upload Location may be one)
                 sent["Authorization"] = auth
             try:
                 resp = self._http.request(
@@ -106,7 +108,7 @@ class RegistryWriter:
                 )  # fmt: skip
             except Exception as exc:
                 raise transport_error(exc, what) from exc
-            if resp.status == 401 and attempt == 1:
+            if resp.status == 401 and own and attempt == 1:
                 challenge = resp.headers.get("WWW-Authenticate")
                 release_small_body(resp)
                 self._auth.forget(self._scope)
