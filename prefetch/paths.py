@@ -11,6 +11,7 @@ listing is refused before any byte is fetched. :func:`ref_name_problem` holds gi
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -104,8 +105,15 @@ class ListedFile(Protocol):
 
 def check_listing(files: Iterable[ListedFile]) -> None:
     """Refuse a snapshot's file list that cannot be laid out safely: an unsafe path, a negative
-    size, a path listed twice, a file that another listed path needs as a directory."""
+    size, a path listed twice (also as two spellings of one Unicode text), a file that another
+    listed path needs as a directory.
+
+    Paths that differ only in case are two files, as they are on the Linux file systems a cache
+    lives on (ext4, XFS) and in a git repo; paths that differ only in Unicode normalisation
+    (``é`` composed, NFC, or as ``e`` + a combining accent, NFD) print alike, so which one a
+    reader opens would depend on how its name was typed: refused, naming both."""
     seen: set[str] = set()
+    spellings: dict[str, str] = {}
     for f in files:
         check_relative_path(f.path)
         if not isinstance(f.size, int) or f.size < 0:
@@ -115,6 +123,14 @@ def check_listing(files: Iterable[ListedFile]) -> None:
         if f.path in seen:
             raise UnsafePathError(f"the source lists {f.path!r} twice", path=f.path)
         seen.add(f.path)
+        other = spellings.setdefault(unicodedata.normalize("NFC", f.path), f.path)
+        if other != f.path:
+            raise UnsafePathError(
+                f"the source lists {other!r} and {f.path!r}: one name in two Unicode "
+                "normalisations, which print alike",
+                path=f.path,
+                hint="nothing was downloaded; leave one of them out with --exclude",
+            )
     for file, under in file_dir_conflicts(seen)[:1]:
         raise UnsafePathError(
             f"the source lists {file!r} both as a file and as a directory (of {under!r})",

@@ -363,3 +363,18 @@ def test_a_listing_entry_without_a_key_on_the_botocore_path_is_one_error_line(
     first = proc.stderr.splitlines()[0]
     assert first.startswith("Error: listing s3://bkt/m") and "entry 1 has no Key" in first, first
     assert "KeyError" not in first
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "words"),
+    [(403, b"AccessDenied", "access denied"), (503, b"SlowDown", "SlowDown")],
+)
+def test_a_refused_listing_names_the_prefix_asked_for_not_the_mirror_probe(
+    serve: Callable[..., ListingServer], tmp_path: Path, status: int, code: bytes, words: str
+) -> None:
+    body = b"<Error><Code>" + code + b"</Code><Message>no</Message></Error>"
+    server = serve(lambda q: body, probe_too=True)
+    server.status = status
+    rc, lines = pull(server, tmp_path)
+    assert rc == 1 and lines[0].startswith("Error: listing s3://bkt/m/: "), lines
+    assert words in lines[0] and "snapshots" not in "\n".join(lines), lines

@@ -109,6 +109,35 @@ def test_a_listed_negative_size_or_duplicate_path_is_refused() -> None:
         _snapshot("a.bin", "a.bin")
 
 
+def test_paths_that_differ_only_in_case_are_two_files() -> None:
+    assert [f.path for f in _snapshot("README.md", "readme.md").files] == ["README.md", "readme.md"]
+
+
+def test_one_name_in_two_unicode_normalisations_is_refused_naming_both() -> None:
+    nfc, nfd = "caf\u00e9.json", "cafe\u0301.json"
+    with pytest.raises(UnsafePathError, match="two Unicode normalisations") as info:
+        _snapshot(nfc, nfd)
+    assert repr(nfc) in str(info.value) and repr(nfd) in str(info.value)
+
+
+def test_names_in_two_normalisations_are_refused_before_any_download(
+    s3_client: Any, bucket: str, tmp_path: Path
+) -> None:
+    _upload(s3_client, bucket, {"caf\u00e9.bin": b"one", "cafe\u0301.bin": b"two", "c.bin": b"x"})
+    with pytest.raises(UnsafePathError, match="two Unicode normalisations"):
+        pull_s3(s3_client, f"s3://{bucket}/m/", tmp_path / "dest")
+    assert not (tmp_path / "dest" / "c.bin").exists()
+
+
+def test_names_that_differ_only_in_case_are_both_published(
+    s3_client: Any, bucket: str, tmp_path: Path
+) -> None:
+    _upload(s3_client, bucket, {"README.md": b"upper", "readme.md": b"lower"})
+    assert pull_s3(s3_client, f"s3://{bucket}/m/", tmp_path / "dest").files == 2
+    assert (tmp_path / "dest" / "README.md").read_bytes() == b"upper"
+    assert (tmp_path / "dest" / "readme.md").read_bytes() == b"lower"
+
+
 # -- the file/directory conflict detector --------------------------------------------------------
 
 

@@ -14,6 +14,7 @@ same shape. boto3's retries are off (:func:`make_s3_client`): retrying lives in 
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.client
 import logging
 import re
@@ -470,9 +471,8 @@ class S3Source:
         bucket = self._uri.location
         lister = self._client.direct_bucket(bucket) if self._lists_directly() else None
         if lister is not None:
-            page: dict[str, Any] = self._call(
-                what, lister.list_objects_v2, bounded=True, Bucket=bucket, **kwargs
-            )
+            named = functools.partial(lister.list_objects_v2, what=what)
+            page: dict[str, Any] = self._call(what, named, bounded=True, Bucket=bucket, **kwargs)
             if self.signed_requests and self._bucket is None:
                 self._bucket = lister  # its object requests need no botocore either
             return page

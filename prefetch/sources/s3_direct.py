@@ -240,8 +240,11 @@ class S3Bucket:
         MaxKeys: int = 1000,
         ContinuationToken: str | None = None,
         Delimiter: str | None = None,
+        what: str | None = None,
     ) -> dict[str, Any]:
-        """One page, in botocore's answer shape (error answers raise ``on_error``'s error)."""
+        """One page, in botocore's answer shape (error answers raise ``on_error``'s error, named
+        by ``what``: the caller's words for what it lists, e.g. the prefix the user asked for
+        rather than the ``snapshots/`` probe under it)."""
         if Bucket != self.bucket:
             raise ValueError(f"this lister lists {self.bucket}, not {Bucket}")
         params = {"list-type": "2", "prefix": Prefix, "max-keys": str(MaxKeys)}
@@ -259,7 +262,7 @@ class S3Bucket:
                 self.region = moved  # the bucket's region, for every later request too
                 answer = self._send(query)
         if answer.status != 200:
-            raise self._on_error(f"listing s3://{self.bucket}/{Prefix}", answer)
+            raise self._on_error(what or f"listing s3://{self.bucket}/{Prefix}", answer)
         try:
             body = answer.read(MAX_PAGE_BYTES + 1)
         finally:
