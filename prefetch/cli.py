@@ -313,8 +313,8 @@ def hub_options(fn: F) -> F:
                      "DEST/hub/; plain: files at DEST/<path>. [default: hf for hf:// sources and "
                      "--hf-repo, plain otherwise]"),
         click.option("--hf-repo", default=None,
-                     help="S3 sources: publish in the Hugging Face layout under this repo id "
-                     "(org/name), so vLLM finds it offline."),
+                     help="S3 and OCI sources: publish in the Hugging Face layout under this "
+                     "repo id (org/name), so vLLM finds it offline."),
         click.option("--hf-revision", default=None,
                      help="With --hf-repo: the 40-hex commit id to publish under "
                      "[default: a digest of the S3 listing]."),
@@ -417,9 +417,10 @@ def open_pull_source(
     "--mirror",
     "mirrors",
     multiple=True,
-    metavar="S3_URI",
+    metavar="URI",
     help="hf:// sources: an S3 mirror of the repo (written by `prefetch mirror`) to "
-    "pull from before the Hub; repeatable, tried in order.",
+    "pull from before the Hub; oci:// sources: a registry mirror (oci://host[:port][/prefix], "
+    "e.g. Spegel on the node) asked for the origin's digest; repeatable, tried in order.",
 )
 @click.option(
     "--no-hub-fallback",
@@ -475,9 +476,10 @@ def pull(
     record: SyncResult,
     **transfer: Any,
 ) -> None:
-    """Download a model from URI (s3://bucket/prefix or hf://org/name) into DEST, verified and
-    resumable. With the hf layout DEST is an HF_HOME: vLLM with HF_HOME=DEST and HF_HUB_OFFLINE=1
-    loads the model from it."""
+    """Download a model from URI (s3://bucket/prefix, hf://org/name, or
+    oci://registry/repo:tag or @sha256:digest) into DEST, verified and resumable. With the hf
+    layout DEST is an HF_HOME: vLLM with HF_HOME=DEST and HF_HUB_OFFLINE=1 loads the model from
+    it."""
     from prefetch.layout import layout_for
     from prefetch.sync import sync
 
@@ -612,14 +614,23 @@ def mirror(
     record: Any,
 ) -> None:
     """Mirror SRC (hf://org/name[@rev], or an s3:// mirror prefix) into DST (s3://bucket/prefix):
-    verified against the Hub's ids, resumable, and uploading nothing already there."""
+    verified against the Hub's ids, resumable, and uploading nothing already there. DST may be
+    oci://registry/repo:tag: a Hub commit is pushed as a ModelPack artifact, an oci:// SRC is
+    copied by digest."""
     from prefetch.mirror import MirrorConfig, S3Prefix, mirror_hub, mirror_s3
     from prefetch.mirror.upload import make_writer_client
     from prefetch.sources import SourceSettings, open_source, pool_size
     from prefetch.sources.s3 import make_s3_client
 
-    if not dst.strip().startswith("s3://"):
-        raise ConfigError(f"the mirror destination must be s3://bucket/prefix, not {dst!r}")
+    if not dst.strip().startswith(("s3://", "oci://")):
+        raise ConfigError(
+            f"the mirror destination must be s3://bucket/prefix or oci://registry/repo:tag, "
+            f"not {dst!r}"
+        )
+    if dst.strip().startswith("oci://"):  # a registry: a ModelPack artifact, or a copy
+        _mirror_to_registry(src, dst, revision, token, endpoint, proxy, concurrency, attempts,
+                            progress, as_json, record)  # fmt: skip
+        return
     source_uri, dest_uri = parse_source_uri(src), parse_source_uri(dst)
     if source_uri.scheme == "s3" and revision:
         raise ConfigError("--revision is for hf:// sources")
@@ -673,6 +684,32 @@ def mirror(
             )
     finally:
         record.seconds = round(time.monotonic() - t0, 3)
+    _print_mirror(result, src, as_json)
+
+
+def _mirror_to_registry(
+    src: str, dst: str, revision: str | None, token: str | None, endpoint: str | None,
+    proxy: str | None, concurrency: int, attempts: int, progress: bool | None, as_json: bool,
+    record: Any,
+) -> None:  # fmt: skip
+    """``prefetch mirror SRC oci://...`` (see :mod:`prefetch.mirror.oci_push`)."""
+    from prefetch.mirror.oci_push import mirror_command
+
+    show = sys.stderr.isatty() if progress is None else progress
+    sink: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()
+    retry = make_config(concurrency, "64MiB", False, False, attempts, "64KiB", "30s", "off").retry
+    t0 = time.monotonic()
+    try:
+        result = mirror_command(
+            src, dst, revision=revision, hub_endpoint=endpoint or None, token=token or None,
+            proxy=proxy, concurrency=concurrency, retry=retry, progress=sink, so_far=record,
+        )  # fmt: skip
+    finally:
+        record.seconds = round(time.monotonic() - t0, 3)
+    _print_mirror(result, src, as_json)
+
+
+def _print_mirror(result: Any, src: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(result.to_json(), sort_keys=True))
         return

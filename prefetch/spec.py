@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
 from prefetch.errors import ConfigError
@@ -16,6 +17,15 @@ _DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,254}$")
 _HF_REPO = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$|^[A-Za-z0-9][\w.\-]*$")
 _COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
+#: oci://registry[:port]/repo[:tag|@sha256:<hex>] (see prefetch.oci_manifest for the rest)
+_OCI_HOST = re.compile(
+    r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9]([A-Za-z0-9.\-]*[A-Za-z0-9])?)(:[0-9]{1,5})?$"
+)
+_OCI_REPO = re.compile(
+    r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*$"
+)
+_OCI_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
+_OCI_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 #: The sidecar checksum file an S3 prefix may carry (sha256sum format), see README.
 SIDECAR_MANIFEST = "SHA256SUMS"
 #: The ModelSpec fields, and the layout asked for, that a rule's message may name (as
@@ -76,14 +86,19 @@ def _literal(value: object) -> str:
 
 @dataclass(frozen=True)
 class SourceURI:
-    scheme: str  # "s3" or "hf"
-    location: str  # bucket, or Hub repo id
-    path: str  # S3 key prefix (no leading slash, "" or ending in "/"); "" for hf
-    revision: str | None = None  # hf://org/name@rev
+    scheme: str  # "s3", "hf" or "oci"
+    location: str  # bucket, Hub repo id, or registry host[:port]
+    path: str  # S3 key prefix (no leading slash, "" or ending in "/"); "" for hf; oci: the repo
+    revision: str | None = None  # hf://org/name@rev; oci: the tag or "sha256:<hex>"
 
     def __str__(self) -> str:
         if self.scheme == "s3":
             return f"s3://{self.location}/{self.path}"
+        if self.scheme == "oci":
+            ref = "" if self.revision is None else self.revision
+            sep = "@" if ref.startswith("sha256:") else ":"
+            repo = f"/{self.path}" if self.path else ""
+            return f"oci://{self.location}{repo}{sep + ref if ref else ''}"
         suffix = f"@{self.revision}" if self.revision else ""
         return f"hf://{self.location}{suffix}"
 
@@ -116,14 +131,67 @@ def parse_source_uri(uri: str) -> SourceURI:
                 f"malformed Hub URI {uri!r}: expected hf://org/name or hf://org/name@revision"
             )
         return SourceURI("hf", repo, "", revision)
+    if parts.scheme == "oci":
+        return _parse_oci_uri(uri, text[len("oci://") :])
     raise ConfigError(
-        f"unsupported source URI {uri!r}: expected s3://bucket/prefix or hf://org/name"
+        f"unsupported source URI {uri!r}: expected s3://bucket/prefix, hf://org/name or "
+        "oci://registry/repo:tag"
     )
+
+
+def _parse_oci_uri(uri: str, rest: str) -> SourceURI:
+    """``registry[:port]/repo`` then ``@sha256:<hex>`` (a manifest digest) or ``:tag``; a
+    mirror may name the registry alone (``oci://host:port``: the origin's repo is read there)."""
+    expected = "expected oci://registry/repo:tag or oci://registry/repo@sha256:<digest>"
+    host, _, name = rest.partition("/")
+    host = _expand_host(uri, host)
+    if not host or not _OCI_HOST.match(host):
+        raise ConfigError(
+            f"malformed OCI URI {uri!r}: {host!r} is not a registry host ({expected})"
+        )
+    reference: str | None = None
+    if "@" in name:
+        name, reference = name.split("@", 1)
+        if not _OCI_DIGEST.match(reference):
+            raise ConfigError(
+                f"malformed OCI URI {uri!r}: {reference!r} is not a sha256:<64 hex> digest"
+            )
+    elif ":" in name.rsplit("/", 1)[-1]:
+        name, reference = name.rsplit(":", 1)
+        if not _OCI_TAG.match(reference):
+            raise ConfigError(f"malformed OCI URI {uri!r}: {reference!r} is not a valid tag")
+    name = name.strip("/")
+    if name and not _OCI_REPO.match(name):
+        raise ConfigError(
+            f"malformed OCI URI {uri!r}: {name!r} is not a repository name ({expected})"
+        )
+    if reference is not None and not name:
+        raise ConfigError(f"malformed OCI URI {uri!r}: no repository ({expected})")
+    return SourceURI("oci", host.lower(), name, reference)
+
+
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def _expand_host(uri: str, host: str) -> str:
+    """``${NAME}`` in a registry host taken from the environment: the node's own mirror
+    (Spegel, Dragonfly) is at the node's IP, which a DaemonSet has as an env var (the downward
+    API's ``status.hostIP``) and a config file cannot spell."""
+
+    def value(m: re.Match[str]) -> str:
+        found = os.environ.get(m.group(1))
+        if not found:
+            raise ConfigError(f"malformed OCI URI {uri!r}: ${{{m.group(1)}}} is not set")
+        return found
+
+    return _ENV_REF.sub(value, host)
 
 
 def default_model_name(uri: SourceURI) -> str:
     """A DNS label derived from the URI, for node labels when the user gave no name."""
     base = uri.location if uri.scheme == "hf" else (uri.path.rstrip("/") or uri.location)
+    if uri.scheme == "oci":
+        base = uri.path or uri.location.split(":", 1)[0]
     base = base.rsplit("/", 1)[-1].lower()
     name = re.sub(r"[^a-z0-9-]+", "-", base).strip("-")[:63].strip("-")
     return name or "model"
@@ -191,9 +259,13 @@ class ModelSpec:
         validate_patterns(self.exclude, field_name="exclude")
         if self.source.scheme == "hf":
             self._check_hub_fields()
+        elif self.source.scheme == "oci":
+            self._check_oci_fields()
         else:
             self._check_s3_fields()
-        for revision in (self.source.revision, self.revision):
+        for revision in (
+            () if self.source.scheme == "oci" else (self.source.revision, self.revision)
+        ):
             if revision is not None:
                 validate_revision(revision)
         if self.hf_repo is not None and (
@@ -221,17 +293,25 @@ class ModelSpec:
     def _check_mirrors(self) -> None:
         """Mirrors are S3 prefixes in front of a Hub model, each listed once; without the Hub
         to fall back to, at least one mirror must be given."""
-        if self.mirrors and self.source.scheme != "hf":
+        if self.mirrors and self.source.scheme not in ("hf", "oci"):
             raise SpecError(
                 "mirrors",
-                "only for hf:// models (a mirror holds a Hub repo's commits); an S3 mirror "
-                "prefix can be the {source} itself",
+                "only for hf:// models and oci:// models (a mirror holds a Hub repo's commits, "
+                "or a registry's blobs); an S3 mirror prefix can be the {source} itself",
                 cross_field=True,
             )
         seen: set[str] = set()
+        # an oci:// model's mirrors are registries (a pull-through cache, Spegel, Harbor)
+        kind = "oci" if self.source.scheme == "oci" else "s3"
         for mirror in self.mirrors:
-            if not isinstance(mirror, SourceURI) or mirror.scheme != "s3":
-                raise SpecError("mirrors", f"{_literal(str(mirror))} is not an s3:// URI")
+            if not isinstance(mirror, SourceURI) or mirror.scheme != kind:
+                raise SpecError("mirrors", f"{_literal(str(mirror))} is not an {kind}:// URI")
+            if kind == "oci" and mirror.revision is not None:
+                raise SpecError(
+                    "mirrors",
+                    f"{_literal(str(mirror))}: a mirror names no tag or digest (the origin's "
+                    "digest is read there)",
+                )
             if str(mirror) in seen:
                 raise SpecError("mirrors", f"{_literal(str(mirror))} is listed twice")
             seen.add(str(mirror))
@@ -262,6 +342,35 @@ class ModelSpec:
             )
         if uri_revision and self.revision is None:
             object.__setattr__(self, "revision", uri_revision)
+
+    def _check_oci_fields(self) -> None:
+        """An oci:// source names a repository and one tag or manifest digest (in the URI, or
+        as ``revision``, not two different ones); it publishes like an S3 prefix (``hf_repo``)."""
+        if not self.source.path:
+            raise SpecError("source", f"{_literal(str(self.source))} names no repository")
+        uri_ref = self.source.revision
+        if self.revision is not None:
+            if uri_ref and self.revision != uri_ref:
+                raise SpecError(
+                    "revision",
+                    f"{_literal(self.revision)} conflicts with {_escape(uri_ref)} in the source "
+                    "(two references given)",
+                    cross_field=True,
+                )
+            if not (_OCI_DIGEST.match(self.revision) or _OCI_TAG.match(self.revision)):
+                raise SpecError(
+                    "revision", f"{_literal(self.revision)} is not a tag or a sha256:<hex> digest"
+                )
+            object.__setattr__(self, "source", replace(self.source, revision=self.revision))
+        elif uri_ref is None:
+            object.__setattr__(self, "source", replace(self.source, revision="latest"))
+        object.__setattr__(self, "revision", self.source.revision)
+        if self.hf_revision is not None and self.hf_repo is None:
+            raise SpecError(
+                "hf_revision",
+                "needs {hf_repo} org/name (the repo id to publish under)",
+                cross_field=True,
+            )
 
     def _check_s3_fields(self) -> None:
         """An s3:// source has no revisions; a mirror published in the Hub layout may name
@@ -296,10 +405,14 @@ class ModelSpec:
 
     def source_kind(self, served_by: str) -> str:
         """What kind of source served a sync of this model, from the URI it names
-        (``SyncResult.served_by``): "mirror" (one of ``mirrors``), "hub" or "s3". A bounded
+        (``SyncResult.served_by``): "mirror" (one of ``mirrors``), "hub", "oci" or "s3". A bounded
         set, for metric labels."""
         if served_by.startswith("hf://"):
             return "hub"
+        if served_by.startswith("oci://"):
+            # a mirror serves the origin's repo under its own host (and prefix)
+            mirror = any(served_by.startswith((f"{m}/", f"{m}@")) for m in self.mirrors)
+            return "mirror" if mirror else "oci"
         if any(served_by == str(m) for m in self.mirrors):
             return "mirror"
         return "s3"
@@ -324,7 +437,7 @@ def layout_kind(spec: ModelSpec, requested: str | None = None) -> str:
     if name == "hf" and spec.repo_id is None:
         raise SpecError(
             "layout",
-            "{layout} hf needs {hf_repo} org/name for an S3 source: the Hugging Face "
+            "{layout} hf needs {hf_repo} org/name for an S3 or OCI source: the Hugging Face "
             "layout needs a Hub repo id to publish under",
             cross_field=True,
             leads=False,

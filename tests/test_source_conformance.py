@@ -40,6 +40,7 @@ from prefetch.progress import NullProgress
 from prefetch.retry import RetryPolicy
 from prefetch.sources import SourceSettings, open_source
 from prefetch.sources.hf import HubOptions, open_hub_source
+from prefetch.sources.oci import open_oci_source
 from prefetch.sources.s3 import S3Source, make_s3_client
 from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.sync import SyncResult, sync
@@ -47,6 +48,7 @@ from prefetch.transfer import Cancelled, TransferConfig
 from prefetch.verify import new_hasher
 
 from .fakes.hubserver import HubFile, HubServer
+from .fakes.registry import Pusher, Registry, registry_binary
 from .fakes.s3proxy import S3FaultProxy
 from .support import journaled_bytes, put
 
@@ -330,7 +332,64 @@ class MirrorCase(S3Case):
     partial_dir = HubCase.partial_dir
 
 
-CASES = ["s3", "hub", "mirror"]
+class OciCase(SourceCase):
+    """A real registry (docker-registry) through the same fault proxy, the model pushed as a
+    ModelSpec artifact by hand-built manifests and pulled by tag. A replaced file is a new
+    manifest for the tag (a new blob; the old one stays, content-addressed)."""
+
+    id = "oci"
+    repo = "conform/model"
+
+    def __init__(self, model: dict[str, Path], registry: Registry) -> None:
+        super().__init__(model)
+        self.registry = registry
+        self.files = {rel: p.read_bytes() for rel, p in model.items()}
+        self.pushed = Pusher(registry.url).modelpack(self.repo, "v1", self.files)
+        self.proxy = S3FaultProxy(registry.url).__enter__()
+
+    def close(self) -> None:
+        self.proxy.__exit__(None, None, None)
+
+    def key(self, path: str) -> str:
+        return f"{self.repo}/blobs/{self.pushed.layers[path]}"
+
+    def replace(self, path: str, data: bytes) -> None:
+        self.files = {**self.files, path: data}
+        self.pushed = Pusher(self.registry.url).modelpack(self.repo, "v1", self.files)
+
+    def pull(self, dest, config=CONFIG, *, progress=None, stop=None):  # type: ignore[no-untyped-def]
+        host = self.proxy.endpoint.split("://", 1)[1]
+        spec = ModelSpec(source=parse_source_uri(f"oci://{host}/{self.repo}:v1"))
+        pool = urllib3.PoolManager(maxsize=16, retries=False)
+        try:
+            source = open_oci_source(spec, http=pool, retry=config.retry)
+            return sync(spec, source, PlainLayout(dest), config, progress=progress, stop=stop)
+        finally:
+            pool.clear()
+
+    published = S3Case.published
+    partial_dir = S3Case.partial_dir
+    cut = S3Case.cut
+    refuse = S3Case.refuse
+    ignore_range = S3Case.ignore_range
+    trickle = S3Case.trickle
+    corrupt = S3Case.corrupt
+    fetches_from_start = S3Case.fetches_from_start
+
+
+CASES = ["s3", "hub", "mirror", "oci"]
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    if registry_binary() is None:
+        pytest.skip("docker-registry (Debian package docker-registry) is not installed")
+    reg = Registry(tmp_path_factory.mktemp("registry"))
+    reg.start()
+    try:
+        yield reg
+    finally:
+        reg.stop()
 
 
 @pytest.fixture(scope="module")
@@ -340,8 +399,10 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(params=CASES)
 def case(request: pytest.FixtureRequest, model: dict[str, Path]) -> Iterator[SourceCase]:
-    made: S3Case | HubCase
-    if request.param in ("s3", "mirror"):
+    made: SourceCase
+    if request.param == "oci":
+        made = OciCase(model, request.getfixturevalue("registry"))
+    elif request.param in ("s3", "mirror"):
         server = request.getfixturevalue("s3_server")
         client = request.getfixturevalue("s3_client")
         kind = S3Case if request.param == "s3" else MirrorCase

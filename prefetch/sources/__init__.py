@@ -141,6 +141,11 @@ def open_source(
             return OpenedSource(_hub(spec, settings), spec, kind)
         client = _s3_client(spec, settings, lazy=False)
         return OpenedSource(_ordered(spec, settings, client), spec, kind, s3_client=client)
+    if spec.source.scheme == "oci":
+        from prefetch.sources.oci import open_oci_source
+
+        oci = open_oci_source(spec, pool_size=settings.pool, retry=settings.retry)
+        return OpenedSource(oci, spec, kind)
     raise ValueError(f"no source for scheme {spec.source.scheme!r}")
 
 

@@ -1,0 +1,523 @@
+"""OCI registry source: model artifacts (ModelPack, KitOps, Docker models) by manifest digest.
+
+* ``resolve``: ``GET /v2/<repo>/manifests/<tag or digest>``; the bytes must hash to the digest
+  asked for (a tag: to the ``Docker-Content-Digest`` the registry states, when it states one),
+  and the tag is resolved here once: the snapshot's revision is the manifest digest. An index
+  is followed to its one model manifest (:func:`prefetch.sources.oci_manifest.pick_model`).
+  Each layer is a file at its ``org.cncf.model.filepath``; its sha256 digest is its checksum
+  and its version, so the engine verifies every byte and the Hugging Face layout names its blob
+  by it (as the Hub names LFS blobs).
+* ``open_range``: ``GET /v2/<repo>/blobs/<digest>`` with ``Range``, clamped to the descriptor's
+  size (a registry answers a range past the end with 416 yet states the whole length);
+  redirects (307 to object storage) are followed here with the Range sent again and the
+  ``Authorization`` only on the registry's own origin; a ``Docker-Content-Digest`` other than
+  the layer's is refused; the range rule of :mod:`prefetch.sources.base` applies.
+* Archive layers (``tar``, ``tar+gzip``, ``tar+zstd``): streamed once at resolve, checked
+  against their digest and unpacked safely (:mod:`prefetch.sources.oci_tar`) into a staging
+  folder (``PREFETCH_OCI_STAGING``, else the temp folder); their members are then files of the
+  snapshot, each with the sha256 taken as it was unpacked, copied into place by the engine.
+* Authentication: :mod:`prefetch.sources.oci_auth` (docker config, helpers, the token flow); a
+  401 mid-pull (an expired token) fetches a new token once and sends the request again.
+
+Loopback registries (and hosts in ``PREFETCH_OCI_PLAIN_HTTP``, comma-separated ``host[:port]``:
+a Spegel or pull-through mirror on the node) are spoken to over plain HTTP, as docker does for
+``localhost``; every other registry over HTTPS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import logging
+import os
+import tempfile
+import threading
+import weakref
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+from urllib.parse import urljoin, urlsplit
+
+import urllib3
+
+from prefetch import __version__
+from prefetch.errors import (
+    InvalidListingError,
+    NoMatchingFilesError,
+    RevisionNotFoundError,
+    SourceChangedError,
+    SourceError,
+)
+from prefetch.redact import redact
+from prefetch.retry import RetryPolicy, call_with_retries
+from prefetch.snapshot import Checksum, RemoteFile, Snapshot
+from prefetch.sources import oci_manifest as om
+from prefetch.sources import oci_tar
+from prefetch.sources._http import (
+    HttpClient,
+    Response,
+    check_range_answer,
+    origin_of,
+    range_body_reader,
+    redact_url,
+    release_small_body,
+    send,
+    shared_http_pool,
+    status_error,
+    transport_error,
+)
+from prefetch.sources.base import RangeReader, Source
+from prefetch.sources.oci_auth import RegistryAuth
+from prefetch.spec import ModelSpec, SourceURI
+
+log = logging.getLogger(__name__)
+
+USER_AGENT = f"model-prefetch/{__version__}"
+PLAIN_HTTP_ENV = "PREFETCH_OCI_PLAIN_HTTP"
+#: Docker Hub's names: its API is at registry-1.docker.io, its official images under library/.
+DOCKER_HUB = ("docker.io", "index.docker.io", "registry-1.docker.io")
+#: Where archive layers are unpacked before they are published (default: the temp folder).
+STAGING_ENV = "PREFETCH_OCI_STAGING"
+_REDIRECTS = (301, 302, 303, 307, 308)
+_MAX_REDIRECTS = 5
+
+
+def registry_base(registry: str, plain_http: tuple[str, ...] = ()) -> str:
+    """``http://`` for a loopback host or one listed in ``plain_http`` (or the environment's
+    ``PREFETCH_OCI_PLAIN_HTTP``), else ``https://``; then the host."""
+    if registry in DOCKER_HUB:
+        return "https://registry-1.docker.io"
+    listed = {h.strip().lower() for h in os.environ.get(PLAIN_HTTP_ENV, "").split(",") if h}
+    listed |= set(plain_http)
+    host = urlsplit(f"//{registry}").hostname or ""
+    loopback = host == "localhost"
+    with contextlib.suppress(ValueError):
+        loopback = loopback or ipaddress.ip_address(host).is_loopback
+    plain = loopback or registry in listed or host in listed
+    return f"{'http' if plain else 'https'}://{registry}"
+
+
+class OciSource:
+    """One repository of one registry (``uri``: ``oci://registry/repo[:tag|@digest]``)."""
+
+    def __init__(
+        self,
+        uri: SourceURI,
+        *,
+        http: HttpClient,
+        auth: RegistryAuth | None = None,
+        retry: RetryPolicy | None = None,
+        timeout: urllib3.Timeout | None = None,
+        plain_http: tuple[str, ...] = (),
+        namespace: str | None = None,
+    ) -> None:
+        self._uri = uri
+        hub_official = uri.location in DOCKER_HUB and "/" not in uri.path
+        self._repo = f"library/{uri.path}" if hub_official else uri.path
+        #: a mirror's ``?ns=<origin registry>`` (what containerd sends a mirror: Spegel needs it)
+        self._query = f"?ns={namespace}" if namespace else ""
+        self._base = registry_base(uri.location, plain_http)
+        self._origin = origin_of(self._base)
+        self._http = http
+        self._auth = auth or RegistryAuth(uri.location, http)
+        self._retry = retry or RetryPolicy()
+        self._timeout = timeout or urllib3.Timeout(connect=10.0, read=60.0)
+        self._scope = f"repository:{self._repo}:pull"
+        self._lock = threading.Lock()
+        self._staging: Path | None = None
+        self._staged: dict[str, list[oci_tar.StagedMember]] = {}
+        self._local: dict[str, Path] = {}
+
+    @property
+    def uri(self) -> SourceURI:
+        return self._uri
+
+    def pin(self, digest: str) -> None:
+        """Read the manifest ``digest`` (a mirror: the digest the origin resolved)."""
+        self._uri = replace(self._uri, revision=digest)
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def _send(self, url: str, headers: Mapping[str, str], what: str) -> Response:
+        """GET ``url`` on the seam (no redirects followed), the registry's authorization sent
+        only to its own origin; a 401 there is answered (token or login) once and the request
+        sent again (an expired token mid-pull)."""
+        for attempt in (1, 2):
+            auth = self._auth.header(self._scope)
+            try:
+                answer = send(
+                    self._http, "GET", url, headers={**headers, "User-Agent": USER_AGENT},
+                    timeout=self._timeout,
+                    credentials={"Authorization": auth} if auth is not None else None,
+                    credentials_origin=self._base,
+                )  # fmt: skip
+            except Exception as exc:
+                raise transport_error(exc, what) from exc
+            if answer.status == 401 and origin_of(url) == self._origin and attempt == 1:
+                challenge = answer.headers.get("WWW-Authenticate")
+                release_small_body(answer.raw)
+                self._auth.forget(self._scope)
+                self._auth.answer(challenge, self._scope, what)
+                continue
+            return answer
+        raise AssertionError("unreachable")
+
+    def _get(self, path: str, headers: Mapping[str, str], what: str) -> tuple[Response, str]:
+        """GET ``/v2/<repo>/<path>``, following redirects (the headers sent again, the
+        authorization only to the registry); the answer and the URL that gave it."""
+        url = f"{self._base}/v2/{self._repo}/{path}{self._query}"
+        for _ in range(_MAX_REDIRECTS + 1):
+            resp = self._send(url, headers, what)
+            if resp.status not in _REDIRECTS:
+                return resp, url
+            location = resp.headers.get("Location")
+            release_small_body(resp.raw)
+            if not location:
+                raise SourceError(f"{what}: a redirect without a Location from {redact_url(url)}")
+            target = urljoin(url, str(location))
+            if urlsplit(target).scheme not in ("http", "https"):
+                raise SourceError(f"{what}: a redirect to {redact_url(target)}")
+            url = target
+        raise SourceError(f"{what}: more than {_MAX_REDIRECTS} redirects")
+
+    def _refusal(self, resp: Response, url: str, what: str) -> SourceError:
+        status = resp.status
+        detail = _error_detail(resp)
+        resp.discard()
+        return status_error(
+            status, f"{what}: HTTP {status} from {redact_url(url)}{detail}",
+            retry_after=resp.headers.get("Retry-After"),
+        )  # fmt: skip
+
+    # -- resolve ---------------------------------------------------------------------------------
+
+    def fetch_manifest(self, reference: str) -> tuple[bytes, str, str | None]:
+        """The bytes of the manifest ``reference`` names, checked against its digest; its digest
+        and its Content-Type. Retried per the policy."""
+        what = f"{self._uri.location}/{self._repo}: manifest {reference}"
+        return call_with_retries(
+            lambda: self._fetch_manifest(reference, what), self._retry, what=what
+        )
+
+    def _fetch_manifest(self, reference: str, what: str) -> tuple[bytes, str, str | None]:
+        resp, url = self._get(f"manifests/{reference}", {"Accept": om.ACCEPT}, what)
+        if resp.status == 404:
+            resp.discard()
+            raise RevisionNotFoundError(f"{what}: not found in {redact_url(url)}")
+        if resp.status != 200:
+            raise self._refusal(resp, url, what)
+        try:
+            data = resp.read(om.MAX_MANIFEST_BYTES + 1)
+        except Exception as exc:
+            raise transport_error(exc, what) from exc
+        finally:
+            resp.discard()
+        if len(data) > om.MAX_MANIFEST_BYTES:
+            raise InvalidListingError(f"{what}: larger than {om.MAX_MANIFEST_BYTES} bytes")
+        stated = (resp.headers.get("Docker-Content-Digest") or "").strip() or None
+        if reference.startswith("sha256:"):
+            om.check_digest(data, reference, what)
+            digest = reference
+        else:
+            digest = om.digest_of(data)
+            if stated is not None and stated != digest:
+                raise SourceChangedError(
+                    f"{what}: the registry states digest {stated} for a manifest whose bytes "
+                    f"hash to {digest} (refused)"
+                )
+        return data, digest, resp.headers.get("Content-Type")
+
+    def model_manifest(self, reference: str) -> om.ModelManifest:
+        """The model manifest ``reference`` names (an index: its one model manifest)."""
+        data, digest, content_type = self.fetch_manifest(reference)
+        what = f"{self._uri.location}/{self._repo}@{digest}"
+        doc = om.parse_document(data, what)
+        media = om.document_type(doc, content_type)
+        if not om.is_index(media):
+            return om.parse_model_manifest(doc, digest, what)
+        return self._pick_model(om.index_entries(doc, what), what)
+
+    def _pick_model(self, entries: list[om.IndexEntry], what: str) -> om.ModelManifest:
+        """The one model manifest of an index: by ``artifactType`` when entries state one,
+        else each image manifest is read and the model ones kept; none or several: an error
+        naming what the index holds."""
+        typed = [e for e in entries if om.is_model_type(e.artifact_type)]
+        candidates = typed or [e for e in entries if not om.is_index(e.media_type)]
+        models: list[om.ModelManifest] = []
+        for entry in candidates:
+            data, digest, _ = self.fetch_manifest(entry.digest)
+            doc = om.parse_document(data, f"{what} -> {digest}")
+            try:
+                models.append(om.parse_model_manifest(doc, digest, f"{what} -> {digest}"))
+            except InvalidListingError:
+                if typed:
+                    raise
+        if len(models) == 1:
+            return models[0]
+        found = ", ".join(e.describe() for e in entries) or "no manifests"
+        if not models:
+            raise InvalidListingError(f"{what}: an index with no model manifest (it holds {found})")
+        raise InvalidListingError(
+            f"{what}: an index with {len(models)} model manifests (it holds {found}); "
+            "name one by its digest"
+        )
+
+    def resolve(self, spec: ModelSpec) -> Snapshot:
+        reference = self._uri.revision or "latest"
+        manifest = self.model_manifest(reference)
+        return self.snapshot_of(spec, manifest, requested=None)
+
+    def snapshot_of(
+        self, spec: ModelSpec, manifest: om.ModelManifest, *, requested: str | None
+    ) -> Snapshot:
+        files = []
+        for layer in manifest.layers:
+            if layer.archive is not None:
+                files += [
+                    self._member_file(layer, m) for m in self._stage(layer) if spec.wants(m.path)
+                ]
+            elif spec.wants(layer.path):
+                files.append(self.remote_file(layer))
+        if not files:
+            raise NoMatchingFilesError(
+                f"{self._uri}: no layer matches the include/exclude patterns"
+                if manifest.layers
+                else f"{self._uri}: the manifest has no layers"
+            )
+        files.sort(key=lambda f: f.path)
+        revision = spec.hf_revision or manifest.digest.split(":", 1)[1]
+        return Snapshot(
+            source=f"oci://{self._uri.location}/{self._repo}@{manifest.digest}",
+            revision_id=revision,
+            files=tuple(files),
+            requested_revision=requested,
+            repo_id=spec.repo_id,
+        )
+
+    @staticmethod
+    def remote_file(layer: om.Layer) -> RemoteFile:
+        return RemoteFile(
+            path=layer.path,
+            size=layer.size,
+            version=layer.hex,
+            checksums=(Checksum("sha256", layer.hex, origin="oci-digest"),),
+            locator=layer.digest,
+            described=True,
+        )
+
+    def describe(self, file: RemoteFile) -> RemoteFile:
+        return file  # the manifest has it all: size and digest
+
+    # -- archive layers --------------------------------------------------------------------------
+
+    def _stage(self, layer: om.Layer) -> list[oci_tar.StagedMember]:
+        """An archive layer's members, unpacked under the staging folder (once per source:
+        a later resolve of the same layer reuses them)."""
+        with self._lock:
+            staged = self._staged.get(layer.digest)
+            if staged is not None:
+                return staged
+            root = self._staging_root() / layer.hex
+            oci_tar.remove_staging(root)
+            root.mkdir(parents=True)
+            what = f"{self._uri.location}/{self._repo}: layer {layer.path}"
+            try:
+                staged = call_with_retries(
+                    lambda: self._unpack(layer, root, what), self._retry, what=what
+                )
+            except BaseException:
+                oci_tar.remove_staging(root)
+                raise
+            self._staged[layer.digest] = staged
+            for member in staged:
+                self._local[f"tar:{layer.hex}/{member.path}"] = member.staged
+            return staged
+
+    def _unpack(self, layer: om.Layer, root: Path, what: str) -> list[oci_tar.StagedMember]:
+        for child in list(root.iterdir()):  # what a failed attempt left
+            if child.is_dir():
+                oci_tar.remove_staging(child)
+            else:
+                child.unlink()
+        resp, url = self._get(f"blobs/{layer.digest}", {"Accept-Encoding": "identity"}, what)
+        if resp.status != 200:
+            raise self._refusal(resp, url, what)
+        stated = (resp.headers.get("Docker-Content-Digest") or "").strip()
+        if stated and stated != layer.digest:
+            resp.discard()
+            raise SourceChangedError(f"{what}: the registry served blob {stated}")
+        try:
+            return oci_tar.unpack_layer(
+                resp.raw, kind=layer.archive or "tar", size=layer.size, digest_hex=layer.hex,
+                staging=root, what=what, max_unpacked=max(64 * layer.size, 1 << 30),
+            )  # fmt: skip
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise transport_error(exc, what) from exc
+        finally:
+            resp.discard()
+
+    def _staging_root(self) -> Path:
+        if self._staging is None:
+            base = os.environ.get(STAGING_ENV) or None
+            self._staging = Path(tempfile.mkdtemp(prefix="prefetch-oci-", dir=base))
+            weakref.finalize(self, oci_tar.remove_staging, self._staging)
+        return self._staging
+
+    @staticmethod
+    def _member_file(layer: om.Layer, member: oci_tar.StagedMember) -> RemoteFile:
+        return RemoteFile(
+            path=member.path,
+            size=member.size,
+            version=member.sha256,
+            checksums=(Checksum("sha256", member.sha256, origin="oci-archive"),),
+            locator=f"tar:{layer.hex}/{member.path}",
+            described=True,
+        )
+
+    # -- read ------------------------------------------------------------------------------------
+
+    def open_range(self, file: RemoteFile, start: int, end: int) -> RangeReader:
+        end = min(end, file.size)  # never past the descriptor's size (a 416 otherwise)
+        staged = self._local.get(file.locator)
+        if staged is not None:
+            return oci_tar.StagedReader(staged, start, end)
+        what = f"{self._uri.location}/{self._repo}/{file.path} bytes {start}-{end - 1}"
+        headers = {"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
+        resp, url = self._get(f"blobs/{file.locator}", headers, what)
+        if resp.status not in (200, 206):
+            raise self._refusal(resp, url, what)
+        h = resp.headers
+        stated = (h.get("Docker-Content-Digest") or "").strip()
+        if stated and stated != file.locator:
+            resp.discard()
+            raise SourceChangedError(f"{what}: the registry served blob {stated}")
+        length = h.get("Content-Length")
+        if not _whole_blob(resp.status, start, end, file.size, length):
+            # the range asked for was not the whole blob: the answer must be exactly it
+            try:
+                check_range_answer(
+                    what, start, end, file.size, resp.status, h.get("Content-Range"), length
+                )
+            except SourceChangedError:
+                resp.discard()
+                raise
+        return range_body_reader(resp, what, end - start)
+
+
+def _whole_blob(status: int, start: int, end: int, size: int, length: str | None) -> bool:
+    """A 200 answer is the range asked for when that range is the whole blob."""
+    return status == 200 and start == 0 and end == size and (length is None or length == str(size))
+
+
+def _error_detail(resp: Response) -> str:
+    """The registry's own error code (``{"errors":[{"code":"DENIED",...}]}``), if any."""
+    try:
+        body = resp.read(16 * 1024)
+    except Exception:
+        return ""
+    try:
+        errors = json.loads(body).get("errors")
+        codes = [str(e.get("code")) for e in errors if isinstance(e, dict)][:3]
+    except (ValueError, AttributeError, TypeError):
+        return ""
+    return f" ({', '.join(codes)})" if codes else ""
+
+
+class OciMirrors:
+    """An ``oci://`` model with registry mirrors: the manifest digest comes from the origin
+    (the URI's own digest, or its tag resolved there, once), then each mirror is asked for that
+    digest in order and the origin last (:class:`~prefetch.sources.ordered.OrderedSource`'s
+    fallback rule). A mirror serves only bytes that hash to the origin's digests, so it cannot
+    change what is published; with a tag and the origin down nothing can be pulled (pin the
+    digest to pull through a mirror alone).
+
+    Blobs are content-addressed, so each may come from any of them: a blob the source that
+    served the manifest lacks (a Spegel peer set, a cache filled partly) or cannot serve now is
+    read from the next one in order, and that answer is remembered for the rest of the sync."""
+
+    def __init__(
+        self, origin: OciSource, mirrors: list[OciSource], *, origin_fallback: bool = True
+    ) -> None:
+        from prefetch.sources.ordered import OrderedSource
+
+        self._origin = origin
+        candidates: list[tuple[str, Source]] = [(str(m.uri), m) for m in mirrors]
+        if origin_fallback:
+            candidates.append((str(origin.uri), origin))
+        self._ordered = OrderedSource(candidates)
+        self._sources = [*mirrors, *([origin] if origin_fallback else [])]
+        self._first = 0  # the source that served the manifest
+        self._lacking: set[tuple[int, str]] = set()  # (source, blob) that failed
+        self._lock = threading.Lock()
+
+    def resolve(self, spec: ModelSpec) -> Snapshot:
+        reference = self._origin.uri.revision or "latest"
+        if not reference.startswith("sha256:"):
+            _, reference, _ = self._origin.fetch_manifest(reference)
+        for source in self._sources:
+            source.pin(reference)
+        snapshot = self._ordered.resolve(spec)
+        for i, source in enumerate(self._sources):
+            if snapshot.source.startswith(f"oci://{source.uri.location}/{source.uri.path}@"):
+                self._first = i
+        return snapshot
+
+    def describe(self, file: RemoteFile) -> RemoteFile:
+        return file
+
+    def open_range(self, file: RemoteFile, start: int, end: int) -> RangeReader:
+        if not file.locator.startswith("sha256:"):  # an archive member, staged by its reader
+            return self._ordered.open_range(file, start, end)
+        from prefetch.sources.ordered import FALLBACK_ERRORS
+
+        failure: SourceError | None = None
+        for i in range(self._first, len(self._sources)):
+            with self._lock:
+                if (i, file.locator) in self._lacking:
+                    continue
+            try:
+                return self._sources[i].open_range(file, start, end)
+            except FALLBACK_ERRORS as exc:
+                failure = exc
+                with self._lock:
+                    self._lacking.add((i, file.locator))
+                if i + 1 < len(self._sources):
+                    log.warning(
+                        "%s: %s cannot serve it (%s); reading it from %s", file.path,
+                        self._sources[i].uri, redact(str(exc)), self._sources[i + 1].uri,
+                    )  # fmt: skip
+        if failure is None:  # every source failed this blob earlier in the sync
+            with self._lock:
+                self._lacking.clear()
+            return self._sources[self._first].open_range(file, start, end)
+        raise failure
+
+
+def open_oci_source(
+    spec: ModelSpec,
+    *,
+    http: HttpClient | None = None,
+    pool_size: int = 32,
+    retry: RetryPolicy | None = None,
+    token_timeout: float = 10.0,
+) -> OciSource | OciMirrors:
+    """The OciSource for ``spec`` (an ``oci://`` URI), on the shared pool unless given one."""
+    from prefetch import settings
+
+    client = http or shared_http_pool(pool_size, settings.proxies(override=spec.proxy))
+
+    def source(uri: SourceURI, namespace: str | None = None) -> OciSource:
+        auth = RegistryAuth(uri.location, client, timeout=token_timeout)
+        return OciSource(uri, http=client, auth=auth, retry=retry, namespace=namespace)
+
+    origin = source(spec.source)
+    if not spec.mirrors:
+        return origin
+    mirrors = [
+        # a mirror's path is a prefix (Harbor's proxy project); its repo is the origin's
+        source(replace(m, path="/".join(p for p in (m.path, spec.source.path) if p)),
+               namespace=spec.source.location)
+        for m in spec.mirrors
+    ]  # fmt: skip
+    return OciMirrors(origin, mirrors, origin_fallback=spec.hub_fallback)
