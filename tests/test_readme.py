@@ -15,7 +15,8 @@ README = (REPO / "README.md").read_text()
 
 
 def test_readme_agent_config_example_is_valid():
-    block = README.split("```yaml\n", 1)[1].split("```", 1)[0]
+    blocks = [b.split("```", 1)[0] for b in README.split("```yaml\n")[1:]]
+    block = next(b for b in blocks if "name: llama-3-1-70b-instruct-awq" in b)  # "The agent"
     config = parse_config(block)
     assert [m.name for m in config.models] == ["llama-3-1-70b-instruct-awq", "llama-8b-mirror"]
     assert config.models[1].repo_id == "meta-llama/Llama-3.1-8B-Instruct"
