@@ -59,7 +59,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
@@ -381,7 +380,8 @@ class MetricsSink:
         self._files = metrics.files_downloaded.labels(model, source)
         self._chunks = metrics.chunks_downloaded.labels(model, source)
         self._retries = metrics.retries.labels(model, source)
-        self._remaining: Any = None  # bound on start(): a model that never starts shows none
+        #: bound on start(): a model that never starts shows none
+        self._remaining: Gauge | None = None
         self._lock = threading.Lock()
         self.total = 0
         self.done = 0
