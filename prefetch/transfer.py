@@ -1,38 +1,27 @@
 """The chunk engine: ranged reads of many files under one concurrency limit, resumable, verified.
 
-For each file to fetch: describe it (S3: HEAD for checksums and part layout), plan its chunks
-(aligned to the upload's parts when its checksum is composite), preallocate ``<name>.incomplete``,
-run every missing chunk on a shared pool of ``concurrency`` threads (each ``readinto`` a reusable
-buffer, ``os.pwrite``, hash inline, journal), then verify and let the layout publish it. A file
-of one chunk below the O_DIRECT size (most small files) skips the preallocation and the journal:
-the io task that described it goes on to create it, write and hash the one read and fsync it
-(``Transfer._describe_task``), so the coordinator sees it once, to check and publish it.
+Per file: describe it (S3: a HEAD for checksums and part layout), plan its chunks (aligned to the
+upload's parts when its checksum is composite), preallocate ``<name>.incomplete``, run every
+missing chunk on one pool of ``concurrency`` threads (``readinto`` a reusable buffer, ``pwrite``,
+hash inline, journal), then verify and let the layout publish it. A file of one chunk below the
+O_DIRECT size skips preallocation and journal: the io task that described it also writes, hashes
+and fsyncs it (``Transfer._describe_task``). Chunks (at most ``piece_size``) are the unit of
+resume; one ranged request covers a run of missing chunks up to ``chunk_size``.
 
-Chunks are the unit of resume (at most ``piece_size``, so a crash loses little); one ranged request
-covers a run of consecutive missing chunks up to ``chunk_size``, journaling each as it completes.
+Large files are written with ``O_DIRECT`` from page-aligned buffers: no copy into the page cache,
+which on a 2-core machine is most of a buffered download's CPU time (bench/README.md), and the
+fsync before publishing is cheap. Unaligned writes, small files and filesystems without O_DIRECT
+use the buffered descriptor. A sequential checksum (sha256 of a Hub LFS file) is computed while
+the file downloads, by a hash worker reading back each newly contiguous run of chunks.
 
-Large files are written with ``O_DIRECT`` from page-aligned buffers: the bytes go from our buffer
-to the disk without a copy into the page cache, which on a 2-core machine is most of a buffered
-download's CPU time (see bench/README.md), and they are on disk when the write returns, so the
-fsync before publishing is cheap. Writes whose offset or length is not 4 KiB-aligned, small files
-and filesystems without ``O_DIRECT`` use the ordinary buffered descriptor. A large file with a
-sequential checksum (sha256 of a Hub LFS file) is hashed while it downloads: a hash worker reads
-back (O_DIRECT) each newly contiguous run of finished chunks.
-
-Hostile or failing servers are bounded three ways. A ranged request that delivers fewer than
-``min_rate`` bytes/s over a ``stall_window`` is abandoned and retried like any transient error (as
-curl's --speed-limit/--speed-time), from the last byte written. ``deadline`` bounds the whole run:
-when it passes the transfer stops (partials stay journaled) and fails with DeadlineExceededError.
-A stop (SIGTERM) takes effect mid-read, not when a buffer fills. All three are enforced by one
-watchdog (:class:`prefetch.deadline.Watchdog`) that aborts the read in progress by shutting its
-socket down, from before the request is sent: the wait for the response headers is covered too.
-Why a watchdog and not short socket timeouts with the flag checked between reads: a timed-out
-socket file cannot be read again (``SocketIO`` refuses after a timeout, and http.client's buffer
-state is lost), so a timeout would cost the connection anyway, and a timeout shorter than a healthy
-server's pauses turns slow servers into errors; ``shutdown(SHUT_RDWR)`` from another thread wakes a
-blocked ``recv`` at once (Linux, macOS), whatever the timeout, and leaves the healthy path free
-of polling and timeouts. Reads ask for at most :func:`read_slice` bytes so the rule sees bytes as
-they arrive. Small objects fetched whole by describe are bounded by the S3 source (same mechanism).
+One watchdog (:class:`prefetch.deadline.Watchdog`) enforces the stall rule (under ``min_rate``
+bytes/s over ``stall_window``: retried from the last byte written), the ``deadline`` (then a
+DeadlineExceededError, partials kept) and a stop. Why not short socket timeouts: a timed-out
+socket file cannot be read again (``SocketIO`` refuses, http.client's buffer state is lost), and
+a timeout shorter than a healthy server's pauses turns slow servers into errors;
+``shutdown(SHUT_RDWR)`` from another thread wakes a blocked ``recv`` at once, covers the wait for
+the headers too, and leaves the healthy path free of polling. Reads ask for at most
+:func:`read_slice` bytes so the rule sees bytes as they arrive.
 
 Why threads and not asyncio: the hot path is ``readinto`` a preallocated buffer, ``pwrite``, and a
 CRC/hash update, all of which release the GIL; threads do it without the extra copy asyncio
