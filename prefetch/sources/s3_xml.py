@@ -26,7 +26,7 @@ from prefetch.errors import InvalidListingError
 __all__ = [
     "MAX_PAGES",
     "ListPage",
-    "ListedObject",
+    "ListingEntry",
     "ListingPages",
     "MalformedListingPage",
     "listed_objects",
@@ -43,7 +43,7 @@ _CONTENTS_FIELDS = frozenset({"Key", "Size", "ETag"})
 _PAGE_FIELDS = frozenset({"IsTruncated", "NextContinuationToken", "EncodingType"})
 
 
-class ListedObject(TypedDict):
+class ListingEntry(TypedDict):
     """One ``Contents`` entry of a page, as :func:`listed_objects` checked it (``ETag`` is
     botocore's as the endpoint sent it: read with ``str()``)."""
 
@@ -55,7 +55,7 @@ class ListedObject(TypedDict):
 class ListPage(TypedDict):
     """A ListObjectsV2 answer in botocore's shape, as :func:`parse_list_page` reads it."""
 
-    Contents: list[ListedObject]
+    Contents: list[ListingEntry]
     CommonPrefixes: list[dict[str, str]]
     IsTruncated: bool
     NextContinuationToken: NotRequired[str]
@@ -177,7 +177,7 @@ class _PageReader:
         return page
 
 
-def _entry(n: int, fields: Mapping[str, str], decode: Callable[[str], str]) -> ListedObject:
+def _entry(n: int, fields: Mapping[str, str], decode: Callable[[str], str]) -> ListingEntry:
     if "Key" not in fields or not fields["Key"]:
         raise MalformedListingPage(f"entry {n} (<Contents>) has no Key")
     key = decode(fields["Key"])
@@ -187,7 +187,7 @@ def _entry(n: int, fields: Mapping[str, str], decode: Callable[[str], str]) -> L
     return {"Key": key, "Size": int(size), "ETag": fields.get("ETag", "")}
 
 
-def listed_objects(page: Mapping[str, object], where: str) -> list[ListedObject]:
+def listed_objects(page: Mapping[str, object], where: str) -> list[ListingEntry]:
     """The ``Contents`` of a page (botocore's or :func:`parse_list_page`'s), each with a
     non-empty ``Key`` and a whole, non-negative ``Size``: InvalidListingError naming ``where``
     (the prefix the user asked for) otherwise. botocore's parser passes through whatever the
