@@ -19,9 +19,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, TypeVarTuple
 
 Task = TypeVar("Task")
+Args = TypeVarTuple("Args")
 
 
 class Coordinator(Generic[Task]):
@@ -46,7 +47,9 @@ class Coordinator(Generic[Task]):
         self._minor = minor
         self._running: dict[Future[object], Task] = {}
 
-    def submit(self, pool: Executor, task: Task, fn: Callable[..., object], *args: object) -> None:
+    def submit(
+        self, pool: Executor, task: Task, fn: Callable[[*Args], object], *args: *Args
+    ) -> None:
         """Run ``fn(*args)`` on ``pool`` as ``task`` (what it returns goes to ``done``: the
         owner knows each kind of task's result type)."""
         self._running[pool.submit(fn, *args)] = task
