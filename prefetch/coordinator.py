@@ -19,9 +19,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar, TypeVarTuple
 
 Task = TypeVar("Task")
+Args = TypeVarTuple("Args")
 
 
 class Coordinator(Generic[Task]):
@@ -31,7 +32,7 @@ class Coordinator(Generic[Task]):
         self,
         stop: threading.Event,
         *,
-        done: Callable[[Task, Any], None],
+        done: Callable[[Task, object], None],
         failed: Callable[[Task, BaseException], None],
         after_round: Callable[[], None] | None = None,
         minor: type[BaseException] | tuple[type[BaseException], ...] = (),
@@ -44,10 +45,13 @@ class Coordinator(Generic[Task]):
         self._failed = failed
         self._after_round = after_round
         self._minor = minor
-        self._running: dict[Future[Any], Task] = {}
+        self._running: dict[Future[object], Task] = {}
 
-    def submit(self, pool: Executor, task: Task, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` on ``pool`` as ``task``."""
+    def submit(
+        self, pool: Executor, task: Task, fn: Callable[[*Args], object], *args: *Args
+    ) -> None:
+        """Run ``fn(*args)`` on ``pool`` as ``task`` (what it returns goes to ``done``: the
+        owner knows each kind of task's result type)."""
         self._running[pool.submit(fn, *args)] = task
 
     def run(self) -> None:

@@ -3,52 +3,29 @@
 Names start with ``model_prefetch_``; counters end in ``_total``; units are ``_bytes`` and
 ``_seconds``; labels are low-cardinality only (``model``, ``source`` = s3|hf, ``reason``,
 ``state``, ``result``), never a file or a chunk. The engine feeds the transfer metrics through
-:class:`MetricsSink`, a :class:`~prefetch.progress.ProgressSink`.
+:class:`MetricsSink`, a :class:`~prefetch.progress.ProgressSink`. The metrics (prefix left out):
 
-=========================================================  =========  ========================
-name                                                       type       labels
-=========================================================  =========  ========================
-model_prefetch_downloaded_bytes_total                      counter    model, source
-model_prefetch_download_rate_bytes_per_second              gauge      model (10 s window)
-model_prefetch_files_downloaded_total                      counter    model, source
-model_prefetch_chunks_downloaded_total                     counter    model, source
-model_prefetch_retries_total                               counter    model, source
-model_prefetch_checksum_failures_total                     counter    model, reason (*)
-model_prefetch_model_state                                 gauge      model, state (1 = current)
-model_prefetch_model_ready                                 gauge      model
-model_prefetch_model_required                              gauge      model
-model_prefetch_model_size_bytes                            gauge      model
-model_prefetch_model_remaining_bytes                       gauge      model
-model_prefetch_sync_duration_seconds                       histogram  model
-model_prefetch_sync_failures_total                         counter    model, reason
-model_prefetch_last_success_timestamp_seconds              gauge      model
-model_prefetch_verifications_total                         counter    model, result=ok|failed
-model_prefetch_all_required_ready                          gauge
-model_prefetch_cache_free_bytes                            gauge
-model_prefetch_cache_used_bytes                            gauge
-model_prefetch_evictions_total                             counter    reason=disk_pressure|gc
-model_prefetch_evicted_bytes_total                         counter    reason
-model_prefetch_config_reload_failures_total                counter
-model_prefetch_config_last_reload_successful               gauge
-model_prefetch_node_gate_errors_total                      counter
-model_prefetch_events_dropped_total                        counter    reason=rate_limited|queue_full
-model_prefetch_event_errors_total                          counter
-model_prefetch_sync_phase_duration_seconds                 histogram  model, phase (**)
-model_prefetch_time_to_ready_seconds                       histogram  since (***)
-model_prefetch_ready_after_seconds                         gauge      since (***)
-model_prefetch_node_progress_writes_total                  counter    result=ok|failed
-model_prefetch_warmups_total                               counter    model, result (****)
-model_prefetch_warm_duration_seconds                       gauge      model (the last warm-up)
-model_prefetch_warm_bytes                                  gauge      model (the last warm-up)
-process_start_time_seconds, process_cpu_seconds_total...   (the process collector)
-=========================================================  =========  ========================
-
-(*) ``reason`` is ``download`` (caught while fetching) or ``reverify`` (found at rest).
-(**) ``phase`` is one of :data:`prefetch.sync.SYNC_PHASES` (resolve, download, verify, publish),
-observed for each sync that changed the cache (see :class:`prefetch.sync.SyncTimings`).
-(***) ``since`` is ``node_creation`` (the Node's ``metadata.creationTimestamp``) or
-``agent_start``; observed once per agent process, when every required model is first ready.
-(****) ``result`` is a :class:`prefetch.warm.WarmReport` state: warm, skipped, stopped or failed.
+* transfer, by model and source: ``downloaded_bytes_total``, ``files_downloaded_total``,
+  ``chunks_downloaded_total``, ``retries_total``; ``download_rate_bytes_per_second`` (model, a
+  10 s window); ``checksum_failures_total`` (model, reason = download | reverify: caught while
+  fetching, or found at rest).
+* per model: ``model_state`` (state; 1 = current), ``model_source`` (source_kind = mirror | hub
+  | s3; 1 = what served the last sync), ``model_ready``, ``model_required``,
+  ``model_size_bytes``, ``model_remaining_bytes``, ``sync_duration_seconds`` (histogram),
+  ``sync_failures_total`` (reason), ``last_success_timestamp_seconds``, ``verifications_total``
+  (result = ok | failed), ``sync_phase_duration_seconds`` (histogram by phase, one of
+  :data:`prefetch.sync.SYNC_PHASES`, for each sync that changed the cache), ``warmups_total``
+  (result: a :class:`prefetch.warm.WarmReport` state), ``warm_duration_seconds`` and
+  ``warm_bytes`` (the last warm-up).
+* the node and its cache: ``all_required_ready``, ``cache_free_bytes``, ``cache_used_bytes``,
+  ``evictions_total`` (reason = disk_pressure | gc), ``evicted_bytes_total`` (reason),
+  ``node_gate_errors_total``, ``node_progress_writes_total`` (result = ok | failed),
+  ``time_to_ready_seconds`` (histogram) and ``ready_after_seconds`` (gauge), both by ``since`` =
+  node_creation | agent_start, observed once per process when every required model is first
+  ready.
+* the agent: ``config_reload_failures_total``, ``config_last_reload_successful``,
+  ``events_dropped_total`` (reason = rate_limited | queue_full), ``event_errors_total``; and the
+  process collector's ``process_*``.
 """
 
 from __future__ import annotations
@@ -59,7 +36,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
@@ -381,7 +357,8 @@ class MetricsSink:
         self._files = metrics.files_downloaded.labels(model, source)
         self._chunks = metrics.chunks_downloaded.labels(model, source)
         self._retries = metrics.retries.labels(model, source)
-        self._remaining: Any = None  # bound on start(): a model that never starts shows none
+        #: bound on start(): a model that never starts shows none
+        self._remaining: Gauge | None = None
         self._lock = threading.Lock()
         self.total = 0
         self.done = 0

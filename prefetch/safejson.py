@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any
+from typing import NoReturn
 
 from prefetch.errors import PrefetchError, SourceError
 
@@ -37,7 +37,7 @@ def load_json(
     max_bytes: int,
     max_depth: int = MAX_DEPTH,
     error: type[PrefetchError] = SourceError,
-) -> Any:
+) -> object:
     """``data`` parsed, or ``error("<where>: ...")`` when it is larger than ``max_bytes``,
     nested deeper than ``max_depth``, not JSON, or holds NaN, an infinity or an out-of-range
     number."""
@@ -75,7 +75,7 @@ def _depth(text: str) -> int:
     return deepest
 
 
-def _constant(name: str) -> Any:
+def _constant(name: str) -> NoReturn:
     raise _Refused(f"{name} is no JSON number")
 
 

@@ -169,7 +169,7 @@ class SyncResult:
     served_by: str = ""
     timings: SyncTimings = field(default_factory=SyncTimings)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:  # cli.py writes into its "timings"
         return {**self.__dict__, "timings": self.timings.to_json()}
 
     def note_snapshot(self, snapshot: Snapshot, layout: Layout) -> None:
@@ -422,7 +422,7 @@ class VerifyReport:
         self.unverifiable += other.unverifiable
         self.failures += other.failures
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "ok": self.ok,
             "checked": len(self.checked),

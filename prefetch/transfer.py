@@ -1,38 +1,27 @@
 """The chunk engine: ranged reads of many files under one concurrency limit, resumable, verified.
 
-For each file to fetch: describe it (S3: HEAD for checksums and part layout), plan its chunks
-(aligned to the upload's parts when its checksum is composite), preallocate ``<name>.incomplete``,
-run every missing chunk on a shared pool of ``concurrency`` threads (each ``readinto`` a reusable
-buffer, ``os.pwrite``, hash inline, journal), then verify and let the layout publish it. A file
-of one chunk below the O_DIRECT size (most small files) skips the preallocation and the journal:
-the io task that described it goes on to create it, write and hash the one read and fsync it
-(``Transfer._describe_task``), so the coordinator sees it once, to check and publish it.
+Per file: describe it (S3: a HEAD for checksums and part layout), plan its chunks (aligned to the
+upload's parts when its checksum is composite), preallocate ``<name>.incomplete``, run every
+missing chunk on one pool of ``concurrency`` threads (``readinto`` a reusable buffer, ``pwrite``,
+hash inline, journal), then verify and let the layout publish it. A file of one chunk below the
+O_DIRECT size skips preallocation and journal: the io task that described it also writes, hashes
+and fsyncs it (``Transfer._describe_task``). Chunks (at most ``piece_size``) are the unit of
+resume; one ranged request covers a run of missing chunks up to ``chunk_size``.
 
-Chunks are the unit of resume (at most ``piece_size``, so a crash loses little); one ranged request
-covers a run of consecutive missing chunks up to ``chunk_size``, journaling each as it completes.
+Large files are written with ``O_DIRECT`` from page-aligned buffers: no copy into the page cache,
+which on a 2-core machine is most of a buffered download's CPU time (bench/README.md), and the
+fsync before publishing is cheap. Unaligned writes, small files and filesystems without O_DIRECT
+use the buffered descriptor. A sequential checksum (sha256 of a Hub LFS file) is computed while
+the file downloads, by a hash worker reading back each newly contiguous run of chunks.
 
-Large files are written with ``O_DIRECT`` from page-aligned buffers: the bytes go from our buffer
-to the disk without a copy into the page cache, which on a 2-core machine is most of a buffered
-download's CPU time (see bench/README.md), and they are on disk when the write returns, so the
-fsync before publishing is cheap. Writes whose offset or length is not 4 KiB-aligned, small files
-and filesystems without ``O_DIRECT`` use the ordinary buffered descriptor. A large file with a
-sequential checksum (sha256 of a Hub LFS file) is hashed while it downloads: a hash worker reads
-back (O_DIRECT) each newly contiguous run of finished chunks.
-
-Hostile or failing servers are bounded three ways. A ranged request that delivers fewer than
-``min_rate`` bytes/s over a ``stall_window`` is abandoned and retried like any transient error (as
-curl's --speed-limit/--speed-time), from the last byte written. ``deadline`` bounds the whole run:
-when it passes the transfer stops (partials stay journaled) and fails with DeadlineExceededError.
-A stop (SIGTERM) takes effect mid-read, not when a buffer fills. All three are enforced by one
-watchdog (:class:`prefetch.deadline.Watchdog`) that aborts the read in progress by shutting its
-socket down, from before the request is sent: the wait for the response headers is covered too.
-Why a watchdog and not short socket timeouts with the flag checked between reads: a timed-out
-socket file cannot be read again (``SocketIO`` refuses after a timeout, and http.client's buffer
-state is lost), so a timeout would cost the connection anyway, and a timeout shorter than a healthy
-server's pauses turns slow servers into errors; ``shutdown(SHUT_RDWR)`` from another thread wakes a
-blocked ``recv`` at once (Linux, macOS), whatever the timeout, and leaves the healthy path free
-of polling and timeouts. Reads ask for at most :func:`read_slice` bytes so the rule sees bytes as
-they arrive. Small objects fetched whole by describe are bounded by the S3 source (same mechanism).
+One watchdog (:class:`prefetch.deadline.Watchdog`) enforces the stall rule (under ``min_rate``
+bytes/s over ``stall_window``: retried from the last byte written), the ``deadline`` (then a
+DeadlineExceededError, partials kept) and a stop. Why not short socket timeouts: a timed-out
+socket file cannot be read again (``SocketIO`` refuses, http.client's buffer state is lost), and
+a timeout shorter than a healthy server's pauses turns slow servers into errors;
+``shutdown(SHUT_RDWR)`` from another thread wakes a blocked ``recv`` at once, covers the wait for
+the headers too, and leaves the healthy path free of polling. Reads ask for at most
+:func:`read_slice` bytes so the rule sees bytes as they arrive.
 
 Why threads and not asyncio: the hot path is ``readinto`` a preallocated buffer, ``pwrite``, and a
 CRC/hash update, all of which release the GIL; threads do it without the extra copy asyncio
@@ -54,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 from prefetch import verify
 from prefetch.coordinator import Coordinator
@@ -343,8 +332,10 @@ class Transfer:
 
     # -- coordinator (main thread) -----------------------------------------------------------
 
-    def _done(self, task: _Task, result: Any) -> None:
-        """A task succeeded: take the file its next step."""
+    def _done(self, task: _Task, result: object) -> None:
+        """A task succeeded: take the file its next step (``result``: what the task's function
+        returned, of the type its kind states below; ``cast`` costs nothing but a call, and
+        no ranged read's task needs one)."""
         match task:
             case _FetchRange(job=job):
                 self._count_chunk()
@@ -357,14 +348,14 @@ class Transfer:
                 self._hashed_ahead(job, stop)
             case _Describe():
                 self._describing -= 1
-                job, actuals = result
+                job, actuals = cast("tuple[_FileJob, list[str] | None]", result)
                 self._described(job, actuals)
             case _Seal(job=job):
-                self._finish_verified(job, result)
+                self._finish_verified(job, cast("list[str]", result))
             case _FetchWhole(job=job):
                 if job.chunks:
                     self._count_chunk()
-                self._finish_verified(job, result)
+                self._finish_verified(job, cast("list[str]", result))
 
     def _count_chunk(self) -> None:
         """One ranged request completed (the chunks metric counts what the engine fetched)."""
@@ -857,7 +848,7 @@ def call_watched(
 
 
 def fill_watched(
-    reader: Any,
+    reader: RangeReader,
     watch: Watch,
     view: memoryview,
     filled: Filled,
@@ -911,7 +902,7 @@ def _journal_path(job: _FileJob) -> Path:
     return job.staged.with_suffix(".journal")
 
 
-def _journal_header(job: _FileJob) -> dict[str, Any]:
+def _journal_header(job: _FileJob) -> dict[str, object]:
     """What a journal is for: a journal whose header differs is not resumed from."""
     return {
         "path": job.file.path,

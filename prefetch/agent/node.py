@@ -33,7 +33,7 @@ import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import NotRequired, TypedDict, Unpack, cast
 
 import urllib3
 from kubernetes import client as k8s_client
@@ -144,6 +144,51 @@ class GateResult:
     attempts: int = 1
 
 
+class Taint(TypedDict, total=False):
+    key: str
+    value: str
+    effect: str
+
+
+class NodeMetadata(TypedDict, total=False):
+    name: str
+    resourceVersion: str
+    labels: dict[str, str]
+    annotations: dict[str, str]
+
+
+class NodeSpec(TypedDict, total=False):
+    taints: list[Taint]
+
+
+class NodeObject(TypedDict, total=False):
+    """The parts of a Kubernetes Node (as the API server's JSON) the gate reads."""
+
+    metadata: NodeMetadata
+    spec: NodeSpec
+
+
+class PatchOp(TypedDict):
+    """One JSON Patch (RFC 6902) operation."""
+
+    op: str
+    path: str
+    value: NotRequired[str | dict[str, str]]
+
+
+class GateOptions(TypedDict, total=False):
+    """:class:`NodeGate`'s keyword arguments."""
+
+    label_prefix: str
+    startup_taint_key: str
+    startup_taint_effect: str
+    max_attempts: int
+    backoff: float
+    max_backoff: float
+    request_timeout: float
+    sleep: Callable[[float], None]
+
+
 @dataclass(frozen=True)
 class _Plan:
     resource_version: str
@@ -156,8 +201,8 @@ class _Plan:
     def empty(self) -> bool:
         return not (self.add or self.remove or self.taint_indexes)
 
-    def patch(self) -> list[dict[str, Any]]:
-        ops: list[dict[str, Any]] = [
+    def patch(self) -> list[PatchOp]:
+        ops: list[PatchOp] = [
             {"op": "test", "path": "/metadata/resourceVersion", "value": self.resource_version}
         ]
         if self.labels_missing and self.add:
@@ -311,7 +356,7 @@ class NodeGate:
         touches no other key; no resourceVersion guard is needed, as no one else writes *key*.
         Raises :class:`NodeGateError` on any failure.
         """
-        body = {"metadata": {"annotations": {key: value}}}
+        body: NodeObject = {"metadata": {"annotations": {key: value}}}
         try:
             self._send_patch(body, _MERGE_PATCH)
         except ApiException as exc:
@@ -350,7 +395,7 @@ class NodeGate:
 
     # -- one round -------------------------------------------------------------------------
 
-    def _get(self) -> dict[str, Any]:
+    def _get(self) -> NodeObject:
         resp = self._api.read_node(
             self.node_name, _preload_content=False, _request_timeout=self._timeout
         )
@@ -362,12 +407,12 @@ class NodeGate:
             resp.release_conn()
         if not isinstance(node, dict):
             raise NodeGateError(f"GET node {self.node_name!r} returned no object")
-        return node
+        return cast("NodeObject", node)  # the API server's Node: the fields read are optional
 
     def _patch(self, plan: _Plan) -> None:
         self._send_patch(plan.patch(), _JSON_PATCH)
 
-    def _send_patch(self, body: Any, content_type: str) -> None:
+    def _send_patch(self, body: list[PatchOp] | NodeObject, content_type: str) -> None:
         """PATCH the node; the answer is read and the connection goes back to the pool."""
         resp = self._api.patch_node(
             self.node_name,
@@ -384,7 +429,7 @@ class NodeGate:
         finally:
             resp.release_conn()
 
-    def _plan(self, node: Mapping[str, Any], wanted: frozenset[str], lift: bool) -> _Plan:
+    def _plan(self, node: NodeObject, wanted: frozenset[str], lift: bool) -> _Plan:
         metadata = node.get("metadata") or {}
         rv = metadata.get("resourceVersion")
         if not rv:
@@ -477,7 +522,7 @@ def _describe(exc: ApiException) -> str:
     return f"{text}: {message}" if message else text
 
 
-def in_cluster_gate(node_name: str | None, **gate_options: Any) -> NodeGate | None:
+def in_cluster_gate(node_name: str | None, **gate_options: Unpack[GateOptions]) -> NodeGate | None:
     """A :class:`NodeGate` for *node_name* using the pod's service account, or None when off.
 
     The gate is on only inside a cluster (``KUBERNETES_SERVICE_HOST`` is set, read at call time)

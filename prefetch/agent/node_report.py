@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import urllib3
 from kubernetes import client as k8s_client
@@ -71,7 +71,7 @@ class ModelRow:
             return None
         return round(100.0 * min(self.done, self.total) / self.total, 1)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "name": self.name,
             "phase": self.phase,
@@ -98,7 +98,7 @@ class NodeReport:
     models: list[ModelRow] = field(default_factory=list)
     problem: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "node": self.node,
             "report": self.problem is None,
@@ -134,12 +134,12 @@ def cluster_api(kubeconfig: str | None, context: str | None) -> k8s_client.CoreV
     return k8s_client.CoreV1Api(k8s_client.ApiClient(configuration))
 
 
-def list_nodes(api: k8s_client.CoreV1Api, selector: str | None) -> list[dict[str, Any]]:
+def list_nodes(api: k8s_client.CoreV1Api, selector: str | None) -> list[dict[str, object]]:
     """Every node matching the label ``selector``, as plain JSON, in pages."""
     return list(_pages(api, selector))
 
 
-def _pages(api: k8s_client.CoreV1Api, selector: str | None) -> Iterator[dict[str, Any]]:
+def _pages(api: k8s_client.CoreV1Api, selector: str | None) -> Iterator[dict[str, object]]:
     host = api.api_client.configuration.host
     cont: str | None = None
     while True:
@@ -190,7 +190,7 @@ def _refused(exc: ApiException, host: str) -> ClusterReadError:
 # -- one node ----------------------------------------------------------------------------------
 
 
-def node_report(node: Mapping[str, Any], now: float) -> NodeReport:
+def node_report(node: Mapping[str, object], now: float) -> NodeReport:
     """What ``prefetch status`` says about ``node`` (``now``: Unix time, for the note's age).
     The note is written by whatever can patch the Node: one that is not JSON, too large, too
     deep, or holds a value of the wrong type or range is this node's ``problem``, never an
@@ -198,8 +198,8 @@ def node_report(node: Mapping[str, Any], now: float) -> NodeReport:
     metadata = _mapping(node.get("metadata"))
     name = _text(metadata.get("name", "?"))
     labels = _mapping(metadata.get("labels"))
-    taints = _mapping(node.get("spec")).get("taints")
-    taints = taints if isinstance(taints, list) else []
+    listed = _mapping(node.get("spec")).get("taints")
+    taints: list[object] = listed if isinstance(listed, list) else []
     raw = _mapping(metadata.get("annotations")).get(PROGRESS_ANNOTATION)
     if raw is None:
         return NodeReport(
@@ -215,7 +215,7 @@ def node_report(node: Mapping[str, Any], now: float) -> NodeReport:
         )
 
 
-def _mapping(value: object) -> dict[str, Any]:
+def _mapping(value: object) -> dict[str, object]:
     return value if isinstance(value, dict) else {}
 
 
@@ -224,7 +224,11 @@ class _BadNote(PrefetchError):
 
 
 def _from_note(
-    name: str, note: dict[str, Any], labels: Mapping[str, Any], taints: list[Any], now: float
+    name: str,
+    note: dict[str, object],
+    labels: Mapping[str, object],
+    taints: list[object],
+    now: float,
 ) -> NodeReport:
     prefix = _field(note, "prefix", str) or DEFAULT_LABEL_PREFIX
     models = _field(note, "models", list) or []
@@ -245,7 +249,7 @@ def _from_note(
     )
 
 
-def _parse_note(raw: object) -> dict[str, Any]:
+def _parse_note(raw: object) -> dict[str, object]:
     if not isinstance(raw, str):
         raise _BadNote(f"a {type(raw).__name__}, not a string")
     note = load_json(raw, where="the note", max_bytes=MAX_NOTE_BYTES, error=_BadNote)
@@ -256,7 +260,7 @@ def _parse_note(raw: object) -> dict[str, Any]:
     return note
 
 
-def _field(entry: Mapping[str, Any], key: str, kind: type[T]) -> T | None:
+def _field(entry: Mapping[str, object], key: str, kind: type[T]) -> T | None:
     """``entry[key]`` when it is a ``kind`` (None when absent or null); _BadNote otherwise."""
     value = entry.get(key)
     if value is None:
@@ -266,7 +270,7 @@ def _field(entry: Mapping[str, Any], key: str, kind: type[T]) -> T | None:
     return value
 
 
-def _model_row(index: int, entry: object, labels: Mapping[str, Any], prefix: str) -> ModelRow:
+def _model_row(index: int, entry: object, labels: Mapping[str, object], prefix: str) -> ModelRow:
     if not isinstance(entry, dict):
         raise _BadNote(f"models[{index}] is a {type(entry).__name__}, not an object")
     try:
@@ -289,7 +293,7 @@ def _model_row(index: int, entry: object, labels: Mapping[str, Any], prefix: str
         raise _BadNote(f"models[{index}].{exc}") from None
 
 
-def _count(entry: Mapping[str, Any], key: str) -> int | None:
+def _count(entry: Mapping[str, object], key: str) -> int | None:
     """A byte count, rate or number of seconds: a whole number from 0 to 2**63."""
     value = entry.get(key)
     if value is None:
@@ -310,7 +314,7 @@ def _text(value: object) -> str:
     return printable(text)
 
 
-def _has_taint(taints: list[Any], key: str) -> bool:
+def _has_taint(taints: list[object], key: str) -> bool:
     return any(isinstance(t, dict) and t.get("key") == key for t in taints)
 
 

@@ -12,13 +12,36 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from prefetch.agent.scheduler import ModelPhase, ModelState
 from prefetch.units import format_bytes, iso_utc
 
 #: A JSON object as served (the /readyz body and its parts).
-JsonObject = dict[str, Any]
+JsonObject = dict[str, object]
+
+
+class ModelStatus(TypedDict):
+    """One model's entry in the /readyz body."""
+
+    name: str
+    source: str
+    required: bool
+    pinned: bool
+    state: str
+    ready: bool
+    detail: str
+    revision: str | None
+    bytes_total: int | None
+    bytes_remaining: int | None
+    files_remaining: int | None
+    last_error: str | None
+    error_reason: str | None
+    failures: int
+    last_success: str | None
+    last_sync: JsonObject | None
+    warm: JsonObject | None
+    nothing_published: bool
 
 
 @dataclass(frozen=True)
@@ -68,7 +91,7 @@ def readiness_body(models: list[ModelState], facts: AgentFacts, now: float) -> J
     }
 
 
-def model_status(ms: ModelState, now: float) -> JsonObject:
+def model_status(ms: ModelState, now: float) -> ModelStatus:
     """One model's entry in the /readyz body."""
     sink = ms.sink
     remaining: int | None

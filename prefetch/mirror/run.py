@@ -16,7 +16,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
 
 from prefetch.errors import InvalidListingError, NoMatchingFilesError, SourceError
 from prefetch.mirror.stream import BlobUpload, MirrorConfig, PartStreamer, streamable_checks
@@ -65,7 +64,7 @@ class MirrorResult:
     retries: int = 0
     seconds: float = 0.0
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "source": redact(self.source),
             "destination": self.destination,

@@ -32,7 +32,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import cast
 
 from prefetch import verify
 from prefetch.coordinator import Coordinator
@@ -312,10 +312,11 @@ class PartStreamer:
         if isinstance(exc, ChecksumMismatchError) or (isinstance(task, _Finish) and refused):
             task.job.abort = True
 
-    def _done(self, task: _Task, result: Any) -> None:
+    def _done(self, task: _Task, result: object) -> None:
+        """A task succeeded (``result``: what its function returned, of its kind's type)."""
         match task:
             case _Part(job=job, index=index, buf=buf):
-                crc, part = result
+                crc, part = cast("tuple[int, UploadedPart | None]", result)
                 job.crcs[index] = crc
                 if part is not None:
                     job.parts[index] = part
@@ -332,7 +333,7 @@ class PartStreamer:
                     self._advance_hash(job)
             case _Open(job=job):
                 self._opening -= 1
-                job.upload_id, job.reusable = result
+                job.upload_id, job.reusable = cast("tuple[str, dict[int, UploadedPart]]", result)
                 self._queue.extend((job, i) for i in range(len(job.ranges)))
             case _Finish(job=job, buf=buf):
                 if buf is not None:

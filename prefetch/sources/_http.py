@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Protocol, TypedDict, Unpack, cast
 from urllib.parse import urlsplit
 
 import urllib3
@@ -49,11 +49,36 @@ DRAIN_LIMIT = 64 * 1024
 # ---- the pool ----------------------------------------------------------------------------------
 
 
+class RequestOptions(TypedDict, total=False):
+    """The options :func:`send` passes to urllib3's ``request`` (an absent ``timeout``: the
+    pool's own)."""
+
+    headers: Mapping[str, str]
+    body: bytes | None
+    preload_content: bool
+    redirect: bool
+    retries: bool
+    decode_content: bool
+    timeout: urllib3.Timeout | float
+
+
+class PoolOptions(TypedDict, total=False):
+    """The options :func:`make_http_pool` builds its urllib3 managers with."""
+
+    num_pools: int
+    maxsize: int
+    block: bool
+    retries: bool
+    ca_certs: str
+
+
 class HttpClient(Protocol):
     """What a source needs of a client: urllib3's ``request`` (a PoolManager, the proxy router
     below, or a test's canned client)."""
 
-    def request(self, method: str, url: str, **kwargs: Any) -> Any: ...
+    def request(
+        self, method: str, url: str, **kwargs: Unpack[RequestOptions]
+    ) -> urllib3.BaseHTTPResponse: ...
 
 
 _SHARED_POOLS: dict[tuple[int, object, str | None], HttpClient] = {}
@@ -81,7 +106,7 @@ def make_http_pool(
     """A urllib3 pool for ranged GETs: no urllib3 retries or redirects (done by the caller), and
     the proxies (default: the environment's, read now) honoured per host; ``ca_certs``: a CA
     bundle to verify TLS with instead of the system's."""
-    kwargs: dict[str, Any] = {"num_pools": 8, "maxsize": size, "block": False, "retries": False}
+    kwargs: PoolOptions = {"num_pools": 8, "maxsize": size, "block": False, "retries": False}
     if ca_certs:
         kwargs["ca_certs"] = ca_certs
     proxies = settings.proxies() if proxies is None else proxies
@@ -137,9 +162,7 @@ def watched_pools(manager: urllib3.PoolManager) -> urllib3.PoolManager:
 class ProxyRouter:
     """Sends each request directly or through its scheme's proxy, as the proxy settings say."""
 
-    def __init__(
-        self, direct: HttpClient, proxies: settings.Proxies, kwargs: Mapping[str, Any]
-    ) -> None:
+    def __init__(self, direct: HttpClient, proxies: settings.Proxies, kwargs: PoolOptions) -> None:
         self._direct = direct
         self._proxies = proxies
         self._proxied = {
@@ -155,7 +178,9 @@ class ProxyRouter:
         proxy = self._proxies.proxy_for(url)
         return self._direct if proxy is None else self._proxied[proxy]
 
-    def request(self, method: str, url: str, **kwargs: Any) -> Any:
+    def request(
+        self, method: str, url: str, **kwargs: Unpack[RequestOptions]
+    ) -> urllib3.BaseHTTPResponse:
         return self.manager_for(url).request(method, url, **kwargs)
 
 
@@ -163,7 +188,7 @@ class ProxyRouter:
 no_proxy_matches = settings.no_proxy_matches
 
 
-def discard(resp: Any) -> None:
+def discard(resp: urllib3.BaseHTTPResponse) -> None:
     """Drop a urllib3 response whose body we do not want, closing its connection (never a
     blocking read: the connection may be the one that just failed)."""
     try:
@@ -172,7 +197,7 @@ def discard(resp: Any) -> None:
         resp.release_conn()
 
 
-def release_small_body(resp: Any) -> None:
+def release_small_body(resp: urllib3.BaseHTTPResponse) -> None:
     """Finish a response with a small body (a redirect): read it so the connection goes back
     to the pool; a large or unknown one is discarded instead."""
     try:
@@ -293,6 +318,14 @@ class SupportsReadinto(Protocol):
     def readinto(self, buf: memoryview, /) -> int: ...
 
 
+class ResponseBody(SupportsReadinto, Protocol):
+    """What the seam uses of an answer's unread body: urllib3's response, or botocore's
+    ``StreamingBody`` (whose ``release_conn`` is absent: it is looked up, not required)."""
+
+    def read(self, amt: int | None = ..., /) -> bytes: ...
+    def close(self) -> None: ...
+
+
 def http_client_response(response: object) -> http.client.HTTPResponse | None:
     """The ``http.client`` response under a urllib3 response (or the response itself), or None
     when there is none: the layers are private, so a caller falls back to the outer object."""
@@ -386,7 +419,12 @@ class Response:
     the (code, message) a library parsed from an error answer, when it did."""
 
     def __init__(
-        self, status: int, headers: Any, raw: Any, *, error: tuple[str, str] | None = None
+        self,
+        status: int,
+        headers: Mapping[str, str],
+        raw: ResponseBody | None,
+        *,
+        error: tuple[str, str] | None = None,
     ) -> None:
         self.status = status
         self.headers = headers
@@ -395,8 +433,7 @@ class Response:
 
     def read(self, limit: int) -> bytes:
         """At most ``limit`` bytes of the body."""
-        data: bytes = self.raw.read(limit) if self.raw is not None else b""
-        return data
+        return self.raw.read(limit) if self.raw is not None else b""
 
     def release(self) -> None:
         """The body was read to its end: the connection goes back to the pool."""
@@ -419,6 +456,15 @@ class Response:
                 release()
 
 
+class Sent(Response):
+    """An answer :func:`send` got from the pool: ``raw`` is urllib3's response, never None."""
+
+    raw: urllib3.BaseHTTPResponse
+
+    def __init__(self, resp: urllib3.BaseHTTPResponse) -> None:
+        super().__init__(int(resp.status), resp.headers, resp)
+
+
 def origin_of(url: str) -> tuple[str, str, int]:
     """Scheme, host and port of a URL (the default port when none is written)."""
     parts = urlsplit(url)
@@ -433,11 +479,11 @@ def send(
     url: str,
     *,
     headers: Mapping[str, str],
-    timeout: Any = None,
+    timeout: urllib3.Timeout | float | None = None,
     decode: bool = False,
     credentials: Mapping[str, str] | None = None,
     credentials_origin: str | None = None,
-) -> Response:
+) -> Sent:
     """Send one request on the pool: no redirects, no urllib3 retries (the callers do both), the
     body left unread. Transport failures raise urllib3's errors (see :func:`transport_error`);
     the wait for the headers is interrupted by the calling thread's watch (see above).
@@ -450,7 +496,7 @@ def send(
         and origin_of(url) == origin_of(credentials_origin)
     ):
         headers = {**headers, **credentials}
-    kwargs: dict[str, Any] = {
+    kwargs: RequestOptions = {
         "headers": dict(headers),
         "preload_content": False,
         "redirect": False,
@@ -460,7 +506,7 @@ def send(
     if timeout is not None:
         kwargs["timeout"] = timeout
     resp = http.request(method, url, **kwargs)
-    return Response(int(resp.status), resp.headers, resp)
+    return Sent(resp)
 
 
 def check_range_answer(
@@ -498,12 +544,14 @@ def range_body_reader(
         else:
             answer.discard()
 
+    # a ranged answer that passed its checks always has its body (only an error has none)
+    body = cast("ResponseBody", answer.raw)
     return BodyReader(
-        answer.raw,
+        body,
         what,
         length,
-        raw=http_client_response(answer.raw),
-        socket_owner=answer.raw,
+        raw=http_client_response(body),
+        socket_owner=body,
         on_close=finish,
         length_known=answer.headers.get("Content-Length") is not None,
         translate=translate,
@@ -514,7 +562,10 @@ __all__ = [
     "BodyReader",
     "HttpClient",
     "ProxyRouter",
+    "RequestOptions",
     "Response",
+    "ResponseBody",
+    "Sent",
     "check_range_answer",
     "discard",
     "error_class",

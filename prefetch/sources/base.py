@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import socket
-from typing import Any, Protocol
+from typing import Protocol
 
 from prefetch.snapshot import RemoteFile, Snapshot
 from prefetch.spec import ModelSpec
@@ -50,7 +50,7 @@ def range_answer_problem(
     return None
 
 
-def shutdown_socket_of(response: Any) -> None:
+def shutdown_socket_of(response: object) -> None:
     """Shut down the socket under an ``http.client`` response (or a urllib3 response wrapping
     one) so that a read blocked on it in another thread returns now. ``shutdown`` and not
     ``close``: closing a descriptor another thread is blocked on does not wake it on Linux."""

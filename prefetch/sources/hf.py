@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 from urllib.parse import parse_qs, quote, urljoin, urlsplit
 
 import urllib3
@@ -441,7 +441,7 @@ class HubSource:
 
     def _get_json(
         self, url: str, what: str, revision: str, deadline: float
-    ) -> tuple[Any, str | None]:
+    ) -> tuple[object, str | None]:
         """The JSON answer of a metadata GET (redirects followed, the token only on the
         endpoint's origin) and the URL of its next page, if its ``Link`` header names one."""
         for _ in range(_MAX_REDIRECTS + 1):
@@ -543,7 +543,7 @@ class HubSource:
             self._remember_location(file, url)
         return reader
 
-    def _redirect_target(self, url: str, resp: Any, what: str) -> str:
+    def _redirect_target(self, url: str, resp: urllib3.BaseHTTPResponse, what: str) -> str:
         """Where a redirect from ``url`` points (its body released): an HTTP(S) URL only."""
         location = resp.headers.get("Location")
         release_small_body(resp)
@@ -551,7 +551,9 @@ class HubSource:
             raise SourceError(f"{what}: redirect without a Location from {redact_url(url)}")
         return _http_target(url, str(location), what, "a redirect")
 
-    def _get(self, url: str, headers: dict[str, str], what: str, *, decode: bool = False) -> Any:
+    def _get(
+        self, url: str, headers: dict[str, str], what: str, *, decode: bool = False
+    ) -> urllib3.BaseHTTPResponse:
         """GET ``url`` on the pool (no redirects, no urllib3 retries, the body left unread), the
         token added only on the endpoint's origin; ``decode``: undo a gzip Content-Encoding."""
         token = {"Authorization": f"Bearer {self._token}"} if self._token else None
@@ -569,7 +571,9 @@ class HubSource:
             raise SourceError(f"{what}: the answer of {redact_url(url)} {problem}")
         return resp
 
-    def _check_pins(self, file: RemoteFile, resp: Any, url: str, what: str) -> None:
+    def _check_pins(
+        self, file: RemoteFile, resp: urllib3.BaseHTTPResponse, url: str, what: str
+    ) -> None:
         """The response (a redirect or the bytes) is for the commit and blob we listed."""
         h = resp.headers
         hub = _origin(url) == self._origin
@@ -596,7 +600,13 @@ class HubSource:
             )
 
     def _reader(
-        self, file: RemoteFile, resp: Any, url: str, start: int, end: int, what: str
+        self,
+        file: RemoteFile,
+        resp: urllib3.BaseHTTPResponse,
+        url: str,
+        start: int,
+        end: int,
+        what: str,
     ) -> BodyReader:
         status = resp.status
         if not 200 <= status < 300:  # a 2xx that is not 206 breaks the range rule, below
@@ -617,11 +627,19 @@ class HubSource:
             raise SourceError(f"{what}: the server sent a {encoding}-encoded body")
         return _body_reader(resp, what, end - start, length_known=length is not None)
 
-    def _status_error(self, file: RemoteFile, resp: Any, url: str, what: str) -> SourceError:
+    def _status_error(
+        self, file: RemoteFile, resp: urllib3.BaseHTTPResponse, url: str, what: str
+    ) -> SourceError:
         return self._refusal(resp, url, what, revision=self._commit_of(file), file=file)
 
     def _refusal(
-        self, resp: Any, url: str, what: str, *, revision: str, file: RemoteFile | None = None
+        self,
+        resp: urllib3.BaseHTTPResponse,
+        url: str,
+        what: str,
+        *,
+        revision: str,
+        file: RemoteFile | None = None,
     ) -> SourceError:
         """The error for an answer that is not what was asked: to a metadata call, or to a
         ranged read of ``file``."""
@@ -704,7 +722,7 @@ def _tree_file(entry: object, what: str) -> _TreeFile | None:
     return _TreeFile(path, entry["size"], entry["oid"], lfs["oid"], lfs["size"], lfs=True)
 
 
-def _read_api_body(resp: Any, url: str, what: str) -> bytes:
+def _read_api_body(resp: urllib3.BaseHTTPResponse, url: str, what: str) -> bytes:
     """The whole body of a metadata answer (decoded), at most _MAX_API_BODY bytes."""
     try:
         body = resp.read(_MAX_API_BODY + 1)
@@ -746,7 +764,9 @@ def _http_target(base: str, reference: str, what: str, kind: str) -> str:
     return target
 
 
-def _body_reader(resp: Any, what: str, length: int, *, length_known: bool) -> BodyReader:
+def _body_reader(
+    resp: urllib3.BaseHTTPResponse, what: str, length: int, *, length_known: bool
+) -> BodyReader:
     """The reader of a checked 206: its connection goes back to the pool only when the body
     was read to its end and nothing aborted it."""
 

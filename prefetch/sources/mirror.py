@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
 
 from prefetch.errors import (
     AccessDeniedError,
@@ -44,7 +43,8 @@ from prefetch.mirror_format import (
 from prefetch.retry import RetryPolicy
 from prefetch.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.sources.base import RangeReader
-from prefetch.sources.s3 import S3Source
+from prefetch.sources.s3 import LazyS3Client, S3Source
+from prefetch.sources.s3_botocore import S3Client
 from prefetch.sources.s3_xml import listed_objects
 from prefetch.spec import ModelSpec, SourceURI
 
@@ -59,7 +59,9 @@ ORIGIN = "mirror"
 class MirrorSource:
     """The commits mirrored under ``s3://bucket/prefix`` (one Hub repo per prefix)."""
 
-    def __init__(self, client: Any, uri: SourceURI, *, retry: RetryPolicy | None = None) -> None:
+    def __init__(
+        self, client: S3Client | LazyS3Client, uri: SourceURI, *, retry: RetryPolicy | None = None
+    ) -> None:
         if uri.scheme != "s3":
             raise ValueError(f"not an S3 URI: {uri}")
         self._client = client

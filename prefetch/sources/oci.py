@@ -57,6 +57,7 @@ from prefetch.sources import oci_tar
 from prefetch.sources._http import (
     HttpClient,
     Response,
+    Sent,
     check_range_answer,
     origin_of,
     range_body_reader,
@@ -139,7 +140,7 @@ class OciSource:
 
     # -- requests --------------------------------------------------------------------------------
 
-    def _send(self, url: str, headers: Mapping[str, str], what: str) -> Response:
+    def _send(self, url: str, headers: Mapping[str, str], what: str) -> Sent:
         """GET ``url`` on the seam (no redirects followed), the registry's authorization sent
         only to its own origin; a 401 there is answered (token or login) once and the request
         sent again (an expired token mid-pull)."""
@@ -163,7 +164,7 @@ class OciSource:
             return answer
         raise AssertionError("unreachable")
 
-    def _get(self, path: str, headers: Mapping[str, str], what: str) -> tuple[Response, str]:
+    def _get(self, path: str, headers: Mapping[str, str], what: str) -> tuple[Sent, str]:
         """GET ``/v2/<repo>/<path>``, following redirects (the headers sent again, the
         authorization only to the registry); the answer and the URL that gave it."""
         url = f"{self._base}/v2/{self._repo}/{path}{self._query}"

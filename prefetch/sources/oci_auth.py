@@ -145,10 +145,9 @@ def helper_credentials(helper: str, registry: str) -> Credentials | None:
         return None  # "credentials not found in native keychain": anonymous, as docker does
     what = f"credential helper {helper}: its answer"
     data = load_json(done.stdout, where=what, max_bytes=1 << 20)
-    try:
-        user, secret = str(data["Username"]), str(data["Secret"])
-    except (KeyError, TypeError) as exc:
-        raise SourceError(f"credential helper {helper}: an answer that is not its JSON") from exc
+    if not isinstance(data, dict) or "Username" not in data or "Secret" not in data:
+        raise SourceError(f"credential helper {helper}: an answer that is not its JSON")
+    user, secret = str(data["Username"]), str(data["Secret"])
     if user == "<token>":
         return Credentials(user, secret, identity_token=True)
     return Credentials(user, secret)
@@ -306,7 +305,9 @@ class RegistryAuth:
         finally:
             discard(resp)
         doc = load_json(data, where=f"{where}: the answer", max_bytes=_MAX_TOKEN_BODY)
-        token = doc.get("token") or doc.get("access_token") if isinstance(doc, dict) else None
+        if not isinstance(doc, dict):
+            raise SourceError(f"{where}: no token in the answer")
+        token = doc.get("token") or doc.get("access_token")
         if not isinstance(token, str) or not token:
             raise SourceError(f"{where}: no token in the answer")
         life = doc.get("expires_in")

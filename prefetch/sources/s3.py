@@ -20,7 +20,8 @@ import logging
 import re
 import sys
 import threading
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypedDict, TypeVar, Unpack
 
 import urllib3.exceptions
 
@@ -51,6 +52,7 @@ from prefetch.sources._http import (
 from prefetch.sources.base import shutdown_socket_of
 from prefetch.sources.s3_botocore import (
     BotocoreObjects,
+    S3Client,
     botocore_signed_endpoint,
     capture_listing_requests,
 )
@@ -90,6 +92,8 @@ _SIDECAR_LINE = re.compile(r"^([0-9a-fA-F]{64}) [ *](.+)$")
 #: Objects up to this size are described by one GET of the whole object instead of a HEAD (the
 #: GET answers the same checksum headers); the bytes wait in memory for ``open_range``, so a small
 #: file costs one request instead of two. At most _SMALL_BUDGET bytes wait at any time.
+T = TypeVar("T")
+
 SMALL_OBJECT = 1024 * 1024
 _SMALL_BUDGET = 64 * 1024 * 1024
 #: A SHA256SUMS sidecar is read up to this size (a line per file: ~100 bytes each).
@@ -133,7 +137,7 @@ def make_s3_client(
     profile: str | None = None,
     proxy: str | None = None,
     sign_payloads: bool | None = None,
-) -> Any:
+) -> Any:  # boto3's client: boto3 publishes no types (see S3Client for what the source calls)
     """A boto3 S3 client tuned for many parallel ranged GETs, with boto3's retries off.
 
     ``proxy`` is the source's own proxy setting (None: ``HTTP(S)_PROXY``; "": direct; see
@@ -158,7 +162,7 @@ def make_s3_client(
         response_checksum_validation="when_required",
         s3=None if sign_payloads is None else {"payload_signing_enabled": sign_payloads},
     )
-    kwargs: dict[str, Any] = {"config": config}
+    kwargs: dict[str, object] = {"config": config}
     if endpoint_url:
         kwargs["endpoint_url"] = endpoint_url
     if access_key and secret_key:
@@ -169,15 +173,30 @@ def make_s3_client(
     return session.client("s3", **kwargs)
 
 
+class S3ClientSettings(TypedDict, total=False):
+    """:func:`make_s3_client`'s keyword arguments."""
+
+    endpoint_url: str | None
+    access_key: str | None
+    secret_key: str | None
+    region: str | None
+    max_pool_connections: int
+    connect_timeout: float
+    read_timeout: float
+    profile: str | None
+    proxy: str | None
+    sign_payloads: bool | None
+
+
 class LazyS3Client:
     """A boto3 S3 client made by :func:`make_s3_client` when first used (any attribute is the
     client's), plus a listing without botocore when the settings allow it (see
     :mod:`prefetch.sources.s3_direct`): a no-op pull then neither imports botocore nor creates a
     client (~0.5 CPU-s of the ~0.9 such a pull cost, bench/README.md issue 15)."""
 
-    def __init__(self, **settings: Any) -> None:
+    def __init__(self, **settings: Unpack[S3ClientSettings]) -> None:
         self.settings = settings  #: make_s3_client's keyword arguments
-        self._client: Any = None
+        self._client: Any = None  # boto3's client (untyped: see make_s3_client)
         self._direct_buckets: dict[str, S3Bucket | None] = {}
         self._lock = threading.Lock()
 
@@ -185,13 +204,13 @@ class LazyS3Client:
     def created(self) -> bool:
         return self._client is not None
 
-    def client(self) -> Any:
+    def client(self) -> Any:  # boto3's client
         with self._lock:
             if self._client is None:
                 self._client = make_s3_client(**self.settings)
             return self._client
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # an attribute of boto3's client
         if name.startswith("__"):
             raise AttributeError(name)
         return getattr(self.client(), name)
@@ -222,8 +241,9 @@ class LazyS3Client:
         if opts.get("profile") is not None:
             return None  # a profile's own credentials or settings: botocore's to resolve
         keys = None
-        if opts.get("access_key") and opts.get("secret_key"):
-            keys = StaticCredentials(opts["access_key"], opts["secret_key"])
+        access_key, secret_key = opts.get("access_key"), opts.get("secret_key")
+        if access_key and secret_key:
+            keys = StaticCredentials(access_key, secret_key)
         found = direct_settings(
             bucket, endpoint_url=opts.get("endpoint_url"), region=opts.get("region"),
             credentials=keys,
@@ -237,7 +257,7 @@ class LazyS3Client:
         )  # fmt: skip
 
 
-def lazy_s3_client(**settings: Any) -> LazyS3Client:
+def lazy_s3_client(**settings: Unpack[S3ClientSettings]) -> LazyS3Client:
     """:func:`make_s3_client`'s client, created when something first needs it."""
     return LazyS3Client(**settings)
 
@@ -360,17 +380,18 @@ def error_code_and_message(answer: Response, *, has_body: bool) -> tuple[str, st
     return code_text, (message.group(1).decode("utf-8", "replace") if message else code_text)
 
 
-def fields_of(answer: Response) -> dict[str, Any]:
-    """An answer's headers in botocore's shape (``ETag``, ``ContentLength``, ``Checksum*``, ...,
-    ``ResponseMetadata.HTTPStatusCode``): what the describe code reads."""
-    out: dict[str, Any] = {"ResponseMetadata": {"HTTPStatusCode": answer.status}}
+def fields_of(answer: Response) -> dict[str, str]:
+    """An answer's headers under botocore's names (``ETag``, ``ContentLength``, ``Checksum*``,
+    ...): what the describe code reads. A ``ContentLength`` that is not a whole number is
+    left out."""
+    out: dict[str, str] = {}
     for name, header in HEADER_FIELDS:
         value = answer.headers.get(header)
         if value is not None:
             out[name] = value
     if "ContentLength" in out:
         try:
-            out["ContentLength"] = int(out["ContentLength"])
+            int(out["ContentLength"])
         except ValueError:
             del out["ContentLength"]
     return out
@@ -411,7 +432,9 @@ class _BytesReader:
 class S3Source:
     """Objects under ``s3://bucket/prefix``; a file's path is its key relative to the prefix."""
 
-    def __init__(self, client: Any, uri: SourceURI, *, retry: RetryPolicy | None = None) -> None:
+    def __init__(
+        self, client: S3Client | LazyS3Client, uri: SourceURI, *, retry: RetryPolicy | None = None
+    ) -> None:
         if uri.scheme != "s3":
             raise ValueError(f"not an S3 URI: {uri}")
         self._client = client
@@ -433,12 +456,14 @@ class S3Source:
         #: False: every request goes through botocore's client (for comparisons; see bench/).
         self.signed_requests = True
 
-    def _call(self, what: str, fn: Any, *, bounded: bool = False, **kwargs: Any) -> Any:
+    def _call(
+        self, what: str, fn: Callable[..., T], *, bounded: bool = False, **kwargs: object
+    ) -> T:
         """``fn(**kwargs)`` retried per the policy, its errors the package's; ``bounded``: each
         attempt as a whole within ``metadata_timeout`` (a listing page or metadata object
         trickled byte by byte resets the socket timeout at every byte)."""
 
-        def attempt() -> Any:
+        def attempt() -> T:
             try:
                 return fn(**kwargs)
             except PrefetchError:
@@ -447,7 +472,7 @@ class S3Source:
                 SCOPE.raise_if_aborted()  # a stop interrupted it: not a failure to retry
                 raise translate(exc, what) from exc
 
-        def once() -> Any:
+        def once() -> T:
             if not bounded:
                 return attempt()
             return call_with_deadline(
@@ -464,15 +489,18 @@ class S3Source:
             return self._botocore
         return bucket
 
-    def list_page(self, what: str, **kwargs: Any) -> dict[str, Any]:
+    def list_page(self, what: str, **kwargs: str | int) -> Mapping[str, object]:
         """One ListObjectsV2 page of the bucket (botocore's arguments but Bucket, and answer
         shape): on the seam with static keys (see LazyS3Client), else through botocore, whose
         signed request then sets up the seam's bucket with botocore's signer."""
         bucket = self._uri.location
-        lister = self._client.direct_bucket(bucket) if self._lists_directly() else None
+        direct = self._direct_client()
+        lister = direct.direct_bucket(bucket) if direct is not None else None
         if lister is not None:
             named = functools.partial(lister.list_objects_v2, what=what)
-            page: dict[str, Any] = self._call(what, named, bounded=True, Bucket=bucket, **kwargs)
+            page: Mapping[str, object] = self._call(
+                what, named, bounded=True, Bucket=bucket, **kwargs
+            )
             if self.signed_requests and self._bucket is None:
                 self._bucket = lister  # its object requests need no botocore either
             return page
@@ -538,8 +566,10 @@ class S3Source:
             where = f"s3://{self._uri.location}/{self._uri.path}"
             self.list_page(f"listing {where}", Prefix=self._uri.path, MaxKeys=1)
 
-    def _lists_directly(self) -> bool:
-        return self.signed_requests and isinstance(self._client, LazyS3Client)
+    def _direct_client(self) -> LazyS3Client | None:
+        """The client when it may list without botocore (see LazyS3Client), else None."""
+        client = self._client
+        return client if self.signed_requests and isinstance(client, LazyS3Client) else None
 
     # -- resolve -----------------------------------------------------------------------------
 
@@ -552,7 +582,7 @@ class S3Source:
         token: str | None = None
         pages = ListingPages(where)
         while True:
-            kwargs: dict[str, Any] = {"Prefix": prefix, "MaxKeys": 1000}
+            kwargs: dict[str, str | int] = {"Prefix": prefix, "MaxKeys": 1000}
             if token:
                 kwargs["ContinuationToken"] = token
             page = self.list_page(f"listing {where}", **kwargs)
@@ -683,13 +713,13 @@ class S3Source:
 
     def _head(
         self, *, key: str, label: str, headers: dict[str, str], query: str = ""
-    ) -> dict[str, Any]:
-        """A HEAD, answered in botocore's shape (``label`` names it in errors)."""
+    ) -> dict[str, str]:
+        """A HEAD, its headers under botocore's names (``label`` names it in errors)."""
         answer = self._answer("HEAD", key, label, headers=headers, query=query)
         answer.release()
         return fields_of(answer)
 
-    def _described(self, file: RemoteFile, head: dict[str, Any], what: str) -> RemoteFile:
+    def _described(self, file: RemoteFile, head: dict[str, str], what: str) -> RemoteFile:
         """``file`` with the checksums a HEAD (or whole-object GET) response states."""
         bucket, key = self._uri.location, file.locator
         etag = str(head.get("ETag", "")).strip('"')
@@ -733,16 +763,15 @@ class S3Source:
         bucket, key = self._uri.location, file.locator
         what = f"s3://{bucket}/{key}"
 
-        def get() -> tuple[dict[str, Any], bytes]:
+        def get() -> tuple[int, dict[str, str], bytes]:
             answer = self._answer(
                 "GET", key, f"GET {what}",
                 headers={"x-amz-checksum-mode": "ENABLED", **_if_match(file.version)},
             )  # fmt: skip
             data = self._read_small_body(answer, what)
-            return fields_of(answer), data
+            return answer.status, fields_of(answer), data
 
-        resp, data = self._call(f"GET {what}", get)
-        status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        status, resp, data = self._call(f"GET {what}", get)
         if status != 200:
             raise SourceError(f"GET {what}: the server answered {status} to a whole-object GET")
         if len(data) != int(resp.get("ContentLength", -1)) or len(data) != file.size:
@@ -850,7 +879,7 @@ class S3Source:
         return range_body_reader(answer, what, end - start, translate=_read_failure)
 
 
-def _part_layout_needed(head: dict[str, Any]) -> bool:
+def _part_layout_needed(head: Mapping[str, str]) -> bool:
     """Does checking this multipart object need its part sizes (a HEAD ?partNumber=1 more)?
     Only for a composite checksum, or for the multipart ETag when no full-object checksum
     stronger than MD5 is served: Verify checks the strongest served checksum, so with a

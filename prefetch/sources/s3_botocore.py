@@ -25,10 +25,10 @@ import re
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol, TypedDict, cast
 from urllib.parse import quote, urlsplit
 
-from prefetch.sources._http import Response
+from prefetch.sources._http import Response, ResponseBody
 
 #: ``Credential=<key id>/<date>/<region>/<service>/aws4_request`` of a SigV4 Authorization header.
 _SIGV4_SCOPE = re.compile(r"^AWS4-HMAC-SHA256 Credential=[^/]+/\d{8}/([^/]+)/([^/]+)/aws4_request")
@@ -36,13 +36,45 @@ _SENT_ID = "prefetch-capture-listing-request"
 _SIGNER_ID = "prefetch-capture-listing-signer"
 
 
+class AnswerMetadata(TypedDict, total=False):
+    """The ``ResponseMetadata`` of a botocore answer (and of a ``ClientError``'s response)."""
+
+    HTTPStatusCode: int
+    HTTPHeaders: dict[str, str]  #: lowercased names
+
+
+class ObjectAnswer(TypedDict, total=False):
+    """What is read of botocore's answer to ``head_object`` / ``get_object``."""
+
+    ResponseMetadata: AnswerMetadata
+    Body: ResponseBody  #: botocore's ``StreamingBody`` (a GET only)
+
+
+class S3Client(Protocol):
+    """What the S3 source calls on a boto3 S3 client (botocore's arguments and answers; boto3
+    publishes no types: its clients are built at run time from the service model)."""
+
+    def list_objects_v2(self, **kwargs: object) -> Mapping[str, object]: ...
+    def head_object(self, **kwargs: object) -> ObjectAnswer: ...
+    def get_object(self, **kwargs: object) -> ObjectAnswer: ...
+
+
+class RequestSigner(Protocol):
+    """botocore's ``RequestSigner`` as the ``before-sign`` event hands it over: its public
+    ``get_auth_instance`` gives the signer (and credentials) it would use."""
+
+    def get_auth_instance(
+        self, signing_name: str, region_name: str, signature_version: str
+    ) -> object: ...
+
+
 @dataclass
 class Captured:
     """What botocore prepared for the ListObjectsV2 requests of one block: the signed requests
     and the request signer that signed them."""
 
-    requests: list[Any] = field(default_factory=list)
-    signer: Any = None
+    requests: list[object] = field(default_factory=list)  #: botocore's ``AWSPreparedRequest``
+    signer: object = None  #: botocore's ``RequestSigner``
 
 
 class _Capturing(threading.local):
@@ -52,20 +84,20 @@ class _Capturing(threading.local):
 _capture = _Capturing()  # per thread: only the thread inside the block records
 
 
-def _remember_request(request: Any, **_: Any) -> None:
+def _remember_request(request: object, **_: object) -> None:
     """botocore ``before-send`` hook: keep the prepared request when this thread asked for it."""
     if _capture.captured is not None:
         _capture.captured.requests.append(request)
 
 
-def _remember_signer(request_signer: Any = None, **_: Any) -> None:
+def _remember_signer(request_signer: object = None, **_: object) -> None:
     """botocore ``before-sign`` hook: keep the request signer when this thread asked for it."""
     if _capture.captured is not None and request_signer is not None:
         _capture.captured.signer = request_signer
 
 
 @contextlib.contextmanager
-def capture_listing_requests(client: Any) -> Iterator[Captured]:
+def capture_listing_requests(client: object) -> Iterator[Captured]:
     """The ListObjectsV2 requests ``client`` sends from this thread inside the block, as signed
     and about to go out, and their signer. The hooks are registered once per client and record
     only for a thread inside this block, so other users of a shared client are not affected."""
@@ -96,7 +128,7 @@ class ObjectEndpoint:
         return f"{url}?{query}" if query else url
 
 
-def endpoint_of_listing(request: Any) -> ObjectEndpoint | None:
+def endpoint_of_listing(request: object) -> ObjectEndpoint | None:
     """The object endpoint a signed ListObjectsV2 request implies, or None when the request is
     not one this module can imitate (unsigned, not SigV4 for "s3", S3 Express session auth)."""
     headers = getattr(request, "headers", None)
@@ -121,7 +153,7 @@ class BotocoreSigner:
     """Signs with botocore's credential chain: the client's request signer gives, per request,
     its public ``S3SigV4Auth`` with the credentials frozen now (refreshed when near expiry)."""
 
-    def __init__(self, request_signer: Any) -> None:
+    def __init__(self, request_signer: RequestSigner) -> None:
         self._request_signer = request_signer
 
     def sign(
@@ -152,7 +184,8 @@ def botocore_signed_endpoint(captured: Captured) -> tuple[ObjectEndpoint, Botoco
     if not callable(getattr(captured.signer, "get_auth_instance", None)):
         return None
     endpoint = endpoint_of_listing(captured.requests[-1])
-    return None if endpoint is None else (endpoint, BotocoreSigner(captured.signer))
+    signer = cast("RequestSigner", captured.signer)  # has get_auth_instance: checked above
+    return None if endpoint is None else (endpoint, BotocoreSigner(signer))
 
 
 class BotocoreObjects:
@@ -161,7 +194,7 @@ class BotocoreObjects:
     send as signed (keys with dot segments) or sign (see the module docstring). The body is read
     through botocore's ``StreamingBody`` (its public ``readinto``)."""
 
-    def __init__(self, client: Any, bucket: str) -> None:
+    def __init__(self, client: S3Client, bucket: str) -> None:
         self._client = client
         self._bucket = bucket
 
@@ -170,7 +203,7 @@ class BotocoreObjects:
     ) -> Response:
         import botocore.exceptions as bce
 
-        params: dict[str, Any] = {"Bucket": self._bucket, "Key": key}
+        params: dict[str, str | int] = {"Bucket": self._bucket, "Key": key}
         for name, value in headers.items():
             lowered = name.lower()
             if lowered == "range":
@@ -201,8 +234,17 @@ class BotocoreObjects:
         )
 
 
-class _Headers(dict[str, str]):
+class _Headers(Mapping[str, str]):
     """botocore's lowercased header dict, read case-insensitively as urllib3's."""
 
-    def get(self, key: str, default: Any = None) -> Any:
-        return super().get(key.lower(), default)
+    def __init__(self, headers: Mapping[str, str]) -> None:
+        self._headers = headers
+
+    def __getitem__(self, key: str) -> str:
+        return self._headers[key.lower()]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._headers)
+
+    def __len__(self) -> int:
+        return len(self._headers)

@@ -29,12 +29,15 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 from urllib.parse import SplitResult, quote, urlsplit
 
 from prefetch import __version__, settings
 from prefetch.sources._http import HttpClient, Response, send
-from prefetch.sources.s3_xml import parse_list_page
+from prefetch.sources.s3_xml import ListPage, parse_list_page
+
+if TYPE_CHECKING:
+    import urllib3
 
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 _USER_AGENT = f"model-prefetch/{__version__}"
@@ -197,7 +200,7 @@ class S3Bucket:
         region: str,
         signer: Signer,
         http: HttpClient,
-        timeout: Any = None,
+        timeout: urllib3.Timeout | float | None = None,
         on_error: Callable[[str, Response], Exception],
     ) -> None:
         self.bucket = bucket
@@ -217,7 +220,7 @@ class S3Bucket:
         region: str,
         credentials: StaticCredentials,
         http: HttpClient,
-        timeout: Any = None,
+        timeout: urllib3.Timeout | float | None = None,
         on_error: Callable[[str, Response], Exception],
     ) -> S3Bucket:
         """The bucket addressed as botocore would for these settings, signed with static keys."""
@@ -241,7 +244,7 @@ class S3Bucket:
         ContinuationToken: str | None = None,
         Delimiter: str | None = None,
         what: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> ListPage:
         """One page, in botocore's answer shape (error answers raise ``on_error``'s error, named
         by ``what``: the caller's words for what it lists, e.g. the prefix the user asked for
         rather than the ``snapshots/`` probe under it)."""

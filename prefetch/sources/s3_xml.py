@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import NotRequired, TypedDict
 from urllib.parse import unquote_plus
 from xml.parsers import expat
 
@@ -25,6 +25,8 @@ from prefetch.errors import InvalidListingError
 
 __all__ = [
     "MAX_PAGES",
+    "ListPage",
+    "ListingEntry",
     "ListingPages",
     "MalformedListingPage",
     "listed_objects",
@@ -41,11 +43,29 @@ _CONTENTS_FIELDS = frozenset({"Key", "Size", "ETag"})
 _PAGE_FIELDS = frozenset({"IsTruncated", "NextContinuationToken", "EncodingType"})
 
 
+class ListingEntry(TypedDict):
+    """One ``Contents`` entry of a page, as :func:`listed_objects` checked it (``ETag`` is
+    botocore's as the endpoint sent it: read with ``str()``)."""
+
+    Key: str
+    Size: int
+    ETag: NotRequired[str]
+
+
+class ListPage(TypedDict):
+    """A ListObjectsV2 answer in botocore's shape, as :func:`parse_list_page` reads it."""
+
+    Contents: list[ListingEntry]
+    CommonPrefixes: list[dict[str, str]]
+    IsTruncated: bool
+    NextContinuationToken: NotRequired[str]
+
+
 class MalformedListingPage(ValueError):
     """A listing page that is not a ListObjectsV2 answer this reader accepts."""
 
 
-def parse_list_page(body: bytes) -> dict[str, Any]:
+def parse_list_page(body: bytes) -> ListPage:
     """A ListObjectsV2 answer (``encoding-type=url``) in botocore's shape: ``Contents`` (Key,
     Size, ETag), ``CommonPrefixes``, ``IsTruncated``, ``NextContinuationToken``, keys decoded."""
     reader = _PageReader()
@@ -141,10 +161,10 @@ class _PageReader:
 
     # -- the page -----------------------------------------------------------------------------
 
-    def page(self) -> dict[str, Any]:
+    def page(self) -> ListPage:
         encoded = self.fields.get("EncodingType", "").strip().lower() == "url"
         decode: Callable[[str], str] = unquote_plus if encoded else (lambda s: s)
-        page: dict[str, Any] = {
+        page: ListPage = {
             "Contents": [_entry(n, e, decode) for n, e in enumerate(self.contents, 1)],
             "CommonPrefixes": [{"Prefix": decode(p)} for p in self.prefixes],
             "IsTruncated": self.fields.get("IsTruncated", "").strip().lower() == "true",
@@ -157,7 +177,7 @@ class _PageReader:
         return page
 
 
-def _entry(n: int, fields: Mapping[str, str], decode: Callable[[str], str]) -> dict[str, Any]:
+def _entry(n: int, fields: Mapping[str, str], decode: Callable[[str], str]) -> ListingEntry:
     if "Key" not in fields or not fields["Key"]:
         raise MalformedListingPage(f"entry {n} (<Contents>) has no Key")
     key = decode(fields["Key"])
@@ -167,7 +187,7 @@ def _entry(n: int, fields: Mapping[str, str], decode: Callable[[str], str]) -> d
     return {"Key": key, "Size": int(size), "ETag": fields.get("ETag", "")}
 
 
-def listed_objects(page: Mapping[str, Any], where: str) -> list[Mapping[str, Any]]:
+def listed_objects(page: Mapping[str, object], where: str) -> list[ListingEntry]:
     """The ``Contents`` of a page (botocore's or :func:`parse_list_page`'s), each with a
     non-empty ``Key`` and a whole, non-negative ``Size``: InvalidListingError naming ``where``
     (the prefix the user asked for) otherwise. botocore's parser passes through whatever the
@@ -198,7 +218,7 @@ class ListingPages:
         self._pages = 0
         self._seen: set[bytes] = set()  # digests: a hostile token may be long
 
-    def next_token(self, page: Mapping[str, Any]) -> str | None:
+    def next_token(self, page: Mapping[str, object]) -> str | None:
         """The token to list on with after ``page``; None when the listing is complete."""
         self._pages += 1
         if not page.get("IsTruncated"):

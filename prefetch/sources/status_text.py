@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import http
 from collections.abc import Mapping
-from typing import Any
 from urllib.parse import urlsplit
 
 import urllib3
@@ -42,7 +41,7 @@ def bare_status(status: int, headers: Mapping[str, str]) -> str:
     return f"{phrase} (no S3 error document: from a proxy or load balancer in the way?)"
 
 
-def header_problem(resp: Any) -> str | None:
+def header_problem(resp: object) -> str | None:
     """Why the header block of ``resp`` (a urllib3 response) is unusable, or None."""
     message = getattr(getattr(resp, "_original_response", None), "msg", None)
     if message is None:
