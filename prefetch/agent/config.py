@@ -109,7 +109,7 @@ _MODEL_KEYS = (
 )  # fmt: skip
 _COMPILE_CACHE_KEYS = (
     "name", "source", "target", "vllm", "model", "revision", "tensorParallelSize", "gpuProduct",
-    "torch", "cuda", "required",
+    "torch", "cuda", "required", "push", "pushFrom",
 )  # fmt: skip
 _BACKOFF_KEYS = ("initial", "max")
 _S3_KEYS = ("endpointUrl",)
@@ -146,6 +146,9 @@ class CompileCacheEntry:
     key: CacheKey
     gpu_configured: bool
     required: bool
+    #: ``push: true``: the host directory the vLLM pod writes this cache into (``pushFrom``),
+    #: published from there once per key when finished (:mod:`prefetch.agent.cache_push`).
+    push_from: Path | None = None
 
     def spec(self, node_gpu: str | None) -> tuple[ModelSpec, CacheKey] | None:
         """The entry as a model and its key; None without any GPU product to key it by."""
@@ -270,6 +273,21 @@ class AgentConfig:
 
     def is_compile_cache(self, name: str) -> bool:
         return any(n == name for n, _key in self.compile_caches)
+
+    def push_targets(self) -> list[tuple[str, Path, str, CacheKey]]:
+        """The keyed ``compileCaches`` entries with ``push: true``: (name, the directory vLLM
+        writes the cache into, the key's URI s3://bucket/prefix/<key>/, the key)."""
+        keys = dict(self.compile_caches)
+        out: list[tuple[str, Path, str, CacheKey]] = []
+        for entry in self.compile_cache_entries:
+            key, spec = keys.get(entry.name), self.model(entry.name)
+            if entry.push_from is not None and key is not None and spec is not None:
+                out.append((entry.name, entry.push_from, str(spec.source), key))
+        return out
+
+    def compile_cache_key(self, name: str) -> str:
+        """The key (``v1-<hex>``) of compile cache ``name``; empty when it is not one."""
+        return next((key.key for n, key in self.compile_caches if n == name), "")
 
     def warm_limits(self) -> WarmLimits:
         return WarmLimits(memory_share=self.warm_memory_share, read_rate=self.warm_read_rate)
@@ -737,7 +755,16 @@ def _compile_caches(value: Any, path: str) -> tuple[CompileCacheEntry, ...]:
         name = _get(e, "name", where, _str, "")
         validate_name(name, field_name=f"{where}.name")
         required = _get(e, "required", where, _bool, False)
-        out.append(CompileCacheEntry(name, str(source), key, bool(gpu), required))
+        push_from = _get(e, "pushFrom", where, _opt_str, None)
+        if not _get(e, "push", where, _bool, False):
+            push_from = None
+        elif not push_from or not push_from.startswith("/"):
+            raise ConfigError(
+                f"{where}.pushFrom: push: true needs the absolute path of the directory the "
+                "vLLM pod writes this compile cache into (its VLLM_CACHE_ROOT on the host)"
+            )
+        where_from = Path(push_from) if push_from else None
+        out.append(CompileCacheEntry(name, str(source), key, bool(gpu), required, where_from))
     return tuple(out)
 
 
