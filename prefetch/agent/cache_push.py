@@ -29,7 +29,7 @@ from prefetch.agent.events import (
     compile_cache_pushed,
 )
 from prefetch.agent.scheduler import Scheduler
-from prefetch.compile_cache import CACHE_READY, DEFAULT_SETTLE, CacheKey, push
+from prefetch.compile_cache import CACHE_READY, CacheKey, push
 from prefetch.errors import CompileCacheError, PrefetchError
 from prefetch.logjson import scrub
 
@@ -37,8 +37,12 @@ log = logging.getLogger(__name__)
 
 #: How often the agent looks at a ``pushFrom`` directory.
 PUSH_POLL = 30.0
+#: How long no file may change, after the marker appeared, before the agent uploads: longer than
+#: ``prefetch cache push``'s 2 s, because the agent cannot know that every tensor-parallel rank
+#: has written its part (each rank writes its own directory, and its own marker).
+PUSH_SETTLE = 30.0
 
-__all__ = ["PUSH_POLL", "CachePusher"]
+__all__ = ["PUSH_POLL", "PUSH_SETTLE", "CachePusher"]
 
 
 class _Stopped(Exception):
@@ -56,7 +60,7 @@ class CachePusher:
         events: EventRecorder,
         client: Callable[[AgentConfig], Any],
         *,
-        settle: float = DEFAULT_SETTLE,
+        settle: float = PUSH_SETTLE,
     ) -> None:
         self._events = events
         self._client = client

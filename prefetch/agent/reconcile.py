@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry
 
 from prefetch import settings
-from prefetch.agent.cache_push import PUSH_POLL, CachePusher
+from prefetch.agent.cache_push import PUSH_POLL, PUSH_SETTLE, CachePusher
 from prefetch.agent.config import AgentConfig, spec_digest
 from prefetch.agent.config_file import ConfigFile
 from prefetch.agent.events import EventRecorder, EventSink, WarmingStory
@@ -60,7 +60,6 @@ from prefetch.agent.source_opener import SourceOpener
 from prefetch.agent.space import SpaceManager
 from prefetch.agent.status import AgentFacts, JsonObject, readiness_body
 from prefetch.agent.watch import ConfigWatcher
-from prefetch.compile_cache import DEFAULT_SETTLE
 from prefetch.metrics import AgentMetrics
 from prefetch.spec import ModelSpec
 from prefetch.store import Store
@@ -113,7 +112,7 @@ class Agent:
         exit_on_stuck: bool = False,
         gpu_product: str | None = None,
         push_poll: float = PUSH_POLL,
-        push_settle: float = DEFAULT_SETTLE,
+        push_settle: float = PUSH_SETTLE,
     ) -> None:
         if config_path is None and config is None:
             raise ValueError("give config_path or config")
