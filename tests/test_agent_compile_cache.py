@@ -104,6 +104,9 @@ def test_outside_a_cluster_the_agent_knows_no_gpu_product(monkeypatch: pytest.Mo
         ({"push": True}, "compileCaches[0].pushFrom: push: true needs the absolute path"),
         ({"push": True, "pushFrom": "rel/dir"}, "compileCaches[0].pushFrom: push: true needs"),
         ({"push": "yes", "pushFrom": "/d"}, "compileCaches[0].push: expected true or false"),
+        ({"extraDirs": ["triton"]}, "compileCaches[0].extraDirs[0]: 'triton' is not one of"),
+        ({"extraDirs": "flashinfer"}, "compileCaches[0].extraDirs: expected a list"),
+        ({"extraDirs": ["deepgemm", "deepgemm"]}, "extraDirs: a directory is named twice"),
     ],
 )
 def test_bad_compile_cache_entries_are_rejected(change: dict[str, Any], message: str) -> None:
@@ -166,12 +169,11 @@ def test_push_from_is_read_only_with_push_true() -> None:
     assert plain.push_targets() == []
     off = {**ENTRY, "push": False, "pushFrom": "/var/cache/vllm"}
     assert parse_config(config_text(Path("/c"), [], compileCaches=[off])).push_targets() == []
-    on = {**ENTRY, "push": True, "pushFrom": "/var/cache/vllm"}
-    [(name, root, uri, key)] = parse_config(
-        config_text(Path("/c"), [], compileCaches=[on])
-    ).push_targets()
-    assert (name, root, key) == ("llama-compile", Path("/var/cache/vllm"), KEY)
-    assert uri == f"s3://bkt/compile-cache/{KEY.key}/"
+    on = {**ENTRY, "push": True, "pushFrom": "/var/cache/vllm", "extraDirs": ["deepgemm"]}
+    [target] = parse_config(config_text(Path("/c"), [], compileCaches=[on])).push_targets()
+    assert (target.name, target.root, target.key) == ("llama-compile", Path("/var/cache/vllm"), KEY)
+    assert target.uri == f"s3://bkt/compile-cache/{KEY.key}/"
+    assert target.extra_dirs == ("deepgemm",)
 
 
 def test_two_agents_push_one_key_exactly_one_wins_and_the_other_tells_already_published(
@@ -234,3 +236,51 @@ def test_two_agents_push_one_key_exactly_one_wins_and_the_other_tells_already_pu
     winner_files = {p.relative_to(dirs[winner]).as_posix() for p in dirs[winner].rglob("*")
                     if p.is_file()}  # fmt: skip
     assert published == winner_files | {CLAIM, COMPLETE}
+
+
+def test_extra_dirs_are_published_with_the_key_and_undeclared_ones_are_left_out(
+    s3_client: Any, bucket: str, tmp_path: Path
+) -> None:
+    """``extraDirs: [flashinfer]``: the agent publishes FlashInfer's JIT workspace beside vLLM's
+    cache under the same key, and leaves DeepGEMM's (not opted in) out; a node pulling the key
+    gets both of the published ones."""
+    root = tmp_path / "vllm-cache"
+    files = vllm_cache(root)
+    extra = {
+        "flashinfer/.cache/flashinfer/90/cached_ops/batch_prefill/batch_prefill.so": b"so" * 99,
+        "deep_gemm/cache/kernel.fp8_gemm.0123456789ab/kernel.cubin": b"cubin" * 40,
+    }
+    for rel, data in extra.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    entry = {**ENTRY, "source": f"s3://{bucket}/compile-cache/", "push": True,
+             "pushFrom": str(root), "extraDirs": ["flashinfer"]}  # fmt: skip
+    config = tmp_path / "models.yaml"
+    config.write_text(config_text(tmp_path / "cache", [], compileCaches=[entry]))
+    agent = Agent(config, s3_client=s3_client, serve=False, tick=0.1, push_poll=0.1,
+                  push_settle=0.2)  # fmt: skip
+    with AgentThread(agent):
+        wait_for(
+            lambda: (
+                (
+                    agent.scheduler.get("llama-compile") or SimpleNamespace(cache_push=None)
+                ).cache_push
+                == "pushed"
+            ),
+            "the push",
+            timeout=30,
+        )
+    prefix = f"compile-cache/{KEY.key}/"
+    published = {
+        o["Key"][len(prefix) :]
+        for o in s3_client.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]
+    }
+    flashinfer = next(k for k in extra if k.startswith("flashinfer/"))
+    assert published == set(files) | {flashinfer, CLAIM, COMPLETE}
+
+    from prefetch.compile_cache import extra_env
+
+    assert extra_env("/var/cache/vllm", ["flashinfer", "deepgemm"]) == {
+        "FLASHINFER_WORKSPACE_BASE": "/var/cache/vllm/flashinfer",
+        "DG_JIT_CACHE_DIR": "/var/cache/vllm/deep_gemm",
+    }

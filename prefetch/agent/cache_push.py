@@ -22,14 +22,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from prefetch.agent.config import AgentConfig
+from prefetch.agent.config import AgentConfig, PushTarget
 from prefetch.agent.events import (
     EventRecorder,
     compile_cache_already_published,
     compile_cache_pushed,
 )
 from prefetch.agent.scheduler import Scheduler
-from prefetch.compile_cache import CACHE_READY, CacheKey, push
+from prefetch.compile_cache import CACHE_READY, push
 from prefetch.errors import CompileCacheError, PrefetchError
 from prefetch.logjson import scrub
 
@@ -69,7 +69,8 @@ class CachePusher:
 
     def run(self, config: AgentConfig, scheduler: Scheduler, stop: threading.Event) -> None:
         """One look at every ``pushFrom`` directory whose key is not done (a worker thread)."""
-        for name, root, uri, key in config.push_targets():
+        for target in config.push_targets():
+            name, root, key = target.name, target.root, target.key
             if stop.is_set():
                 return
             if (name, key.key) in self._done:
@@ -81,28 +82,22 @@ class CachePusher:
             if not _has_marker(root):
                 continue  # vLLM has not finished compiling (or not started) here yet
             try:
-                outcome = self._push(config, name, root, uri, key, stop)
+                outcome = self._push(config, target, stop)
             except _Stopped:
                 return
             if outcome is not None and ms is not None and scheduler.current(ms):
                 ms.cache_push = outcome
 
-    def _push(
-        self,
-        config: AgentConfig,
-        name: str,
-        root: Path,
-        uri: str,
-        key: CacheKey,
-        stop: threading.Event,
-    ) -> str | None:
+    def _push(self, config: AgentConfig, target: PushTarget, stop: threading.Event) -> str | None:
+        name, root, uri, key = target.name, target.root, target.uri, target.key
+
         def sleep(seconds: float) -> None:
             if stop.wait(seconds):
                 raise _Stopped
 
         try:
             result = push(self._client(config), root, uri, key=key, settle=self._settle,
-                          sleep=sleep)  # fmt: skip
+                          sleep=sleep, extra_dirs=target.extra_dirs)  # fmt: skip
         except CompileCacheError as exc:  # still being written: the next look tries again
             log.info("%s: compile cache not pushed yet: %s", name, exc,
                      extra={"model": name, "phase": "push"})  # fmt: skip
