@@ -357,6 +357,18 @@ def test_vllm_reads_the_cache_offline_and_read_only() -> None:
     assert mu.env_value(c, "VLLM_CACHE_ROOT") == compile_root["mountPath"]
 
 
+def test_vllm_keeps_the_extra_jit_caches_where_extra_dirs_publishes_them() -> None:
+    """FLASHINFER_WORKSPACE_BASE and DG_JIT_CACHE_DIR are the subdirectories of VLLM_CACHE_ROOT
+    that a compileCaches entry's extraDirs names (prefetch.compile_cache.EXTRA_DIRS)."""
+    from prefetch.compile_cache import EXTRA_DIRS, extra_env
+
+    c = mu.container(mu.one("Deployment", under="deploy/vllm"))
+    root = mu.env_value(c, "VLLM_CACHE_ROOT")
+    assert root
+    for env, value in extra_env(root, EXTRA_DIRS).items():
+        assert mu.env_value(c, env) == value, env
+
+
 def test_bootstrap_gives_the_cache_dir_to_the_agent_uid() -> None:
     """The agent runs as a fixed non-root uid; the bootstrap must make the cache dir its own."""
     owner = _bootstrap_defaults().get("LOCAL_NVME_CACHE_OWNER")
