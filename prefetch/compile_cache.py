@@ -22,7 +22,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,16 +40,28 @@ COMPLETE = ".prefetch-complete.json"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 #: How long a push watches the files for changes before uploading.
 DEFAULT_SETTLE = 2.0
+#: Opt-in JIT caches that live beside vLLM's own under VLLM_CACHE_ROOT, by the name a
+#: ``compileCaches`` entry's ``extraDirs`` gives them: (the environment variable the library
+#: reads, the subdirectory of the cache root it is pointed at). FlashInfer keeps its JIT
+#: workspace under ``$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer/`` (flashinfer/jit/env.py);
+#: DeepGEMM its kernels under ``$DG_JIT_CACHE_DIR/cache/`` (csrc/jit/compiler.hpp).
+EXTRA_DIRS: dict[str, tuple[str, str]] = {
+    "flashinfer": ("FLASHINFER_WORKSPACE_BASE", "flashinfer"),
+    "deepgemm": ("DG_JIT_CACHE_DIR", "deep_gemm"),
+}
 
 __all__ = [
     "CACHE_READY",
     "CLAIM",
     "COMPLETE",
+    "EXTRA_DIRS",
     "GPU_PRODUCT_LABEL",
     "CacheKey",
     "PushResult",
+    "extra_env",
     "finished_files",
     "is_published",
+    "left_out",
     "push",
 ]
 
@@ -113,9 +125,30 @@ class PushResult:
         return {k: v for k, v in self.__dict__.items() if k != "extra"} | self.extra
 
 
-def _stat_all(root: Path) -> dict[str, tuple[int, int]]:
+def extra_env(root: str, names: Iterable[str]) -> dict[str, str]:
+    """The environment a vLLM pod sets for the ``extraDirs`` ``names`` with its
+    VLLM_CACHE_ROOT at ``root``: each library's variable -> its subdirectory of ``root``."""
+    out: dict[str, str] = {}
+    for name in names:
+        if name not in EXTRA_DIRS:
+            known = ", ".join(sorted(EXTRA_DIRS))
+            raise CompileCacheError(f"unknown extra cache directory {name!r} (known: {known})")
+        env, sub = EXTRA_DIRS[name]
+        out[env] = f"{root.rstrip('/')}/{sub}"
+    return out
+
+
+def left_out(extra_dirs: Iterable[str]) -> frozenset[str]:
+    """The top-level subdirectories a push leaves out: those of the JIT caches not opted in."""
+    wanted = set(extra_dirs)
+    return frozenset(sub for name, (_env, sub) in EXTRA_DIRS.items() if name not in wanted)
+
+
+def _stat_all(root: Path, skip: frozenset[str] = frozenset()) -> dict[str, tuple[int, int]]:
     out: dict[str, tuple[int, int]] = {}
-    for dirpath, _dirs, names in os.walk(root):
+    for dirpath, dirs, names in os.walk(root):
+        if Path(dirpath) == root:
+            dirs[:] = [d for d in dirs if d not in skip]
         for name in names:
             p = Path(dirpath, name)
             st = p.lstat()
@@ -128,21 +161,25 @@ def _stat_all(root: Path) -> dict[str, tuple[int, int]]:
 
 
 def finished_files(
-    root: Path, *, settle: float = DEFAULT_SETTLE, sleep: Callable[[float], None] = time.sleep
+    root: Path,
+    *,
+    settle: float = DEFAULT_SETTLE,
+    sleep: Callable[[float], None] = time.sleep,
+    skip: frozenset[str] = frozenset(),
 ) -> dict[str, int]:
-    """The files of a finished cache under ``root`` (relative path -> size); CompileCacheError
-    when there is no ``.cache_ready`` marker, or a file appears, goes or changes in ``settle``
-    seconds (vLLM is still writing it)."""
+    """The files of a finished cache under ``root`` (relative path -> size), but for the
+    top-level directories in ``skip``; CompileCacheError when there is no ``.cache_ready``
+    marker, or a file appears, goes or changes in ``settle`` seconds (still being written)."""
     if not root.is_dir():
         raise CompileCacheError(f"{root}: not a directory")
-    before = _stat_all(root)
+    before = _stat_all(root, skip)
     if not any(Path(p).name == CACHE_READY for p in before):
         raise CompileCacheError(
             f"{root}: no {CACHE_READY} marker: vLLM has not finished writing this cache",
             hint="push after vLLM has started once and finished compiling",
         )
     sleep(settle)
-    after = _stat_all(root)
+    after = _stat_all(root, skip)
     if after != before:
         changed = sorted(set(before.items()) ^ set(after.items()))
         raise CompileCacheError(
@@ -189,11 +226,14 @@ def push(
     key: CacheKey | None = None,
     settle: float = DEFAULT_SETTLE,
     sleep: Callable[[float], None] = time.sleep,
+    extra_dirs: Iterable[str] | None = None,
 ) -> PushResult:
     """Publish the finished cache at ``root`` under ``uri`` (s3://bucket/prefix/<key>/), unless
-    something is there already (first writer wins)."""
+    something is there already (first writer wins). With ``extra_dirs`` (``extraDirs`` names),
+    the JIT cache directories of :data:`EXTRA_DIRS` not named are left out."""
     bucket, prefix = _split(uri)
-    files = finished_files(root, settle=settle, sleep=sleep)
+    skip = left_out(extra_dirs) if extra_dirs is not None else frozenset()
+    files = finished_files(root, settle=settle, sleep=sleep, skip=skip)
     claim = {
         "host": socket.gethostname(),
         "claimed_at": time.time(),

@@ -109,9 +109,11 @@ def warm_files(
     stop: threading.Event | None = None,
     available: Callable[[], int] = available_memory,
     model: str = "",
+    on_start: Callable[[int], None] | None = None,
 ) -> WarmReport:
     """Read ``paths`` in order into the page cache, within ``limits``; never raises for a read
-    error (a warm-up is an optimisation: the report says what failed)."""
+    error (a warm-up is an optimisation: the report says what failed). ``on_start(bytes)`` is
+    called once the model is known to fit, before the first read (the agent's WarmUpStarted)."""
     t0 = time.monotonic()
     try:
         total = sum(p.stat().st_size for p in paths)
@@ -134,6 +136,8 @@ def warm_files(
             extra={"model": model, "phase": "warm"},
         )
         return report
+    if on_start is not None:
+        on_start(total)
     pace = _Pace(limits.read_rate, stop)
     buf = bytearray(BLOCK_SIZE)
     view = memoryview(buf)

@@ -4,17 +4,20 @@ error, a half-pushed one that is not pulled, and a published one pulled through 
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from prefetch.agent.config import parse_config
+from prefetch.agent.events import KubeEventSink
 from prefetch.agent.node import NodeGate
 from prefetch.agent.reconcile import Agent
-from prefetch.compile_cache import CLAIM, GPU_PRODUCT_LABEL, CacheKey, push
+from prefetch.compile_cache import CACHE_READY, CLAIM, COMPLETE, GPU_PRODUCT_LABEL, CacheKey, push
 from prefetch.errors import ConfigError
 from tests.fakes.k8s_stub import KubeStub, running_stub
 from tests.support import AgentThread, config_text, model_status, put, wait_for
@@ -98,6 +101,12 @@ def test_outside_a_cluster_the_agent_knows_no_gpu_product(monkeypatch: pytest.Mo
         ({"tensorParallelSize": 0}, "compileCaches[0].tensorParallelSize"),
         ({"colour": "blue"}, "compileCaches[0].colour: unknown key"),
         ({"name": "m"}, "compileCaches[0].name: 'm' is also a model's name"),
+        ({"push": True}, "compileCaches[0].pushFrom: push: true needs the absolute path"),
+        ({"push": True, "pushFrom": "rel/dir"}, "compileCaches[0].pushFrom: push: true needs"),
+        ({"push": "yes", "pushFrom": "/d"}, "compileCaches[0].push: expected true or false"),
+        ({"extraDirs": ["triton"]}, "compileCaches[0].extraDirs[0]: 'triton' is not one of"),
+        ({"extraDirs": "flashinfer"}, "compileCaches[0].extraDirs: expected a list"),
+        ({"extraDirs": ["deepgemm", "deepgemm"]}, "extraDirs: a directory is named twice"),
     ],
 )
 def test_bad_compile_cache_entries_are_rejected(change: dict[str, Any], message: str) -> None:
@@ -153,3 +162,125 @@ def test_the_agent_pulls_a_compile_cache_once_it_is_published_and_not_before(
         assert status["ready"] and status["detail"] == "verified copy in the cache"
     pulled = tree(target)
     assert {k: pulled[k] for k in files} == files
+
+
+def test_push_from_is_read_only_with_push_true() -> None:
+    plain = parse_config(config_text(Path("/c"), [], compileCaches=[ENTRY]))
+    assert plain.push_targets() == []
+    off = {**ENTRY, "push": False, "pushFrom": "/var/cache/vllm"}
+    assert parse_config(config_text(Path("/c"), [], compileCaches=[off])).push_targets() == []
+    on = {**ENTRY, "push": True, "pushFrom": "/var/cache/vllm", "extraDirs": ["deepgemm"]}
+    [target] = parse_config(config_text(Path("/c"), [], compileCaches=[on])).push_targets()
+    assert (target.name, target.root, target.key) == ("llama-compile", Path("/var/cache/vllm"), KEY)
+    assert target.uri == f"s3://bkt/compile-cache/{KEY.key}/"
+    assert target.extra_dirs == ("deepgemm",)
+
+
+def test_two_agents_push_one_key_exactly_one_wins_and_the_other_tells_already_published(
+    s3_client: Any, bucket: str, stub: KubeStub, tmp_path: Path
+) -> None:
+    """Two nodes' agents watch their vLLM pods' cache directories (``push: true``): nothing is
+    uploaded while vLLM has not written its ``.cache_ready`` marker; once both have one, the
+    two race for the key and exactly one publishes (If-None-Match: *), the other leaves it
+    alone and says so in its Event; the key's objects are the winner's, whole."""
+    agents: dict[str, Agent] = {}
+    dirs: dict[str, Path] = {}
+    for node in ("node-a", "node-b"):
+        stub.add_node(node)
+        dirs[node] = tmp_path / node / "vllm-cache"
+        entry = {**ENTRY, "source": f"s3://{bucket}/compile-cache/", "push": True,
+                 "pushFrom": str(dirs[node])}  # fmt: skip
+        config = tmp_path / node / "models.yaml"
+        config.parent.mkdir()
+        config.write_text(config_text(tmp_path / node / "cache", [], compileCaches=[entry]))
+        sink = KubeEventSink(stub.events_client(), stub.client(), node)
+        agents[node] = Agent(config, s3_client=s3_client, serve=False, tick=0.1,
+                             event_sink=sink, push_poll=0.1, push_settle=1.0)  # fmt: skip
+    prefix = f"compile-cache/{KEY.key}/"
+    # vLLM is still compiling on both nodes: files, no marker
+    for seed, node in zip("ab", agents, strict=True):
+        vllm_cache(dirs[node], seed=seed, ready=False)
+    with AgentThread(agents["node-a"]) as a, AgentThread(agents["node-b"]) as b:
+        wait_for(lambda: a.passes > 20 and b.passes > 20, "a few looks at the directories")
+        listed = s3_client.list_objects_v2(Bucket=bucket, Prefix=prefix)
+        assert listed.get("KeyCount", 0) == 0  # nothing uploaded while being written
+        for node in agents:
+            marker = next(dirs[node].rglob("backbone")) / CACHE_READY
+            marker.write_bytes(b"")
+        states = lambda: {  # noqa: E731
+            n: (ag.scheduler.get("llama-compile") or SimpleNamespace(cache_push=None)).cache_push
+            for n, ag in agents.items()
+        }
+        wait_for(lambda: None not in states().values(), "both pushes", timeout=30)
+        assert sorted(states().values()) == ["published-elsewhere", "pushed"]
+        for ag in agents.values():
+            assert ag.events.flush()
+    winner = next(n for n, v in states().items() if v == "pushed")
+    loser = next(n for n in agents if n != winner)
+    told = {
+        n: [e["reason"] for e in stub.events("default") if e["regarding"]["name"] == n]
+        for n in agents
+    }
+    assert "CompileCachePushed" in told[winner]
+    assert "CompileCacheAlreadyPublished" not in told[winner]
+    assert "CompileCacheAlreadyPublished" in told[loser]
+    assert "CompileCachePushed" not in told[loser]
+    pushed = next(e for e in stub.events("default") if e["reason"] == "CompileCachePushed")
+    assert KEY.key in pushed["note"] and "4 file(s)" in pushed["note"]
+    claim = json.loads(s3_client.get_object(Bucket=bucket, Key=prefix + CLAIM)["Body"].read())
+    assert claim["files"] == 4
+    published = {
+        o["Key"][len(prefix) :]
+        for o in s3_client.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]
+    }
+    winner_files = {p.relative_to(dirs[winner]).as_posix() for p in dirs[winner].rglob("*")
+                    if p.is_file()}  # fmt: skip
+    assert published == winner_files | {CLAIM, COMPLETE}
+
+
+def test_extra_dirs_are_published_with_the_key_and_undeclared_ones_are_left_out(
+    s3_client: Any, bucket: str, tmp_path: Path
+) -> None:
+    """``extraDirs: [flashinfer]``: the agent publishes FlashInfer's JIT workspace beside vLLM's
+    cache under the same key, and leaves DeepGEMM's (not opted in) out; a node pulling the key
+    gets both of the published ones."""
+    root = tmp_path / "vllm-cache"
+    files = vllm_cache(root)
+    extra = {
+        "flashinfer/.cache/flashinfer/90/cached_ops/batch_prefill/batch_prefill.so": b"so" * 99,
+        "deep_gemm/cache/kernel.fp8_gemm.0123456789ab/kernel.cubin": b"cubin" * 40,
+    }
+    for rel, data in extra.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    entry = {**ENTRY, "source": f"s3://{bucket}/compile-cache/", "push": True,
+             "pushFrom": str(root), "extraDirs": ["flashinfer"]}  # fmt: skip
+    config = tmp_path / "models.yaml"
+    config.write_text(config_text(tmp_path / "cache", [], compileCaches=[entry]))
+    agent = Agent(config, s3_client=s3_client, serve=False, tick=0.1, push_poll=0.1,
+                  push_settle=0.2)  # fmt: skip
+    with AgentThread(agent):
+        wait_for(
+            lambda: (
+                (
+                    agent.scheduler.get("llama-compile") or SimpleNamespace(cache_push=None)
+                ).cache_push
+                == "pushed"
+            ),
+            "the push",
+            timeout=30,
+        )
+    prefix = f"compile-cache/{KEY.key}/"
+    published = {
+        o["Key"][len(prefix) :]
+        for o in s3_client.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]
+    }
+    flashinfer = next(k for k in extra if k.startswith("flashinfer/"))
+    assert published == set(files) | {flashinfer, CLAIM, COMPLETE}
+
+    from prefetch.compile_cache import extra_env
+
+    assert extra_env("/var/cache/vllm", ["flashinfer", "deepgemm"]) == {
+        "FLASHINFER_WORKSPACE_BASE": "/var/cache/vllm/flashinfer",
+        "DG_JIT_CACHE_DIR": "/var/cache/vllm/deep_gemm",
+    }

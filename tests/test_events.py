@@ -25,12 +25,13 @@ from prefetch.agent.events import EventRecorder, KubeEventSink
 from prefetch.agent.node import NodeGate
 from prefetch.agent.reconcile import Agent
 from prefetch.agent.space import SpaceManager
-from prefetch.constants import DEFAULT_STARTUP_TAINT_KEY
+from prefetch.constants import DEFAULT_STARTUP_TAINT_KEY, PROGRESS_ANNOTATION
 from prefetch.locals3 import SeaweedS3
 from prefetch.logjson import JsonFormatter, current_sync_id, sync_context
 from prefetch.metrics import AgentMetrics
 from prefetch.sources.s3 import make_s3_client
 from prefetch.spec import ModelSpec, parse_source_uri
+from prefetch.units import format_bytes
 from tests import manifests_util as mu
 from tests.fakes.k8s_events import describe_events
 from tests.fakes.k8s_stub import KubeStub, running_stub
@@ -612,3 +613,104 @@ def test_outside_a_cluster_or_without_its_config_events_are_only_logged(
         EventRecorder(AgentMetrics(CollectorRegistry())).emit(ev.evicted("old", 5, for_model="new"))
     (line,) = logs.lines()
     assert line["event"] == "Evicted" and line["bytes"] == 5 and "node" not in line
+
+
+# -- time to serve: the warm-up and the compile cache ----------------------------------------------
+
+
+def test_the_warm_up_and_the_compile_cache_are_told_as_events_in_the_note_and_in_status(
+    s3_client: Any, bucket: str, stub: KubeStub, tmp_path: Path
+) -> None:
+    """A warmPageCache model tells WarmUpStarted and WarmUpFinished (bytes, seconds); a compile
+    cache tells CompileCacheNotPublished (once, not at every resolve), then CompileCachePulled
+    for its key once another node published it; the progress note and `prefetch status` show
+    the warm-up's and the compile cache's state."""
+    from prefetch.compile_cache import CacheKey, push
+
+    from .test_compile_cache import vllm_cache
+    from .test_status_cmd import kubeconfig, status
+
+    stub.add_node(NODE, taints=[STARTUP])
+    files = upload(s3_client, bucket, "w", tmp_path, 2 * MiB, seed=3)
+    size = sum(len(b) for b in files.values())
+    key = CacheKey(vllm="v0.18.0", model="org/w", revision="r1", gpu_product="NVIDIA-A10G")
+    entry = {"name": "w-compile", "source": f"s3://{bucket}/compile-cache/", "vllm": "v0.18.0",
+             "model": "org/w", "revision": "r1", "gpuProduct": "NVIDIA-A10G"}  # fmt: skip
+    config = tmp_path / "models.yaml"
+    models = [{"name": "w", "source": f"s3://{bucket}/w", "warmPageCache": True}]
+    config.write_text(
+        config_text(tmp_path / "cache", models, compileCaches=[entry], resolveInterval="1s")
+    )
+    agent = stub_agent(stub, config, s3_client)
+    agent.progress.limiter.interval = 0.0  # every change written at once
+    with AgentThread(agent):
+        w = agent.scheduler.get("w")
+        assert w is not None
+        wait_for(lambda: w.warm is not None, "the warm-up", dump=agent.status)
+        passes = agent.passes
+        wait_for(lambda: agent.passes > passes + 15, "a few resolves of the compile cache")
+        node_a = tmp_path / "node-a"
+        vllm_cache(node_a)
+        uri = f"s3://{bucket}/compile-cache/{key.key}/"
+        assert push(s3_client, node_a, uri, key=key, settle=0).uploaded
+        cc = agent.scheduler.get("w-compile")
+        assert cc is not None
+        wait_for(lambda: cc.ready and not cc.nothing_published, "the pull", dump=agent.status)
+
+        def noted() -> dict[str, Any]:
+            raw = stub.node(NODE)["metadata"].get("annotations", {}).get(PROGRESS_ANNOTATION)
+            return {m["name"]: m for m in json.loads(raw or '{"models": []}')["models"]}
+
+        wait_for(lambda: noted().get("w-compile", {}).get("cache") == "pulled", "the note")
+        assert agent.events.flush()
+    note = noted()
+    assert note["w"]["warm"] == "warm" and "cache" not in note["w"]
+    assert "warm" not in note["w-compile"]
+    told = {e["reason"]: e for e in stub.events("default")}
+    assert reasons(stub.events("default")).count("CompileCacheNotPublished") == 1
+    assert "series" not in told["CompileCacheNotPublished"]  # once, not at every resolve
+    started, finished = told["WarmUpStarted"], told["WarmUpFinished"]
+    assert f"({size} bytes)" in started["note"] and started["action"] == "Warm"
+    assert f"read {format_bytes(size)} ({size} bytes) in " in finished["note"]
+    assert key.key in told["CompileCacheNotPublished"]["note"]
+    pulled = told["CompileCachePulled"]
+    assert key.key in pulled["note"] and pulled["type"] == "Normal"
+    names = reasons(stub.events("default"))
+    assert names.index("WarmUpStarted") < names.index("WarmUpFinished")
+
+    result = status("--kubeconfig", str(kubeconfig(tmp_path / "kc", stub.url)), "-o", "json")
+    assert result.exit_code == 0, result.output
+    rows = {m["name"]: m for m in json.loads(result.stdout)["nodes"][0]["models"]}
+    assert rows["w"]["warm"] == "warm" and rows["w-compile"]["cache"] == "pulled"
+    table = status("--kubeconfig", str(tmp_path / "kc")).stdout
+    assert "warm:warm" in table and "cache:pulled" in table
+
+
+def test_a_warm_up_that_does_not_fit_is_told_as_skipped_with_why(
+    s3_client: Any, bucket: str, stub: KubeStub, tmp_path: Path
+) -> None:
+    stub.add_node(NODE, taints=[STARTUP])
+    upload(s3_client, bucket, "big", tmp_path, 2 * MiB, seed=4)
+    config = tmp_path / "models.yaml"
+    models = [{"name": "big", "source": f"s3://{bucket}/big", "warmPageCache": True}]
+    config.write_text(config_text(tmp_path / "cache", models, warmMemoryShare=1e-12))
+    agent = stub_agent(stub, config, s3_client)
+    with AgentThread(agent):
+        ms = agent.scheduler.get("big")
+        assert ms is not None
+        wait_for(lambda: ms.warm is not None, "the warm-up", dump=agent.status)
+        assert agent.events.flush()
+    told = {e["reason"]: e for e in stub.events("default")}
+    assert "WarmUpStarted" not in told and "WarmUpFinished" not in told
+    skipped = told["WarmUpSkipped"]
+    assert skipped["type"] == "Normal"
+    assert "Page-cache warm-up of model big skipped: " in skipped["note"]
+    assert "does not fit" in skipped["note"]
+
+
+def test_a_failed_warm_up_is_a_warning() -> None:
+    event = ev.warm_up_finished(
+        "m", "failed", bytes_read=5, seconds=1.0, reason="m/x: Input/output error", revision="r"
+    )
+    assert event.reason is ev.Reason.WARM_UP_SKIPPED and event.type == "Warning"
+    assert event.error == "m/x: Input/output error" and "failed: m/x" in event.note

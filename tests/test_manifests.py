@@ -340,12 +340,33 @@ def test_agent_mount_is_the_config_cache_dir() -> None:
 
 
 def test_vllm_reads_the_cache_offline_and_read_only() -> None:
+    """The node's cache is HF_HOME, read-only. The one other mount of it (issue 24: the agent
+    publishes what vLLM compiles, so VLLM_CACHE_ROOT must be on the node, where the agent sees
+    it) is VLLM_CACHE_ROOT, writable, and only a subPath under vllm-cache/: vLLM never writes
+    where the agent keeps models (hub/, models/)."""
     vllm = mu.one("Deployment", under="deploy/vllm")
-    [(_, _, mount)] = list(mu.host_path_mounts(vllm))
+    mounts = [m for _, _, m in mu.host_path_mounts(vllm)]
+    [mount] = [m for m in mounts if "subPath" not in m]
     c = mu.container(vllm)
     assert mu.env_value(c, "HF_HOME") == mount["mountPath"]
     assert mount.get("readOnly") is True
     assert mu.env_value(c, "HF_HUB_OFFLINE") == "1"
+    [compile_root] = [m for m in mounts if "subPath" in m]
+    assert compile_root["subPath"].startswith("vllm-cache/")
+    assert ".." not in compile_root["subPath"].split("/")
+    assert mu.env_value(c, "VLLM_CACHE_ROOT") == compile_root["mountPath"]
+
+
+def test_vllm_keeps_the_extra_jit_caches_where_extra_dirs_publishes_them() -> None:
+    """FLASHINFER_WORKSPACE_BASE and DG_JIT_CACHE_DIR are the subdirectories of VLLM_CACHE_ROOT
+    that a compileCaches entry's extraDirs names (prefetch.compile_cache.EXTRA_DIRS)."""
+    from prefetch.compile_cache import EXTRA_DIRS, extra_env
+
+    c = mu.container(mu.one("Deployment", under="deploy/vllm"))
+    root = mu.env_value(c, "VLLM_CACHE_ROOT")
+    assert root
+    for env, value in extra_env(root, EXTRA_DIRS).items():
+        assert mu.env_value(c, env) == value, env
 
 
 def test_bootstrap_gives_the_cache_dir_to_the_agent_uid() -> None:

@@ -344,3 +344,35 @@ def test_a_hung_annotation_write_never_stalls_the_reconcile_loop(tmp_path: Path)
             gate.release.set()  # before the agent stops, which waits for its writes
     finally:
         gate.release.set()
+
+
+def test_the_note_shows_the_warm_up_and_the_compile_cache_state_and_a_change_is_written() -> None:
+    from prefetch.agent.progress_note import note_shape
+    from prefetch.warm import WarmReport
+
+    model = ready("llama", 2 * GiB)
+    cache = ready("llama-compile", 0)
+    cache.nothing_published = True
+    notes = lambda: build_note(  # noqa: E731
+        [model, cache], lambda name: 0.0, all_ready=True, prefix="model-prefetch.io",
+        taint="model-prefetch.io/warming", now=NOON, compile_caches=frozenset({"llama-compile"}),
+    )  # fmt: skip
+    first = notes()
+    assert first["models"][0] == {"name": "llama", "phase": "ready", "done": 2 * GiB,
+                                  "total": 2 * GiB}  # fmt: skip
+    assert first["models"][1]["cache"] == "none"
+    model.warming = True
+    second = notes()
+    assert second["models"][0]["warm"] == "warming"
+    model.warming, model.warm = False, WarmReport("skipped", reason="does not fit")
+    third = notes()
+    assert third["models"][0]["warm"] == "skipped" and "cache" not in third["models"][0]
+    cache.cache_push = "pushed"
+    fourth = notes()
+    assert fourth["models"][1]["cache"] == "pushed" and "warm" not in fourth["models"][1]
+    shapes = [note_shape(n) for n in (first, second, third, fourth)]
+    assert len(set(shapes)) == 4  # each is a change: written as soon as the interval allows
+    limiter = WriteLimiter(interval=30.0, clock=Clock())
+    limiter.written(shapes[0])
+    assert not limiter.due(shapes[0], in_flight=False)  # steady state: nothing
+    assert limiter.due(shapes[1], in_flight=False)  # the warm-up began: written

@@ -59,7 +59,7 @@ from typing import Any, ClassVar, TypeVar
 
 import yaml
 
-from prefetch.compile_cache import CacheKey
+from prefetch.compile_cache import EXTRA_DIRS, CacheKey
 from prefetch.constants import DEFAULT_LABEL_PREFIX, DEFAULT_LISTEN, DEFAULT_STARTUP_TAINT_KEY
 from prefetch.errors import ConfigError, PrefetchError
 from prefetch.retry import RetryPolicy
@@ -109,7 +109,7 @@ _MODEL_KEYS = (
 )  # fmt: skip
 _COMPILE_CACHE_KEYS = (
     "name", "source", "target", "vllm", "model", "revision", "tensorParallelSize", "gpuProduct",
-    "torch", "cuda", "required",
+    "torch", "cuda", "required", "push", "pushFrom", "extraDirs",
 )  # fmt: skip
 _BACKOFF_KEYS = ("initial", "max")
 _S3_KEYS = ("endpointUrl",)
@@ -137,6 +137,19 @@ _NODE_GPU = "<node>"
 
 
 @dataclass(frozen=True)
+class PushTarget:
+    """A ``compileCaches`` entry the agent publishes: its ``name``, the directory vLLM writes
+    the cache into (``pushFrom``), the key's ``uri`` (s3://bucket/prefix/<key>/), the ``key``
+    and the ``extraDirs`` published with it."""
+
+    name: str
+    root: Path
+    uri: str
+    key: CacheKey
+    extra_dirs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class CompileCacheEntry:
     """A ``compileCaches`` entry: a plain model at ``prefix`` + its key + ``/``. ``key`` holds
     every field; without ``gpu_configured`` its GPU product is the node's."""
@@ -146,6 +159,12 @@ class CompileCacheEntry:
     key: CacheKey
     gpu_configured: bool
     required: bool
+    #: ``push: true``: the host directory the vLLM pod writes this cache into (``pushFrom``),
+    #: published from there once per key when finished (:mod:`prefetch.agent.cache_push`).
+    push_from: Path | None = None
+    #: ``extraDirs``: the opt-in JIT caches (:data:`~prefetch.compile_cache.EXTRA_DIRS`) kept
+    #: beside vLLM's under its cache root, published with it under the same key.
+    extra_dirs: tuple[str, ...] = ()
 
     def spec(self, node_gpu: str | None) -> tuple[ModelSpec, CacheKey] | None:
         """The entry as a model and its key; None without any GPU product to key it by."""
@@ -270,6 +289,22 @@ class AgentConfig:
 
     def is_compile_cache(self, name: str) -> bool:
         return any(n == name for n, _key in self.compile_caches)
+
+    def push_targets(self) -> list[PushTarget]:
+        """The keyed ``compileCaches`` entries with ``push: true``."""
+        keys = dict(self.compile_caches)
+        out: list[PushTarget] = []
+        for entry in self.compile_cache_entries:
+            key, spec = keys.get(entry.name), self.model(entry.name)
+            if entry.push_from is not None and key is not None and spec is not None:
+                out.append(
+                    PushTarget(entry.name, entry.push_from, str(spec.source), key, entry.extra_dirs)
+                )
+        return out
+
+    def compile_cache_key(self, name: str) -> str:
+        """The key (``v1-<hex>``) of compile cache ``name``; empty when it is not one."""
+        return next((key.key for n, key in self.compile_caches if n == name), "")
 
     def warm_limits(self) -> WarmLimits:
         return WarmLimits(memory_share=self.warm_memory_share, read_rate=self.warm_read_rate)
@@ -737,8 +772,35 @@ def _compile_caches(value: Any, path: str) -> tuple[CompileCacheEntry, ...]:
         name = _get(e, "name", where, _str, "")
         validate_name(name, field_name=f"{where}.name")
         required = _get(e, "required", where, _bool, False)
-        out.append(CompileCacheEntry(name, str(source), key, bool(gpu), required))
+        push_from = _get(e, "pushFrom", where, _opt_str, None)
+        if not _get(e, "push", where, _bool, False):
+            push_from = None
+        elif not push_from or not push_from.startswith("/"):
+            raise ConfigError(
+                f"{where}.pushFrom: push: true needs the absolute path of the directory the "
+                "vLLM pod writes this compile cache into (its VLLM_CACHE_ROOT on the host)"
+            )
+        where_from = Path(push_from) if push_from else None
+        extra = _get(e, "extraDirs", where, _extra_dirs, ())
+        out.append(
+            CompileCacheEntry(name, str(source), key, bool(gpu), required, where_from, extra)
+        )
     return tuple(out)
+
+
+def _extra_dirs(value: Any, path: str) -> tuple[str, ...]:
+    """``extraDirs``: names from :data:`~prefetch.compile_cache.EXTRA_DIRS`, each once."""
+    if not isinstance(value, list):
+        raise ConfigError(
+            f"{path}: expected a list like [flashinfer, deepgemm], got {_kind(value)}"
+        )
+    for i, name in enumerate(value):
+        if name not in EXTRA_DIRS:
+            known = ", ".join(sorted(EXTRA_DIRS))
+            raise ConfigError(f"{path}[{i}]: {name!r} is not one of {known}")
+    if len(set(value)) != len(value):
+        raise ConfigError(f"{path}: a directory is named twice")
+    return tuple(value)
 
 
 def _share(value: Any, path: str) -> float:

@@ -73,12 +73,18 @@ __all__ = [
     "TokenBucket",
     "WarmingStory",
     "checksum_failed",
+    "compile_cache_already_published",
+    "compile_cache_not_published",
+    "compile_cache_pulled",
+    "compile_cache_pushed",
     "evicted",
     "gate_opened",
     "in_cluster_events",
     "model_ready",
     "reverify_failed",
     "sync_failed",
+    "warm_up_finished",
+    "warm_up_started",
     "warming_started",
 ]
 
@@ -111,6 +117,13 @@ class Reason(StrEnum):
     CHECKSUM_FAILED = "ChecksumFailed"
     REVERIFY_FAILED = "ReverifyFailed"
     EVICTED = "Evicted"
+    WARM_UP_STARTED = "WarmUpStarted"
+    WARM_UP_FINISHED = "WarmUpFinished"
+    WARM_UP_SKIPPED = "WarmUpSkipped"
+    COMPILE_CACHE_PULLED = "CompileCachePulled"
+    COMPILE_CACHE_NOT_PUBLISHED = "CompileCacheNotPublished"
+    COMPILE_CACHE_PUSHED = "CompileCachePushed"
+    COMPILE_CACHE_ALREADY_PUBLISHED = "CompileCacheAlreadyPublished"
 
 
 @dataclass(frozen=True)
@@ -241,6 +254,103 @@ def evicted(entry: str, freed: int, *, for_model: str) -> NodeEvent:
         key=entry,
         model=entry,
         bytes=freed,
+    )
+
+
+def warm_up_started(model: str, bytes_total: int, *, revision: str) -> NodeEvent:
+    """A ``warmPageCache`` model's page-cache warm-up begins (``bytes_total``: its files)."""
+    return NodeEvent(
+        Reason.WARM_UP_STARTED,
+        "Warm",
+        f"Reading model {model} (revision {revision[:12] or '-'}, {_size(bytes_total)}) "
+        "into the page cache",
+        key=f"{model}@{revision}",
+        model=model,
+        bytes=bytes_total,
+    )
+
+
+def warm_up_finished(
+    model: str, state: str, *, bytes_read: int, seconds: float, reason: str, revision: str
+) -> NodeEvent:
+    """How a warm-up ended: ``warm`` (WarmUpFinished: bytes and seconds), or ``skipped`` /
+    ``failed`` (WarmUpSkipped, with why; a failure is a Warning)."""
+    seconds = round(seconds, 3)
+    if state == "warm":
+        return NodeEvent(
+            Reason.WARM_UP_FINISHED,
+            "Warm",
+            f"Model {model} is in the page cache: read {_size(bytes_read)} in {seconds:.1f}s",
+            key=f"{model}@{revision}",
+            model=model,
+            bytes=bytes_read,
+            seconds=seconds,
+        )
+    return NodeEvent(
+        Reason.WARM_UP_SKIPPED,
+        "Warm",
+        f"Page-cache warm-up of model {model} {state}: {reason or state}",
+        warning=state == "failed",
+        key=f"{model}@{revision}/{state}",
+        model=model,
+        bytes=bytes_read,
+        seconds=seconds,
+        error=reason or None,
+    )
+
+
+def compile_cache_pulled(model: str, key: str, *, bytes_total: int, source: str) -> NodeEvent:
+    """A ``compileCaches`` entry's published cache for ``key`` is in the node's cache."""
+    return NodeEvent(
+        Reason.COMPILE_CACHE_PULLED,
+        "CompileCache",
+        f"Compile cache {model} pulled for key {key}: {_size(bytes_total)} from {source}",
+        key=f"{model}/{key}",
+        model=model,
+        bytes=bytes_total,
+        source=source,
+    )
+
+
+def compile_cache_not_published(model: str, key: str, *, source: str) -> NodeEvent:
+    """Nothing complete is published for ``key`` yet: vLLM compiles from scratch here."""
+    return NodeEvent(
+        Reason.COMPILE_CACHE_NOT_PUBLISHED,
+        "CompileCache",
+        f"Compile cache {model}: nothing published for key {key} yet at {source}; "
+        "vLLM compiles from scratch on this node",
+        key=f"{model}/{key}",
+        model=model,
+        source=source,
+    )
+
+
+def compile_cache_pushed(
+    model: str, key: str, *, files: int, bytes_total: int, uri: str
+) -> NodeEvent:
+    """This node published the compile cache for ``key`` (it won the key)."""
+    return NodeEvent(
+        Reason.COMPILE_CACHE_PUSHED,
+        "CompileCache",
+        f"Compile cache {model} pushed for key {key}: {files} file(s), {_size(bytes_total)} "
+        f"to {uri}",
+        key=f"{model}/{key}",
+        model=model,
+        bytes=bytes_total,
+        source=uri,
+    )
+
+
+def compile_cache_already_published(model: str, key: str, *, uri: str) -> NodeEvent:
+    """Another writer published (or is publishing) ``key`` first; this node left it alone."""
+    return NodeEvent(
+        Reason.COMPILE_CACHE_ALREADY_PUBLISHED,
+        "CompileCache",
+        f"Compile cache {model}: key {key} already published at {uri} by another writer; "
+        "not uploaded",
+        key=f"{model}/{key}",
+        model=model,
+        source=uri,
     )
 
 

@@ -26,9 +26,13 @@ from prefetch.agent.events import (
     EventRecorder,
     WarmingStory,
     checksum_failed,
+    compile_cache_not_published,
+    compile_cache_pulled,
     model_ready,
     reverify_failed,
     sync_failed,
+    warm_up_finished,
+    warm_up_started,
 )
 from prefetch.agent.gate_driver import GateDriver
 from prefetch.agent.scheduler import ModelState, Scheduler
@@ -182,9 +186,15 @@ class SyncJob:
         or skipped warm-up is reported (log, /readyz, metrics), never a sync failure."""
         parts, name = self._parts, ms.spec.name
         ms.warming = True
+
+        def started(total: int) -> None:
+            parts.events.emit(warm_up_started(name, total, revision=result.revision))
+
         try:
             files = published_files(parts.store.layout(ms.spec), Path(result.path))
-            report = warm_files(files, config.warm_limits(), stop=stop, model=name)
+            report = warm_files(
+                files, config.warm_limits(), stop=stop, model=name, on_start=started
+            )
         except (OSError, PrefetchError) as exc:  # the records could not be read
             report = WarmReport("failed", reason=str(exc))
             log.warning("%s: page-cache warm-up failed: %s", name, exc,
@@ -194,6 +204,16 @@ class SyncJob:
         ms.warm = report
         if report.state != "stopped":
             ms.warmed_revision = result.revision
+            parts.events.emit(
+                warm_up_finished(
+                    name,
+                    report.state,
+                    bytes_read=report.bytes_read,
+                    seconds=report.seconds,
+                    reason=report.reason,
+                    revision=result.revision,
+                )
+            )
         parts.metrics.observe_warm(name, report.state, report.seconds, report.bytes_read)
 
     def _blocking(self, ms: ModelState, config: AgentConfig, stop: threading.Event) -> SyncResult:
@@ -299,6 +319,11 @@ class SyncJob:
         spec = ms.spec
         ms.sync_succeeded(SyncResult(model=spec.name, source=str(spec.source), up_to_date=True),
                           time.monotonic())  # fmt: skip
+        if not ms.nothing_published:  # told once, not at every resolve
+            key = self._parts.config().compile_cache_key(spec.name)
+            self._parts.events.emit(
+                compile_cache_not_published(spec.name, key, source=scrub(str(spec.source)))
+            )
         ms.nothing_published = True
         log.info(
             "%s: no compile cache published at %s yet; vLLM compiles from scratch",
@@ -315,6 +340,12 @@ class SyncJob:
         if result.checksum_failures:
             detail = f"{result.checksum_failures} file(s) failed their checksum while downloading"
             events.emit(checksum_failed(spec.name, detail, source=source, sync_failed=False))
+        config = self._parts.config()
+        if became_ready and config.is_compile_cache(spec.name):
+            key = config.compile_cache_key(spec.name)
+            events.emit(
+                compile_cache_pulled(spec.name, key, bytes_total=result.bytes_total, source=source)
+            )
         if became_ready:
             events.emit(
                 model_ready(

@@ -64,6 +64,8 @@ class ModelRow:
     eta: int | None
     labelled: bool
     reason: str | None = None
+    warm: str | None = None  # the page-cache warm-up's state, when the model has one
+    cache: str | None = None  # a compile cache entry's state (pulled, none, pushed, ...)
 
     @property
     def percent(self) -> float | None:
@@ -82,7 +84,7 @@ class ModelRow:
             "eta_seconds": self.eta,
             "labelled": self.labelled,
             "reason": self.reason,
-        }
+        } | {k: v for k, v in (("warm", self.warm), ("cache", self.cache)) if v is not None}
 
 
 @dataclass(frozen=True)
@@ -288,6 +290,8 @@ def _model_row(index: int, entry: object, labels: Mapping[str, object], prefix: 
             eta=_count(entry, "eta"),
             labelled=labelled,
             reason=None if entry.get("reason") is None else _text(_field(entry, "reason", str)),
+            warm=None if entry.get("warm") is None else _text(_field(entry, "warm", str)),
+            cache=None if entry.get("cache") is None else _text(_field(entry, "cache", str)),
         )
     except _BadNote as exc:
         raise _BadNote(f"models[{index}].{exc}") from None
@@ -337,7 +341,7 @@ def table(reports: list[NodeReport]) -> list[str]:
                 (
                     *head,
                     m.name,
-                    m.phase + (f" ({m.reason})" if m.reason else ""),
+                    m.phase + (f" ({m.reason})" if m.reason else "") + _states(m),
                     _progress(m),
                     f"{format_bytes(m.rate)}/s" if m.rate else "-",
                     _duration(m.eta),
@@ -347,6 +351,11 @@ def table(reports: list[NodeReport]) -> list[str]:
             )
     widths = [max(len(r[i]) for r in rows) for i in range(len(_HEADER))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def _states(m: ModelRow) -> str:
+    """`` warm:<state>`` and `` cache:<state>`` after the phase, when the note has them."""
+    return "".join(f" {k}:{v}" for k, v in (("warm", m.warm), ("cache", m.cache)) if v)
 
 
 def _progress(m: ModelRow) -> str:

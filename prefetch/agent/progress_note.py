@@ -59,6 +59,8 @@ class ModelNote(TypedDict):
     rate: NotRequired[int]
     eta: NotRequired[int | None]
     reason: NotRequired[str]
+    warm: NotRequired[str]
+    cache: NotRequired[str]
 
 
 class Note(TypedDict):
@@ -72,8 +74,9 @@ class Note(TypedDict):
     models: list[ModelNote]
 
 
-#: What counts as a change that matters: each model's shown phase, and all-ready.
-Shape = tuple[tuple[tuple[str, str], ...], bool]
+#: What counts as a change that matters: each model's shown phase, warm-up and compile cache
+#: state, and all-ready.
+Shape = tuple[tuple[tuple[str, str, str, str], ...], bool]
 
 
 @runtime_checkable
@@ -93,9 +96,29 @@ def shown_phase(ms: ModelState) -> str:
     return ms.phase.value
 
 
-def model_note(ms: ModelState, rate: float) -> ModelNote:
+def warm_state(ms: ModelState) -> str | None:
+    """The page-cache warm-up: ``warming`` now, else how the last one ended (warm, skipped,
+    stopped, failed); None for a model that never warmed (no ``warmPageCache``)."""
+    if ms.warming:
+        return "warming"
+    return ms.warm.state if ms.warm is not None else None
+
+
+def cache_state(ms: ModelState) -> str:
+    """A compile cache entry's state on this node: ``pushed`` (this node published its key),
+    ``published-elsewhere`` (another writer won it), ``none`` (nothing published for the key
+    yet), ``pulled`` (the published cache is here), else its sync phase's ``pending``."""
+    if ms.cache_push is not None:
+        return ms.cache_push
+    if ms.nothing_published:
+        return "none"
+    return "pulled" if ms.ready else "pending"
+
+
+def model_note(ms: ModelState, rate: float, *, compile_cache: bool = False) -> ModelNote:
     """One model's entry: phase, bytes done/total of the current sync (of the model when it is
-    ready), rate in bytes/s, ETA in seconds (None while unknown)."""
+    ready), rate in bytes/s, ETA in seconds (None while unknown); the warm-up state when it has
+    one, and, for a compile cache entry, its :func:`cache_state`."""
     phase = shown_phase(ms)
     entry: ModelNote = {"name": ms.spec.name, "phase": phase}
     sink = ms.sink
@@ -111,6 +134,10 @@ def model_note(ms: ModelState, rate: float) -> ModelNote:
         entry["done"] = entry["total"] = ms.bytes_total
     if phase in ("failed", "syncing") and ms.error_reason:  # syncing: a retry, and why
         entry["reason"] = ms.error_reason
+    if (warm := warm_state(ms)) is not None:
+        entry["warm"] = warm
+    if compile_cache:
+        entry["cache"] = cache_state(ms)
     return entry
 
 
@@ -122,20 +149,28 @@ def build_note(
     prefix: str,
     taint: str,
     now: float,
+    compile_caches: frozenset[str] = frozenset(),
 ) -> Note:
-    """The whole note; ``now`` is Unix time, ``rate(model)`` bytes/s."""
+    """The whole note; ``now`` is Unix time, ``rate(model)`` bytes/s; ``compile_caches`` the
+    names of the ``compileCaches`` entries."""
     return {
         "v": NOTE_VERSION,
         "at": iso_utc(now),
         "ready": all_ready,
         "prefix": prefix,
         "taint": taint,
-        "models": [model_note(ms, rate(ms.spec.name)) for ms in models],
+        "models": [
+            model_note(ms, rate(ms.spec.name), compile_cache=ms.spec.name in compile_caches)
+            for ms in models
+        ],
     }
 
 
 def note_shape(note: Note) -> Shape:
-    return tuple((m["name"], m["phase"]) for m in note["models"]), bool(note["ready"])
+    shown = tuple(
+        (m["name"], m["phase"], m.get("warm", ""), m.get("cache", "")) for m in note["models"]
+    )
+    return shown, bool(note["ready"])
 
 
 def moving(note: Note) -> bool:

@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
+from prefetch import settings
+from prefetch.agent.cache_push import PUSH_POLL, PUSH_SETTLE, CachePusher
 from prefetch.agent.config import AgentConfig, spec_digest
 from prefetch.agent.config_file import ConfigFile
 from prefetch.agent.events import EventRecorder, EventSink, WarmingStory
@@ -109,6 +111,8 @@ class Agent:
         handle_signals: bool = False,
         exit_on_stuck: bool = False,
         gpu_product: str | None = None,
+        push_poll: float = PUSH_POLL,
+        push_settle: float = PUSH_SETTLE,
     ) -> None:
         if config_path is None and config is None:
             raise ValueError("give config_path or config")
@@ -125,6 +129,11 @@ class Agent:
             config_path, self.metrics, cache_dir=cache_dir, listen=listen, gpu_product=gpu_product
         )
         self._sources = SourceOpener(s3_client, hub)
+        self._s3_client = s3_client
+        self._push_client: object | None = None
+        self.pusher = CachePusher(self.events, self._pusher_client, settle=push_settle)
+        self._push_poll = push_poll
+        self._next_push = 0.0
         self._tick = tick
         self._handle_signals = handle_signals
         self._exit_on_stuck = exit_on_stuck
@@ -234,6 +243,9 @@ class Agent:
             self._next_poll = now + CONFIG_POLL_INTERVAL
             await self._reload()
         self._start_due_jobs(now)
+        if now >= self._next_push and self.config.push_targets():
+            self._next_push = now + self._push_poll
+            self._in_background("push", self._push_caches)
         # in the background: a slow API server must not stall the loop's heartbeat
         self._in_background("gate", self._write_node)
         if self.ready_clock.on_pass(self.scheduler.all_required_ready()):
@@ -494,6 +506,23 @@ class Agent:
             warming=self.warming,
         )
 
+    async def _push_caches(self) -> None:
+        """One look at the ``push: true`` compile caches (:class:`CachePusher`)."""
+        await asyncio.to_thread(self.pusher.run, self.config, self.scheduler, self.stop)
+
+    def _pusher_client(self, config: AgentConfig) -> object:
+        """The S3 client compile caches are published with (the tests' own, else one made on
+        first use, for the config's endpoint)."""
+        if self._s3_client is not None:
+            return self._s3_client
+        if self._push_client is None:
+            from prefetch.sources.s3 import make_s3_client
+
+            self._push_client = make_s3_client(
+                endpoint_url=config.s3_endpoint_url or settings.aws_endpoint_url()
+            )
+        return self._push_client
+
     def _usage_changed(self) -> None:
         """A sync ended: the cache usage metrics are refreshed on the next pass."""
         self._next_usage = 0.0
@@ -517,6 +546,7 @@ class Agent:
             prefix=self.config.label_prefix,
             taint=self.config.startup_taint,
             now=time.time(),
+            compile_caches=frozenset(name for name, _key in self.config.compile_caches),
         )
 
     def _publish(self, ms: ModelState) -> None:

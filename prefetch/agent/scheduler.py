@@ -102,6 +102,9 @@ class ModelState:
     warmed_revision: str | None = None
     #: A ``compileCaches`` entry with nothing published under its key yet (ready all the same).
     nothing_published: bool = False
+    #: Publishing its compile cache from this node (``push: true``): ``pushed`` (this node won
+    #: the key) or ``published-elsewhere`` (another writer did); None before either.
+    cache_push: str | None = None
 
     @property
     def syncing(self) -> bool:

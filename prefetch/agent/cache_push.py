@@ -1,0 +1,126 @@
+"""Publishing a compile cache from the agent (``compileCaches`` entries with ``push: true``).
+
+The vLLM pod writes its compile cache into a host directory (the entry's ``pushFrom``, its
+``VLLM_CACHE_ROOT``). :class:`CachePusher` looks at that directory every ``poll`` seconds from the
+agent's loop (in a worker thread) and, once vLLM has finished (its ``.cache_ready`` marker is
+there and no file changes for the settle period), publishes it with
+:func:`prefetch.compile_cache.push` under the entry's key: first writer wins by
+``If-None-Match: *``, nothing is overwritten, a cache still being written is left for the next
+look. Each key is published (or found published by another writer) once per agent process.
+
+Why a poll and not ``watchdog`` (inotify): the decision needs a settle period anyway (no file
+changed for a while), which an event stream does not give; the directory may not exist until the
+vLLM pod first starts (a watch needs it to exist); and one stat walk of a cache of a few hundred
+files every ``poll`` seconds costs nothing next to a thread and a dependency.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from prefetch.agent.config import AgentConfig, PushTarget
+from prefetch.agent.events import (
+    EventRecorder,
+    compile_cache_already_published,
+    compile_cache_pushed,
+)
+from prefetch.agent.scheduler import Scheduler
+from prefetch.compile_cache import CACHE_READY, push
+from prefetch.errors import CompileCacheError, PrefetchError
+from prefetch.logjson import scrub
+
+log = logging.getLogger(__name__)
+
+#: How often the agent looks at a ``pushFrom`` directory.
+PUSH_POLL = 30.0
+#: How long no file may change, after the marker appeared, before the agent uploads: longer than
+#: ``prefetch cache push``'s 2 s, because the agent cannot know that every tensor-parallel rank
+#: has written its part (each rank writes its own directory, and its own marker).
+PUSH_SETTLE = 30.0
+
+__all__ = ["PUSH_POLL", "PUSH_SETTLE", "CachePusher"]
+
+
+class _Stopped(Exception):
+    """The agent stops: a push waiting for its settle period gives up before any write."""
+
+
+class CachePusher:
+    """Publishes each ``push: true`` compile cache once per key (see the module docstring).
+
+    ``client()`` gives the S3 client (made on first use); ``settle`` is how long the files must
+    stay unchanged before the upload."""
+
+    def __init__(
+        self,
+        events: EventRecorder,
+        client: Callable[[AgentConfig], Any],
+        *,
+        settle: float = PUSH_SETTLE,
+    ) -> None:
+        self._events = events
+        self._client = client
+        self._settle = settle
+        self._done: set[tuple[str, str]] = set()  # (entry, key) published or found published
+
+    def run(self, config: AgentConfig, scheduler: Scheduler, stop: threading.Event) -> None:
+        """One look at every ``pushFrom`` directory whose key is not done (a worker thread)."""
+        for target in config.push_targets():
+            name, root, key = target.name, target.root, target.key
+            if stop.is_set():
+                return
+            if (name, key.key) in self._done:
+                continue
+            ms = scheduler.get(name)
+            if ms is not None and ms.ready and not ms.nothing_published and not ms.syncing:
+                self._done.add((name, key.key))  # pulled: the key is published already
+                continue
+            if not _has_marker(root):
+                continue  # vLLM has not finished compiling (or not started) here yet
+            try:
+                outcome = self._push(config, target, stop)
+            except _Stopped:
+                return
+            if outcome is not None and ms is not None and scheduler.current(ms):
+                ms.cache_push = outcome
+
+    def _push(self, config: AgentConfig, target: PushTarget, stop: threading.Event) -> str | None:
+        name, root, uri, key = target.name, target.root, target.uri, target.key
+
+        def sleep(seconds: float) -> None:
+            if stop.wait(seconds):
+                raise _Stopped
+
+        try:
+            result = push(self._client(config), root, uri, key=key, settle=self._settle,
+                          sleep=sleep, extra_dirs=target.extra_dirs)  # fmt: skip
+        except CompileCacheError as exc:  # still being written: the next look tries again
+            log.info("%s: compile cache not pushed yet: %s", name, exc,
+                     extra={"model": name, "phase": "push"})  # fmt: skip
+            return None
+        except PrefetchError as exc:
+            log.warning("%s: compile cache push failed (tried again later): %s", name,
+                        scrub(str(exc)), extra={"model": name, "phase": "push",
+                                                "error": scrub(str(exc))})  # fmt: skip
+            return None
+        self._done.add((name, key.key))
+        where = scrub(uri)
+        if result.uploaded:
+            self._events.emit(compile_cache_pushed(
+                name, key.key, files=result.files, bytes_total=result.bytes, uri=where
+            ))  # fmt: skip
+            return "pushed"
+        self._events.emit(compile_cache_already_published(name, key.key, uri=where))
+        return "published-elsewhere"
+
+
+def _has_marker(root: Path) -> bool:
+    """Whether vLLM's ``.cache_ready`` is anywhere under ``root`` (cheap: no settle wait)."""
+    try:
+        return any(p.is_file() for p in root.rglob(CACHE_READY))
+    except OSError:
+        return False
