@@ -74,7 +74,7 @@ class ModelRow:
         return round(100.0 * min(self.done, self.total) / self.total, 1)
 
     def to_json(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "name": self.name,
             "phase": self.phase,
             "bytes_done": self.done,
@@ -84,7 +84,8 @@ class ModelRow:
             "eta_seconds": self.eta,
             "labelled": self.labelled,
             "reason": self.reason,
-        } | {k: v for k, v in (("warm", self.warm), ("cache", self.cache)) if v is not None}
+        }
+        return out | {k: v for k, v in (("warm", self.warm), ("cache", self.cache)) if v is not None}
 
 
 @dataclass(frozen=True)
