@@ -85,7 +85,8 @@ class ModelRow:
             "labelled": self.labelled,
             "reason": self.reason,
         }
-        return out | {k: v for k, v in (("warm", self.warm), ("cache", self.cache)) if v is not None}
+        extra = (("warm", self.warm), ("cache", self.cache))
+        return out | {k: v for k, v in extra if v is not None}
 
 
 @dataclass(frozen=True)
