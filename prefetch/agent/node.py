@@ -369,19 +369,18 @@ class NodeGate:
     def creation_time(self) -> float | None:
         """The node's ``metadata.creationTimestamp`` as Unix time (None when it has none or it
         does not parse). One GET; raises :class:`NodeGateError` when the node cannot be read."""
-        try:
-            node = self._get()
-        except ApiException as exc:
-            raise self._fatal(exc, "get", _describe(exc)) from exc
-        except (urllib3.exceptions.HTTPError, OSError) as exc:
-            raise NodeGateError(
-                f"could not read node {self.node_name!r}: {type(exc).__name__}: {exc}"
-            ) from exc
+        node = self._read()
         return parse_timestamp((node.get("metadata") or {}).get("creationTimestamp"))
 
     def label(self, key: str) -> str | None:
         """The node's label ``key`` (None when it has none), e.g. ``nvidia.com/gpu.product``.
         One GET; raises :class:`NodeGateError` when the node cannot be read."""
+        node = self._read()
+        value = ((node.get("metadata") or {}).get("labels") or {}).get(key)
+        return value if isinstance(value, str) else None
+
+    def _read(self) -> NodeObject:
+        """The Node, one GET; its failures as :class:`NodeGateError`."""
         try:
             node = self._get()
         except ApiException as exc:
@@ -390,8 +389,7 @@ class NodeGate:
             raise NodeGateError(
                 f"could not read node {self.node_name!r}: {type(exc).__name__}: {exc}"
             ) from exc
-        value = ((node.get("metadata") or {}).get("labels") or {}).get(key)
-        return value if isinstance(value, str) else None
+        return node
 
     # -- one round -------------------------------------------------------------------------
 
