@@ -13,6 +13,7 @@ from prefetch.executables import find_executable
 from prefetch.locals3 import SeaweedS3
 from prefetch.modelgen import make_model_dir
 
+from .fakes.registry import Registry, registry_binary
 from .support import HUB_SHARDS, mounted_tmpfs, s3_subprocess_env
 
 REPO = Path(__file__).resolve().parent.parent
@@ -97,3 +98,16 @@ def small_fs(small_fs_mib: int) -> Iterator[Path]:
     """A small tmpfs, for running out of disk space on purpose."""
     with mounted_tmpfs(small_fs_mib) as mnt:
         yield mnt
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    """A real OCI registry (Debian's docker-registry) on 127.0.0.1, one per test module."""
+    if registry_binary() is None:
+        pytest.skip("docker-registry (Debian package docker-registry) is not installed")
+    reg = Registry(tmp_path_factory.mktemp("registry"))
+    reg.start()
+    try:
+        yield reg
+    finally:
+        reg.stop()

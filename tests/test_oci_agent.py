@@ -6,27 +6,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
-from .fakes.registry import Pusher, Registry, registry_binary
+from .fakes.registry import Pusher, Registry
 from .support import AgentProcess, clean_env, config_text, hf_check, wait_for
 
 FILES = {"config.json": b'{"model_type": "llama"}', "model.safetensors": os.urandom(300_000)}
-
-
-@pytest.fixture
-def registry(tmp_path: Path) -> Iterator[Registry]:
-    if registry_binary() is None:
-        pytest.skip("docker-registry (Debian package docker-registry) is not installed")
-    reg = Registry(tmp_path / "registry")
-    reg.start()
-    try:
-        yield reg
-    finally:
-        reg.stop()
 
 
 def test_agent_syncs_an_oci_model_to_ready_in_the_hf_layout(registry: Registry, tmp_path: Path):

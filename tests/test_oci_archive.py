@@ -7,7 +7,6 @@ import gzip
 import io
 import os
 import tarfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.sync import sync
 from prefetch.transfer import TransferConfig
 
-from .fakes.registry import FILEPATH, Pusher, Registry, registry_binary
+from .fakes.registry import FILEPATH, Pusher, Registry
 
 MiB = 1024 * 1024
 CONFIG = TransferConfig(
@@ -32,18 +31,6 @@ CONFIG = TransferConfig(
 TAR = "application/vnd.cncf.model.weight.v1.tar"
 TGZ = "application/vnd.kitops.modelkit.model.v1.tar+gzip"
 RAW = "application/vnd.cncf.model.weight.v1.raw"
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
-    if registry_binary() is None:
-        pytest.skip("docker-registry (Debian package docker-registry) is not installed")
-    reg = Registry(tmp_path_factory.mktemp("registry"))
-    reg.start()
-    try:
-        yield reg
-    finally:
-        reg.stop()
 
 
 @pytest.fixture(scope="module")

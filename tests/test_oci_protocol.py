@@ -27,7 +27,7 @@ from prefetch.sync import sync
 from prefetch.transfer import TransferConfig
 
 from .fakes.oci_proxy import RegistryProxy
-from .fakes.registry import Pusher, Registry, registry_binary
+from .fakes.registry import Pusher, Registry
 from .support import journaled_bytes, kill_9_when
 
 MiB = 1024 * 1024
@@ -38,18 +38,6 @@ CONFIG = TransferConfig(
     retry=RetryPolicy(attempts=3, base_delay=0.01, max_delay=0.1),
 )
 FILES = {"config.json": b'{"a": 1}', "model.safetensors": os.urandom(3 * MiB + 11)}
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
-    if registry_binary() is None:
-        pytest.skip("docker-registry (Debian package docker-registry) is not installed")
-    reg = Registry(tmp_path_factory.mktemp("registry"))
-    reg.start()
-    try:
-        yield reg
-    finally:
-        reg.stop()
 
 
 @pytest.fixture(scope="module")

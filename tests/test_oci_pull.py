@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,7 +34,6 @@ from .fakes.registry import (
     OCI_MANIFEST,
     Pusher,
     Registry,
-    registry_binary,
     sha256_digest,
 )
 from .support import config_text
@@ -52,18 +50,6 @@ FILES = {
     "model.safetensors": os.urandom(3 * MiB + 7),
     "tokenizer/tokenizer.json": b'{"version": "1.0"}',
 }
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
-    if registry_binary() is None:
-        pytest.skip("docker-registry (Debian package docker-registry) is not installed")
-    reg = Registry(tmp_path_factory.mktemp("registry"))
-    reg.start()
-    try:
-        yield reg
-    finally:
-        reg.stop()
 
 
 @pytest.fixture(scope="module")

@@ -26,22 +26,9 @@ from prefetch.sync import sync
 from prefetch.transfer import TransferConfig
 
 from .fakes.hubserver import HubServer, make_model_repo
-from .fakes.registry import Registry, registry_binary
 
 RETRY = RetryPolicy(attempts=2, base_delay=0.01, max_delay=0.1)
 CONFIG = TransferConfig(concurrency=4, chunk_size=1 << 20, buffer_size=64 * 1024, retry=RETRY)
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
-    if registry_binary() is None:
-        pytest.skip("docker-registry (Debian package docker-registry) is not installed")
-    reg = Registry(tmp_path_factory.mktemp("registry"))
-    reg.start()
-    try:
-        yield reg
-    finally:
-        reg.stop()
 
 
 @pytest.fixture

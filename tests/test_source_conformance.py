@@ -48,7 +48,7 @@ from prefetch.transfer import Cancelled, TransferConfig
 from prefetch.verify import new_hasher
 
 from .fakes.hubserver import HubFile, HubServer
-from .fakes.registry import Pusher, Registry, registry_binary
+from .fakes.registry import Pusher, Registry
 from .fakes.s3proxy import S3FaultProxy
 from .support import journaled_bytes, put
 
@@ -378,18 +378,6 @@ class OciCase(SourceCase):
 
 
 CASES = ["s3", "hub", "mirror", "oci"]
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
-    if registry_binary() is None:
-        pytest.skip("docker-registry (Debian package docker-registry) is not installed")
-    reg = Registry(tmp_path_factory.mktemp("registry"))
-    reg.start()
-    try:
-        yield reg
-    finally:
-        reg.stop()
 
 
 @pytest.fixture(scope="module")
