@@ -41,7 +41,6 @@ from prefetch.errors import (
 )
 from prefetch.redact import redact
 from prefetch.sources.base import range_answer_problem, shutdown_socket_of
-from prefetch.sources.proxy_auth import proxy_failure, proxy_headers
 
 #: A redirect's body is read (so its connection goes back to the pool) only up to this size.
 DRAIN_LIMIT = 64 * 1024
@@ -163,6 +162,8 @@ class ProxyRouter:
     """Sends each request directly or through its scheme's proxy, as the proxy settings say."""
 
     def __init__(self, direct: HttpClient, proxies: settings.Proxies, kwargs: PoolOptions) -> None:
+        from prefetch.sources.proxy_auth import proxy_headers  # only with a proxy configured
+
         self._direct = direct
         self._proxies = proxies
         self._proxied = {
@@ -304,6 +305,8 @@ def transport_error(exc: BaseException, what: str) -> SourceError:
     if isinstance(exc, urllib3.exceptions.SSLError):
         return SourceError(f"{what}: TLS error: {exc}")
     if isinstance(exc, urllib3.exceptions.ProxyError):
+        from prefetch.sources.proxy_auth import proxy_failure  # a proxy's refusal: rare
+
         reason, transient = proxy_failure(exc)
         return (TransientSourceError if transient else SourceError)(f"{what}: {reason}")
     if isinstance(exc, urllib3.exceptions.HTTPError | http.client.HTTPException | OSError):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import TYPE_CHECKING
 
 from prefetch.errors import (
     AccessDeniedError,
@@ -44,9 +45,11 @@ from prefetch.retry import RetryPolicy
 from prefetch.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.sources.base import RangeReader
 from prefetch.sources.s3 import LazyS3Client, S3Source
-from prefetch.sources.s3_botocore import S3Client
 from prefetch.sources.s3_xml import listed_objects
 from prefetch.spec import ModelSpec, SourceURI
+
+if TYPE_CHECKING:
+    from prefetch.sources.s3_botocore import S3Client
 
 log = logging.getLogger(__name__)
 

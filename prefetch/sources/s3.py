@@ -21,7 +21,7 @@ import re
 import sys
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any, TypedDict, TypeVar, Unpack
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, Unpack
 
 import urllib3.exceptions
 
@@ -50,12 +50,6 @@ from prefetch.sources._http import (
     transport_error,
 )
 from prefetch.sources.base import shutdown_socket_of
-from prefetch.sources.s3_botocore import (
-    BotocoreObjects,
-    S3Client,
-    botocore_signed_endpoint,
-    capture_listing_requests,
-)
 from prefetch.sources.s3_direct import (
     S3Bucket,
     StaticCredentials,
@@ -64,9 +58,11 @@ from prefetch.sources.s3_direct import (
     sends_as_signed,
 )
 from prefetch.sources.s3_xml import ListingPages, listed_objects
-from prefetch.sources.status_text import bare_status
 from prefetch.spec import SIDECAR_MANIFEST, ModelSpec, SourceURI
 from prefetch.verify import STRENGTH
+
+if TYPE_CHECKING:  # imported where used: a pull with static keys never needs botocore's path
+    from prefetch.sources.s3_botocore import BotocoreObjects, S3Client
 
 log = logging.getLogger(__name__)
 
@@ -402,6 +398,8 @@ def answer_error(what: str, answer: Response, *, has_body: bool) -> SourceError:
     server's Retry-After on a transient one: S3 throttling may send it)."""
     code, msg = error_code_and_message(answer, has_body=has_body)
     if code == msg == str(answer.status):  # no S3 error document: say what the status means
+        from prefetch.sources.status_text import bare_status  # an error's words: rare
+
         msg = bare_status(answer.status, answer.headers)
     if code == "NoSuchBucket":
         return BucketNotFoundError(f"{what}: bucket does not exist")
@@ -451,8 +449,8 @@ class S3Source:
         #: The bucket on the transport seam (addressing + a signer), set up by the first
         #: listing; None until then, or when the seam cannot reproduce botocore's requests.
         self._bucket: S3Bucket | None = None
-        #: Object requests through botocore's client (see ``_objects_for``).
-        self._botocore = BotocoreObjects(client, uri.location)
+        #: Object requests through botocore's client (see ``_objects_for``), made when needed.
+        self._botocore: BotocoreObjects | None = None
         #: False: every request goes through botocore's client (for comparisons; see bench/).
         self.signed_requests = True
 
@@ -486,6 +484,10 @@ class S3Source:
         botocore's client (and for a key with a dot segment: see ``sends_as_signed``)."""
         bucket = self._bucket
         if bucket is None or not sends_as_signed(key):
+            if self._botocore is None:
+                from prefetch.sources.s3_botocore import BotocoreObjects
+
+                self._botocore = BotocoreObjects(self._client, self._uri.location)
             return self._botocore
         return bucket
 
@@ -504,6 +506,8 @@ class S3Source:
             if self.signed_requests and self._bucket is None:
                 self._bucket = lister  # its object requests need no botocore either
             return page
+        from prefetch.sources.s3_botocore import botocore_signed_endpoint, capture_listing_requests
+
         with capture_listing_requests(self._client) as sent:
             page = self._call(
                 what, self._client.list_objects_v2, bounded=True, Bucket=bucket, **kwargs
