@@ -104,6 +104,31 @@ def kubeconfig(environ: Mapping[str, str] | None = None) -> str | None:
     return _environ(environ).get("KUBECONFIG") or None
 
 
+def oci_plain_http(environ: Mapping[str, str] | None = None) -> frozenset[str]:
+    """``PREFETCH_OCI_PLAIN_HTTP``: registries (``host[:port]``, comma-separated, lower-cased)
+    spoken to over plain HTTP, e.g. a node-local mirror such as Spegel's."""
+    listed = _environ(environ).get("PREFETCH_OCI_PLAIN_HTTP", "")
+    return frozenset(h.strip().lower() for h in listed.split(",") if h.strip())
+
+
+def oci_staging(environ: Mapping[str, str] | None = None) -> str | None:
+    """``PREFETCH_OCI_STAGING``: where archive layers are unpacked before publishing (None: the
+    temporary folder)."""
+    return _environ(environ).get("PREFETCH_OCI_STAGING") or None
+
+
+def docker_config_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """Where ``docker login`` keeps its ``config.json``: ``DOCKER_CONFIG``, else ``~/.docker``."""
+    base = _environ(environ).get("DOCKER_CONFIG")
+    return Path(base) if base else Path.home() / ".docker"
+
+
+def variable(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The environment variable ``name`` a config names itself (``${NODE_IP}`` in a registry
+    host: the downward API's values reach a DaemonSet only as its environment)."""
+    return _environ(environ).get(name) or None
+
+
 #: A per-source proxy setting that means "connect directly", whatever the environment says.
 DIRECT_WORDS = frozenset({"", "none", "direct"})
 

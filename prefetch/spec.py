@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import fnmatch
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
+from prefetch import settings
 from prefetch.errors import ConfigError
 from prefetch.paths import ref_name_problem
 from prefetch.settings import parse_proxy
@@ -179,7 +179,7 @@ def _expand_host(uri: str, host: str) -> str:
     API's ``status.hostIP``) and a config file cannot spell."""
 
     def value(m: re.Match[str]) -> str:
-        found = os.environ.get(m.group(1))
+        found = settings.variable(m.group(1))
         if not found:
             raise ConfigError(f"malformed OCI URI {uri!r}: ${{{m.group(1)}}} is not set")
         return found

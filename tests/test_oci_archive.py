@@ -149,3 +149,18 @@ def test_a_decompression_bomb_is_bounded(tmp_path):
             digest_hex=hashlib.sha256(bomb).hexdigest(), staging=tmp_path,
             what="bomb", max_unpacked=1 * MiB,
         )  # fmt: skip
+
+
+def test_a_tar_zstd_layer_is_unpacked_and_published(registry, pusher, tmp_path, staging):
+    import zstandard
+
+    weights = os.urandom(MiB + 7)
+    layer = zstandard.ZstdCompressor().compress(tar_of([("model.safetensors", weights)]))
+    pusher.artifact("arch/zst", "v1", [
+        ("application/vnd.cncf.model.weight.v1.tar+zstd", layer, {}),
+        (RAW, b'{"a": 2}', {FILEPATH: "config.json"}),
+    ])  # fmt: skip
+    dest = tmp_path / "dest"
+    pull(registry, "arch/zst", dest)
+    assert (dest / "model.safetensors").read_bytes() == weights
+    assert (dest / "config.json").read_bytes() == b'{"a": 2}'

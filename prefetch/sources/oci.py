@@ -30,7 +30,6 @@ import contextlib
 import ipaddress
 import json
 import logging
-import os
 import tempfile
 import threading
 import weakref
@@ -41,7 +40,7 @@ from urllib.parse import urljoin, urlsplit
 
 import urllib3
 
-from prefetch import __version__
+from prefetch import __version__, settings
 from prefetch.errors import (
     InvalidListingError,
     NoMatchingFilesError,
@@ -89,8 +88,7 @@ def registry_base(registry: str, plain_http: tuple[str, ...] = ()) -> str:
     ``PREFETCH_OCI_PLAIN_HTTP``), else ``https://``; then the host."""
     if registry in DOCKER_HUB:
         return "https://registry-1.docker.io"
-    listed = {h.strip().lower() for h in os.environ.get(PLAIN_HTTP_ENV, "").split(",") if h}
-    listed |= set(plain_http)
+    listed = set(settings.oci_plain_http()) | set(plain_http)
     host = urlsplit(f"//{registry}").hostname or ""
     loopback = host == "localhost"
     with contextlib.suppress(ValueError):
@@ -360,7 +358,7 @@ class OciSource:
 
     def _staging_root(self) -> Path:
         if self._staging is None:
-            base = os.environ.get(STAGING_ENV) or None
+            base = settings.oci_staging()
             self._staging = Path(tempfile.mkdtemp(prefix="prefetch-oci-", dir=base))
             weakref.finalize(self, oci_tar.remove_staging, self._staging)
         return self._staging

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import os
 import re
 import shutil
 import subprocess
@@ -32,6 +31,7 @@ from urllib.parse import urlencode, urlsplit
 
 import urllib3
 
+from prefetch import settings
 from prefetch.errors import AccessDeniedError, ConfigError, SourceError
 from prefetch.safejson import load_json
 from prefetch.sources._http import HttpClient, discard, redact_url, status_error, transport_error
@@ -56,8 +56,7 @@ class Credentials:
 
 
 def docker_config_path() -> Path:
-    base = os.environ.get("DOCKER_CONFIG")
-    return (Path(base) if base else Path.home() / ".docker") / "config.json"
+    return settings.docker_config_dir() / "config.json"
 
 
 def docker_credentials(registry: str, config_path: Path | None = None) -> Credentials | None:

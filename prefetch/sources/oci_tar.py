@@ -79,12 +79,8 @@ def _decompressed(raw: IO[bytes], kind: str, what: str) -> IO[bytes]:
         return raw
     if kind == "tar+gzip":
         return cast(IO[bytes], gzip.GzipFile(fileobj=raw, mode="rb"))
-    try:
-        import zstandard  # type: ignore[import-not-found]
-    except ImportError as exc:
-        raise SourceError(
-            f"{what}: a tar+zstd layer needs the zstandard package (pip install zstandard)"
-        ) from exc
+    import zstandard  # imported for the layers that need it
+
     reader: IO[bytes] = zstandard.ZstdDecompressor().stream_reader(raw)
     return reader
 
