@@ -4,7 +4,10 @@ for, quickly, with bounded memory."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -13,8 +16,11 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from prefetch.errors import InvalidListingError
+from prefetch.errors import InvalidListingError, TransientSourceError
+from prefetch.retry import RetryPolicy
+from prefetch.sources.s3 import S3Source, lazy_s3_client
 from prefetch.sources.s3_xml import ListingPages, MalformedListingPage, parse_list_page
+from prefetch.spec import parse_source_uri
 
 from .support import clean_env, run_cli
 
@@ -213,32 +219,29 @@ def test_a_redirect_without_an_s3_error_document_says_where_it_points(
     assert "307: 307" not in lines[0] and "X-Amz-Signature" not in lines[0]
 
 
-def test_a_trickled_listing_page_is_bounded_in_time(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    import socket
-    import time
-
-    from prefetch.errors import TransientSourceError
-    from prefetch.retry import RetryPolicy
-    from prefetch.sources.s3 import S3Source, lazy_s3_client
-    from prefetch.spec import parse_source_uri
-
-    body = page()
+@contextlib.contextmanager
+def trickling_source(*answers: tuple[bytes, bool]) -> Iterator[S3Source]:
+    """An S3 source (static keys, one attempt, ``metadata_timeout`` 1.5 s) whose server answers
+    each request on one kept-open connection with the next body: at once, or trickled (one
+    byte every 0.25 s) when its flag says so."""
     sock = socket.create_server(("127.0.0.1", 0))
     stop = threading.Event()
 
-    def trickle() -> None:
+    def serve() -> None:
         conn, _ = sock.accept()
-        conn.recv(65536)
-        conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n\r\n".encode())
-        for byte in body:
-            if stop.wait(0.25):
-                break
-            conn.sendall(bytes([byte]))
+        for body, trickled in answers:
+            conn.recv(65536)
+            conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n\r\n".encode())
+            if not trickled:
+                conn.sendall(body)
+                continue
+            for byte in body:
+                if stop.wait(0.25):
+                    break
+                conn.sendall(bytes([byte]))
         conn.close()
 
-    threading.Thread(target=trickle, daemon=True).start()
+    threading.Thread(target=serve, daemon=True).start()
     client = lazy_s3_client(
         endpoint_url=f"http://127.0.0.1:{sock.getsockname()[1]}",
         access_key="a",
@@ -247,13 +250,18 @@ def test_a_trickled_listing_page_is_bounded_in_time(
     )
     source = S3Source(client, parse_source_uri("s3://bkt/m/"), retry=RetryPolicy(attempts=1))
     source.metadata_timeout = 1.5  # each attempt of a metadata call, as a whole
-    started = time.monotonic()
     try:
-        with pytest.raises(TransientSourceError, match=r"no answer within 1\.5 s"):
-            source.list_page("listing s3://bkt/m/", Prefix="m/")
+        yield source
     finally:
         stop.set()
         sock.close()
+
+
+def test_a_trickled_listing_page_is_bounded_in_time() -> None:
+    with trickling_source((page(), True)) as source:
+        started = time.monotonic()
+        with pytest.raises(TransientSourceError, match=r"no answer within 1\.5 s"):
+            source.list_page("listing s3://bkt/m/", Prefix="m/")
     assert time.monotonic() - started < 5
 
 
@@ -295,49 +303,13 @@ def test_attempts_applies_to_s3_listing_retries(
     assert server.requests == attempts
 
 
-def test_trickled_mirror_metadata_is_bounded_in_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    import socket
-    import time
-
-    from prefetch.errors import TransientSourceError
-    from prefetch.retry import RetryPolicy
-    from prefetch.sources.s3 import S3Source, lazy_s3_client
-    from prefetch.spec import parse_source_uri
-
-    listing, ref = page(), b"c" * 40
-    sock = socket.create_server(("127.0.0.1", 0))
-    stop = threading.Event()
-
-    def serve_then_trickle() -> None:
-        conn, _ = sock.accept()
-        conn.recv(65536)  # the listing: answered at once, on a connection kept open
-        conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: {len(listing)}\r\n\r\n".encode())
-        conn.sendall(listing)
-        conn.recv(65536)  # the metadata GET: trickled
-        conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: {len(ref)}\r\n\r\n".encode())
-        for byte in ref:
-            if stop.wait(0.25):
-                break
-            conn.sendall(bytes([byte]))
-        conn.close()
-
-    threading.Thread(target=serve_then_trickle, daemon=True).start()
-    client = lazy_s3_client(
-        endpoint_url=f"http://127.0.0.1:{sock.getsockname()[1]}",
-        access_key="a",
-        secret_key="b",
-        region="us-east-1",
-    )
-    source = S3Source(client, parse_source_uri("s3://bkt/m/"), retry=RetryPolicy(attempts=1))
-    source.ensure_signed_path()
-    source.metadata_timeout = 1.5  # each attempt of a metadata call, as a whole
-    started = time.monotonic()
-    try:
+def test_trickled_mirror_metadata_is_bounded_in_time() -> None:
+    # the listing answered at once (it sets up the signed path), the metadata GET trickled
+    with trickling_source((page(), False), (b"c" * 40, True)) as source:
+        source.ensure_signed_path()
+        started = time.monotonic()
         with pytest.raises(TransientSourceError, match=r"no answer within 1\.5 s"):
             source.read_object("m/refs/main", "reading s3://bkt/m/refs/main", limit=100)
-    finally:
-        stop.set()
-        sock.close()
     assert time.monotonic() - started < 5
 
 
