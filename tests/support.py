@@ -415,6 +415,15 @@ class AgentProcess:
     def stderr(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def ready_then_terminated(self, timeout: float = 60) -> dict[str, Any]:
+        """Wait until /readyz answers 200, then SIGTERM the agent and check it exits 0; the
+        /readyz body it had when ready."""
+        wait_for(lambda: self.up() and self.get("/readyz")[0] == 200, "ready", timeout=timeout)
+        body: dict[str, Any] = json.loads(self.get("/readyz")[1])
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.proc.wait(30) == 0, self.stderr()
+        return body
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()

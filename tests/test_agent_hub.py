@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import signal
 import time
 from pathlib import Path
 
@@ -22,11 +20,7 @@ def test_agent_warms_a_hub_model_that_huggingface_hub_loads_offline(tmp_path: Pa
                         HF_TOKEN="hf_agent_secret_token")  # fmt: skip
         agent = AgentProcess(config, env, tmp_path / "agent.log")
         try:
-            wait_for(lambda: agent.up() and agent.get("/readyz")[0] == 200, "ready", timeout=60)
-            body = json.loads(agent.get("/readyz")[1])
-            assert body["models"][0]["state"] == "ready"
-            agent.proc.send_signal(signal.SIGTERM)
-            assert agent.proc.wait(30) == 0
+            assert agent.ready_then_terminated()["models"][0]["state"] == "ready"
         finally:
             agent.stop()
         expected = server_files(hub, "acme/tiny")

@@ -3,13 +3,11 @@ huggingface_hub reads offline."""
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 from pathlib import Path
 
 from .fakes.registry import Pusher, Registry
-from .support import AgentProcess, clean_env, config_text, hf_check, wait_for
+from .support import AgentProcess, clean_env, config_text, hf_check
 
 FILES = {"config.json": b'{"model_type": "llama"}', "model.safetensors": os.urandom(300_000)}
 
@@ -24,11 +22,7 @@ def test_agent_syncs_an_oci_model_to_ready_in_the_hf_layout(registry: Registry, 
     env = clean_env(tmp_path / "home", DOCKER_CONFIG=str(tmp_path / "docker"))
     agent = AgentProcess(config, env, tmp_path / "agent.log")
     try:
-        wait_for(lambda: agent.up() and agent.get("/readyz")[0] == 200, "ready", timeout=60)
-        body = json.loads(agent.get("/readyz")[1])
-        assert body["models"][0]["state"] == "ready"
-        agent.proc.send_signal(signal.SIGTERM)
-        assert agent.proc.wait(30) == 0
+        assert agent.ready_then_terminated()["models"][0]["state"] == "ready"
     finally:
         agent.stop()
     out = hf_check(
