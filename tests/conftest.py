@@ -13,8 +13,9 @@ from prefetch.executables import find_executable
 from prefetch.locals3 import SeaweedS3
 from prefetch.modelgen import make_model_dir
 
+from .fakes.hubserver import HubServer
 from .fakes.registry import Registry, registry_binary
-from .support import HUB_SHARDS, mounted_tmpfs, s3_subprocess_env
+from .support import HUB_REPO, HUB_SHARDS, mounted_tmpfs, s3_subprocess_env
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
@@ -111,3 +112,12 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
         yield reg
     finally:
         reg.stop()
+
+
+@pytest.fixture
+def hub(model_dir: Path) -> Iterator[HubServer]:
+    """A local Hub serving ``model_dir`` as one commit of ``HUB_REPO`` (modules that need other
+    paging or checks define their own)."""
+    with HubServer() as server:
+        server.add_commit(HUB_REPO, model_dir)
+        yield server

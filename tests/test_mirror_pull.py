@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +40,6 @@ from .support import (
 )
 
 REPO = HUB_REPO
-
-
-@pytest.fixture
-def hub(model_dir: Path) -> Iterator[HubServer]:
-    with HubServer() as server:
-        server.add_commit(REPO, model_dir)
-        yield server
 
 
 def pull(

@@ -4,7 +4,6 @@ kind of source, serving the same commit, the same spec and the same layout."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +32,6 @@ from .support import (
 )
 
 REPO = HUB_REPO
-
-
-@pytest.fixture
-def hub(model_dir: Path) -> Iterator[HubServer]:
-    with HubServer() as server:
-        server.add_commit(REPO, model_dir)
-        yield server
 
 
 @pytest.fixture
