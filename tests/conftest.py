@@ -15,11 +15,19 @@ from prefetch.modelgen import make_model_dir
 
 from .fakes.hubserver import HubServer
 from .fakes.registry import Registry, registry_binary
+from .tls import TestCA
 from .support import HUB_REPO, HUB_SHARDS, mounted_tmpfs, s3_subprocess_env
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
 _bucket_ids = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def test_ca(tmp_path_factory: pytest.TempPathFactory) -> TestCA:
+    """The session's private CA, and the certificate every stand-in for a remote service
+    presents (see tests/tls.py)."""
+    return TestCA.create(tmp_path_factory.mktemp("tls"))
 
 
 @pytest.fixture(scope="session")

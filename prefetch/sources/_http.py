@@ -134,13 +134,19 @@ class _WatchedHTTPConnection(urllib3.connection.HTTPConnection):
     deadline shuts it down instead of waiting out the read timeout (60 s). The socket stays
     attached until the watch ends, so the body read is covered too."""
 
-    def getresponse(self) -> urllib3.response.HTTPResponse:  # type: ignore[override]
+    def getresponse(self) -> urllib3.response.HTTPResponse:
         attach_to_watches(_interrupt_socket(self.sock))
         return super().getresponse()
 
 
 class _WatchedHTTPSConnection(urllib3.connection.HTTPSConnection):
-    getresponse = _WatchedHTTPConnection.getresponse  # type: ignore[assignment]
+    """:class:`_WatchedHTTPConnection` over TLS. Its own method, not a copy of the plain one: a
+    zero-argument ``super()`` is bound to the class it is written in, so the plain class's method
+    on this class raises ``TypeError`` (every HTTPS request failed that way once)."""
+
+    def getresponse(self) -> urllib3.response.HTTPResponse:
+        attach_to_watches(_interrupt_socket(self.sock))
+        return super().getresponse()
 
 
 class _WatchedHTTPPool(urllib3.HTTPConnectionPool):
