@@ -15,8 +15,8 @@ from prefetch.modelgen import make_model_dir
 
 from .fakes.hubserver import HubServer
 from .fakes.registry import Registry, registry_binary
-from .tls import TestCA
 from .support import HUB_REPO, HUB_SHARDS, mounted_tmpfs, s3_subprocess_env
+from .tls import TestCA
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
