@@ -76,6 +76,7 @@ __all__ = [
     "compile_cache_already_published",
     "compile_cache_not_published",
     "compile_cache_pulled",
+    "compile_cache_push_refused",
     "compile_cache_pushed",
     "evicted",
     "gate_opened",
@@ -124,6 +125,7 @@ class Reason(StrEnum):
     COMPILE_CACHE_NOT_PUBLISHED = "CompileCacheNotPublished"
     COMPILE_CACHE_PUSHED = "CompileCachePushed"
     COMPILE_CACHE_ALREADY_PUBLISHED = "CompileCacheAlreadyPublished"
+    COMPILE_CACHE_PUSH_REFUSED = "CompileCachePushRefused"
 
 
 @dataclass(frozen=True)
@@ -351,6 +353,20 @@ def compile_cache_already_published(model: str, key: str, *, uri: str) -> NodeEv
         key=f"{model}/{key}",
         model=model,
         source=uri,
+    )
+
+
+def compile_cache_push_refused(model: str, key: str, *, detail: str) -> NodeEvent:
+    """The ``pushFrom`` directory holds what a cache must not (a symlink, a file swapped after
+    its check): not published; looked at again with a growing interval."""
+    return NodeEvent(
+        Reason.COMPILE_CACHE_PUSH_REFUSED,
+        "CompileCache",
+        f"Compile cache {model}: push for key {key} refused: {detail}",
+        warning=True,
+        key=f"{model}/{key}",
+        model=model,
+        error=detail,
     )
 
 
