@@ -276,7 +276,8 @@ def warm_up_finished(
     model: str, state: str, *, bytes_read: int, seconds: float, reason: str, revision: str
 ) -> NodeEvent:
     """How a warm-up ended: ``warm`` (WarmUpFinished: bytes and seconds), or ``skipped`` /
-    ``failed`` (WarmUpSkipped, with why; a failure is a Warning)."""
+    ``partial`` / ``failed`` (WarmUpSkipped, with why; a failure, or a warm-up whose pages did
+    not all stay in the page cache, is a Warning)."""
     seconds = round(seconds, 3)
     if state == "warm":
         return NodeEvent(
@@ -292,7 +293,7 @@ def warm_up_finished(
         Reason.WARM_UP_SKIPPED,
         "Warm",
         f"Page-cache warm-up of model {model} {state}: {reason or state}",
-        warning=state == "failed",
+        warning=state in ("failed", "partial"),
         key=f"{model}@{revision}/{state}",
         model=model,
         bytes=bytes_read,
