@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -350,3 +352,64 @@ def test_pull_json_carries_the_warm_up_warning(s3_client, bucket, s3_env, tmp_pa
         env=s3_env,
     )  # fmt: skip
     assert json.loads(fine.stdout)["warnings"] == []
+
+
+def _test_cgroup_parent() -> Path | None:
+    """A memory cgroup directory the test may create a child in: only one named by
+    PREFETCH_TEST_MEMORY_CGROUP (a cgroup made for tests, e.g. ``mkdir
+    /sys/fs/cgroup/prefetch-tests`` as root, with the memory controller enabled in v2): the
+    cgroups a machine runs its tests in belong to whatever runs them."""
+    where = os.environ.get("PREFETCH_TEST_MEMORY_CGROUP")
+    if not where:
+        return None
+    parent = Path(where)
+    limit_file = "memory.max" if (parent / "memory.max").exists() else "memory.limit_in_bytes"
+    if not (parent / limit_file).exists() or not os.access(parent, os.W_OK):
+        return None
+    return parent
+
+
+WARM_ONE = """
+import json, sys
+from pathlib import Path
+from prefetch.warm import WarmLimits, warm_files
+report = warm_files([Path(sys.argv[1])], WarmLimits(read_rate=None))
+print(json.dumps(report.to_json()))
+"""
+
+
+@pytest.mark.skipif(
+    _test_cgroup_parent() is None,
+    reason="no memory cgroup for tests: set PREFETCH_TEST_MEMORY_CGROUP to a writable memory "
+    "cgroup directory (docs/deploy.md, 'The agent's memory limit', has the manual check)",
+)
+def test_in_a_real_memory_cgroup_the_warm_up_is_bounded_and_tells_the_truth(tmp_path):
+    parent = _test_cgroup_parent()
+    assert parent is not None
+    child = parent / f"prefetch-warm-{os.getpid()}"
+    child.mkdir()
+    v2 = (child / "memory.max").exists()
+    (child / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(160 * MiB))
+    try:
+        results = {}
+        for name, size in (("small", 16 * MiB), ("large", 300 * MiB)):
+            model = cold_file(tmp_path / f"{name}.bin", size)
+
+            def enter(procs: Path = child / "cgroup.procs") -> None:
+                procs.write_text(str(os.getpid()))
+
+            proc = subprocess.run(
+                [sys.executable, "-c", WARM_ONE, str(model)], capture_output=True, text=True,
+                preexec_fn=enter, timeout=120, check=False,
+            )  # fmt: skip
+            assert proc.returncode == 0, proc.stderr
+            results[name] = (json.loads(proc.stdout), resident_bytes(model), size)
+    finally:
+        child.rmdir()
+    small, small_resident, small_size = results["small"]
+    assert small["state"] == "warm" and small_resident >= small_size
+    assert small["cgroup_limit"] == 160 * MiB
+    large, large_resident, large_size = results["large"]
+    # 300 MiB cannot stay under a 160 MiB limit: never "warm" unless it all stayed
+    assert large["state"] in ("skipped", "partial"), large
+    assert large["state"] != "warm" or large_resident >= large_size
