@@ -17,22 +17,23 @@ in progress or one that died), so it never pulls half a cache.
 
 from __future__ import annotations
 
+import base64
 import errno
 import hashlib
+import io
 import json
 import logging
 import os
 import secrets
 import socket
 import stat
-import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from prefetch.errors import CompileCacheError, CompileCacheRefused
+from prefetch.errors import CompileCacheError, CompileCacheRefused, PrefetchError
 from prefetch.sources.s3 import translate
 
 #: vLLM writes this into a compile cache directory once it is complete.
@@ -52,8 +53,9 @@ DEFAULT_LEASE = 10 * 60.0
 PUBLISHED = "exists: another writer published this key"
 #: The most of a claim object read (ours are a few hundred bytes).
 CLAIM_LIMIT = 64 * 1024
-#: A file's checked copy stays in memory up to this size, beyond it in a temporary file.
-SPOOL_IN_MEMORY = 16 * 1024 * 1024
+#: A file up to this size is copied into memory and the copy uploaded; a larger one is uploaded
+#: from the file with its SHA-256 for the store to check (see ``_upload_file``).
+IN_MEMORY = 16 * 1024 * 1024
 COPY_BLOCK = 1024 * 1024
 
 log = logging.getLogger(__name__)
@@ -299,37 +301,85 @@ def finished_files(
     return {path: stamp[2] for path, stamp in sorted(files.items())}
 
 
-def _snapshot(tree: _Root, rel: str, listed: _Stamp, copy: IO[bytes]) -> str:
-    """Copy the file ``rel`` as listed into ``copy`` (private to the push) and give the SHA-256
-    of the copy: what is uploaded is exactly what is hashed and recorded, whatever happens to
-    the file meanwhile.
-    CompileCacheRefused when the file opened is not the one listed (swapped, grown, shrunk or
-    rewritten after the check) or changes while it is copied."""
+class _Window:
+    """The first ``size`` bytes of an open file (``pread``: no shared offset), as an upload's
+    body: what botocore needs of one (read, seek, tell), nothing past the size checked."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self._fd, self._size, self._pos = fd, size, 0
+
+    def read(self, n: int | None = -1) -> bytes:
+        left = self._size - self._pos
+        n = left if n is None or n < 0 else min(n, left)
+        chunk = os.pread(self._fd, n, self._pos) if n > 0 else b""
+        self._pos += len(chunk)
+        return chunk
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._size}[whence]
+        self._pos = min(max(base + offset, 0), self._size)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+
+def _check(tree: _Root, rel: str, fd: int, listed: _Stamp, when: str) -> None:
+    """CompileCacheRefused unless the open file ``fd`` is the regular file listed, unchanged."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or _stamp(st) != listed:
+        raise CompileCacheRefused(f"{tree.path / rel}: {when} ({_what_changed(st, listed)})")
+
+
+def _hash(fd: int, size: int, copy: io.BytesIO | None) -> str | None:
+    """The SHA-256 of the first ``size`` bytes of ``fd`` (kept in ``copy`` when given); None
+    when the file has fewer."""
+    digest, pos = hashlib.sha256(), 0
+    while pos < size:
+        chunk = os.pread(fd, min(size - pos, COPY_BLOCK), pos)
+        if not chunk:
+            return None
+        digest.update(chunk)
+        if copy is not None:
+            copy.write(chunk)
+        pos += len(chunk)
+    return digest.hexdigest()
+
+
+def _upload_file(client: Any, bucket: str, key: str, tree: _Root, rel: str, listed: _Stamp) -> str:
+    """Upload the file ``rel`` as listed to ``key`` (only if nothing is there) and give its
+    SHA-256: the object holds exactly the bytes hashed. A file up to :data:`IN_MEMORY` is
+    copied and the copy uploaded; a larger one is read in place, and the upload carries the
+    SHA-256 (``x-amz-checksum-sha256``), which the store checks against what it receives, so
+    bytes that change between the hash and the upload are refused by the store (BadDigest)
+    and by the checks around it. CompileCacheRefused when the file opened is not the one
+    listed (swapped, grown, shrunk or rewritten after the check) or changes meanwhile."""
     fd = tree.open_file(rel)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or _stamp(st) != listed:
-            raise CompileCacheRefused(
-                f"{tree.path / rel}: not the file checked ({_what_changed(st, listed)})"
+        _check(tree, rel, fd, listed, "not the file checked")
+        size = listed[2]
+        copy = io.BytesIO() if size <= IN_MEMORY else None
+        digest = _hash(fd, size, copy)
+        _check(tree, rel, fd, listed, "changed while it was read")
+        if digest is None:
+            raise CompileCacheRefused(f"{tree.path / rel}: shorter than when checked")
+        body: Any = copy if copy is not None else _Window(fd, size)
+        body.seek(0)
+        checksum = base64.b64encode(bytes.fromhex(digest)).decode()
+        try:
+            etag = _put(client, bucket, key, body, checksum=checksum, IfNoneMatch="*")
+        except PrefetchError:  # e.g. BadDigest: the bytes read for the upload were others
+            _check(tree, rel, fd, listed, "changed while it was uploaded")
+            raise
+        if etag is None:
+            raise CompileCacheError(
+                f"s3://{bucket}/{key}: exists although this push claimed the key",
+                hint="another tool writes under this prefix; give each cache its own key",
             )
-        digest = hashlib.sha256()
-        left = listed[2]
-        while left:
-            chunk = os.read(fd, min(left, COPY_BLOCK))
-            if not chunk:
-                break
-            digest.update(chunk)
-            copy.write(chunk)
-            left -= len(chunk)
-        after = os.fstat(fd)
-        if left or _stamp(after) != listed:
-            raise CompileCacheRefused(
-                f"{tree.path / rel}: changed while it was read ({_what_changed(after, listed)})"
-            )
+        _check(tree, rel, fd, listed, "changed while it was uploaded")
     finally:
         os.close(fd)
-    copy.seek(0)
-    return digest.hexdigest()
+    return digest
 
 
 def _what_changed(st: os.stat_result, listed: _Stamp) -> str:
@@ -367,13 +417,15 @@ def _status(exc: Exception) -> int | None:
     return status if isinstance(status, int) else None
 
 
-def _put(client: Any, bucket: str, key: str, body: Any, **condition: str) -> str | None:
+def _put(
+    client: Any, bucket: str, key: str, body: Any, *, checksum: str = "", **condition: str
+) -> str | None:
     """PUT under ``condition`` (``IfNoneMatch="*"``: only if nothing is there; ``IfMatch=etag``:
-    only if that version is): the new object's ETag, None when the condition does not hold."""
+    only if that version is), with the body's SHA-256 (base64) when given, else one botocore
+    computes: the new object's ETag, None when the condition does not hold."""
+    sha256 = {"ChecksumSHA256": checksum} if checksum else {"ChecksumAlgorithm": "SHA256"}
     try:
-        answer = client.put_object(
-            Bucket=bucket, Key=key, Body=body, ChecksumAlgorithm="SHA256", **condition
-        )
+        answer = client.put_object(Bucket=bucket, Key=key, Body=body, **sha256, **condition)
     except Exception as exc:
         if _exists_error(exc):
             return None
@@ -530,10 +582,10 @@ def push(
     seconds ran out without completion is taken over). With ``extra_dirs`` (``extraDirs``
     names), the JIT cache directories of :data:`EXTRA_DIRS` not named are left out.
 
-    Each file is opened without following links, checked to be the file listed, and copied
-    before its upload: the object, its size and the SHA-256 in :data:`COMPLETE` are the same
-    bytes. A file swapped or changed after the check ends the push (CompileCacheRefused)
-    before :data:`COMPLETE`, and the claim is given up."""
+    Each file is opened without following links, checked to be the file listed, hashed and
+    uploaded as hashed (see ``_upload_file``): the object, its size and the SHA-256 in
+    :data:`COMPLETE` are the same bytes. A file swapped or changed after the check ends the
+    push (CompileCacheRefused) before :data:`COMPLETE`, and the claim is given up."""
     bucket, prefix = _split(uri)
     skip = left_out(extra_dirs) if extra_dirs is not None else frozenset()
     if not root.is_dir():
@@ -568,17 +620,11 @@ def push(
 def _upload(
     client: Any, bucket: str, prefix: str, tree: _Root, files: dict[str, _Stamp], claim: _Claim
 ) -> dict[str, str]:
-    """Upload each file's checked copy (see :func:`_snapshot`): relative path -> its SHA-256."""
+    """Upload each file as checked (see :func:`_upload_file`): relative path -> its SHA-256."""
     digests: dict[str, str] = {}
     for rel, listed in sorted(files.items()):
         claim.renew()
-        with tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY) as copy:
-            digests[rel] = _snapshot(tree, rel, listed, copy)
-            if not _put_new(client, bucket, prefix + rel, copy):
-                raise CompileCacheError(
-                    f"s3://{bucket}/{prefix}{rel}: exists although this push claimed the key",
-                    hint="another tool writes under this prefix; give each cache its own key",
-                )
+        digests[rel] = _upload_file(client, bucket, prefix + rel, tree, rel, listed)
     return digests
 
 

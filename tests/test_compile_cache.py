@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from prefetch import compile_cache
 from prefetch.compile_cache import (
     CACHE_READY,
     CLAIM,
@@ -435,3 +436,53 @@ def test_a_push_whose_claim_was_taken_over_does_not_complete(
     assert not is_published(s3_client, f"s3://{bucket}/{prefix}")
     claim = s3_client.get_object(Bucket=bucket, Key=prefix + CLAIM)["Body"].read()
     assert claim == b'{"host": "other"}'
+
+
+def test_a_large_file_is_uploaded_in_place_as_hashed(
+    s3_client: Any, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Files above IN_MEMORY are not copied: each is read for its hash, then uploaded from the
+    file with that SHA-256, which the store checks."""
+    monkeypatch.setattr(compile_cache, "IN_MEMORY", 1)
+    cache = tmp_path / "vllm-cache"
+    files = vllm_cache(cache)
+    assert push(s3_client, cache, f"s3://{bucket}/cc/big", settle=0).uploaded
+    manifest = json.loads(
+        s3_client.get_object(Bucket=bucket, Key=f"cc/big/{COMPLETE}")["Body"].read()
+    )
+    for rel, data in files.items():
+        body = s3_client.get_object(Bucket=bucket, Key=f"cc/big/{rel}")["Body"].read()
+        assert body == data and manifest["sha256"][rel] == hashlib.sha256(data).hexdigest()
+
+
+class _RewritesBeforeUpload:
+    """An S3 client that rewrites ``path`` in place (same size) just before ``key`` is put: the
+    file changes between the push's hash and its upload."""
+
+    def __init__(self, client: Any, key: str, path: Path) -> None:
+        self._client, self._key, self._path = client, key, path
+
+    def put_object(self, **kw: Any) -> Any:
+        if kw["Key"] == self._key:
+            fd = os.open(self._path, os.O_WRONLY)
+            try:
+                os.pwrite(fd, b"Z" * 100, 0)
+            finally:
+                os.close(fd)
+        return self._client.put_object(**kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def test_a_large_file_rewritten_between_its_hash_and_its_upload_is_refused(
+    s3_client: Any, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(compile_cache, "IN_MEMORY", 1)
+    cache = tmp_path / "vllm-cache"
+    vllm_cache(cache)
+    uri = f"s3://{bucket}/cc/rewrite"
+    hooked = _RewritesBeforeUpload(s3_client, f"cc/rewrite/{GRAPH}", cache / GRAPH)
+    with pytest.raises(CompileCacheRefused, match="changed while it was uploaded"):
+        push(hooked, cache, uri, settle=0)
+    assert not is_published(s3_client, uri)
