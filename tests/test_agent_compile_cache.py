@@ -371,3 +371,38 @@ def test_a_refused_push_is_looked_at_again_with_a_growing_interval(tmp_path: Pat
     now[0] += REFUSED_FIRST
     polls(5)
     assert len(looks) == 3
+
+
+def test_a_key_another_writer_s_live_claim_holds_is_looked_at_again(
+    s3_client: Any, bucket: str, tmp_path: Path
+) -> None:
+    """Issue 29, item 14: a claim without completion is a push in progress, or one that died
+    and whose lease will run out: not "published elsewhere" for good; once the claim is gone
+    (or expired) this node publishes."""
+    from prefetch.agent.cache_push import CachePusher
+
+    root = tmp_path / "vllm-cache"
+    vllm_cache(root)
+    entry = {**ENTRY, "source": f"s3://{bucket}/compile-cache/", "push": True,
+             "pushFrom": str(root)}  # fmt: skip
+    config = parse_config(config_text(tmp_path / "cache", [], compileCaches=[entry]))
+    claim = f"compile-cache/{KEY.key}/{CLAIM}"
+    live = {"host": "node-b", "expires_at": 4_000_000_000.0}
+    s3_client.put_object(Bucket=bucket, Key=claim, Body=json.dumps(live).encode())
+    looks, told = [], _Told()
+
+    def client(_config: Any) -> Any:
+        looks.append(1)
+        return s3_client
+
+    pusher = CachePusher(told, client, settle=0)
+    scheduler = SimpleNamespace(get=lambda _name: None, current=lambda _ms: False)
+    stop = threading.Event()
+    pusher.run(config, scheduler, stop)
+    pusher.run(config, scheduler, stop)
+    assert len(looks) == 2 and told.events == []  # held: looked at again, nothing told
+    s3_client.delete_object(Bucket=bucket, Key=claim)  # that push gave the key up
+    pusher.run(config, scheduler, stop)
+    assert [e.reason.value for e in told.events] == ["CompileCachePushed"]
+    pusher.run(config, scheduler, stop)
+    assert len(looks) == 3  # done with this key
