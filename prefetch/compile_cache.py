@@ -484,7 +484,7 @@ def _clear(client: Any, bucket: str, prefix: str) -> None:
     try:
         for page in pages:
             for obj in page.get("Contents", []):
-                if obj["Key"] != prefix + CLAIM:
+                if obj["Key"] not in (prefix + CLAIM, prefix + COMPLETE):
                     client.delete_object(Bucket=bucket, Key=obj["Key"])
     except Exception as exc:
         raise translate(exc, f"s3://{bucket}/{prefix}") from exc
@@ -536,6 +536,10 @@ class _Claim:
                 return PushResult(uri, uploaded=False, pending=True, reason=why)
             self.took_over = True
         self._etag = etag
+        if _exists(self._client, self._bucket, self._prefix + COMPLETE):
+            # published although no claim was there (a claim deleted by hand): leave it
+            self.release()
+            return PushResult(uri, uploaded=False, reason=PUBLISHED)
         _clear(self._client, self._bucket, self._prefix)
         return None
 

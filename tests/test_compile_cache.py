@@ -486,3 +486,16 @@ def test_a_large_file_rewritten_between_its_hash_and_its_upload_is_refused(
     with pytest.raises(CompileCacheRefused, match="changed while it was uploaded"):
         push(hooked, cache, uri, settle=0)
     assert not is_published(s3_client, uri)
+
+
+def test_a_published_cache_whose_claim_was_deleted_is_left_alone(
+    s3_client: Any, bucket: str, tmp_path: Path
+) -> None:
+    files = vllm_cache(tmp_path / "a")
+    uri = f"s3://{bucket}/cc/noclaim"
+    assert push(s3_client, tmp_path / "a", uri, settle=0).uploaded
+    s3_client.delete_object(Bucket=bucket, Key=f"cc/noclaim/{CLAIM}")
+    vllm_cache(tmp_path / "b", seed="b")
+    again = push(s3_client, tmp_path / "b", uri, settle=0)
+    assert not again.uploaded and again.reason == PUBLISHED
+    assert _keys(s3_client, bucket, "cc/noclaim/") == set(files) | {COMPLETE}
