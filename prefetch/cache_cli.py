@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from prefetch.compile_cache import DEFAULT_SETTLE, CacheKey, push
+from prefetch.compile_cache import DEFAULT_LEASE, DEFAULT_SETTLE, CacheKey, push
 
 
 @click.group("cache")
@@ -60,16 +60,24 @@ def key_cmd(
     type=click.FloatRange(min=0),
     help="Seconds to watch the files for changes before uploading.",
 )
+@click.option(
+    "--lease",
+    default=DEFAULT_LEASE,
+    show_default=True,
+    type=click.FloatRange(min=1),
+    help="Seconds a claim holds the key unrenewed; a push that dies blocks it this long.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON result on stdout.")
 def push_cmd(
-    directory: Path, uri: str, endpoint_url: str | None, settle: float, as_json: bool
+    directory: Path, uri: str, endpoint_url: str | None, settle: float, lease: float, as_json: bool
 ) -> None:
     """Publish the finished compile cache DIRECTORY at URI (s3://bucket/prefix/<key>), unless
-    one is there already: the first writer wins, nothing is overwritten."""
+    one is there already: the first writer wins, nothing is overwritten. A claim left by a
+    push that died is taken over once its lease ends; a published cache never is."""
     from prefetch.sources.s3 import make_s3_client
 
     client = make_s3_client(endpoint_url=endpoint_url)
-    result = push(client, directory, uri, settle=settle)
+    result = push(client, directory, uri, settle=settle, lease=lease)
     if as_json:
         click.echo(json.dumps(result.to_json(), sort_keys=True))
     elif result.uploaded:

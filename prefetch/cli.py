@@ -445,7 +445,8 @@ def open_pull_source(
     "warm",
     is_flag=True,
     help="After the pull, read the model's files into the page cache (skipped with "
-    "a warning when they do not fit in --warm-memory-share of the available memory).",
+    "a warning when they do not fit in --warm-memory-share of the available memory, or of "
+    "what this process's memory cgroup limit leaves; a warning too when not all stayed).",
 )
 @click.option("--warm-memory-share", default=0.5, show_default=True, metavar="SHARE",
               type=click.FloatRange(0.0, 1.0, min_open=True),
@@ -518,15 +519,19 @@ def pull(
             "use --require-checksum to refuse them",
             err=True,
         )
+    warm_warning = None
+    if warmed is not None and warmed.state != "warm":
+        warm_warning = f"page-cache warm-up {warmed.state}: {warmed.reason}"
+        click.echo(f"Warning: {warm_warning}", err=True)
     if as_json:
         out = result.to_json()
         if warmed is not None:
             out["warm"] = warmed.to_json()
             out["timings"]["warm"] = round(warmed.seconds, 3)
+            # the warning stderr gives, for a script that reads only the JSON
+            out["warnings"] = [warm_warning] if warm_warning else []
         click.echo(json.dumps(out, sort_keys=True))
         return
-    if warmed is not None and warmed.state != "warm":
-        click.echo(f"Warning: page-cache warm-up {warmed.state}: {warmed.reason}", err=True)
     if result.up_to_date:
         click.echo(f"{spec.name}: up to date, 0 bytes downloaded ({result.files} files) in {dest}")
     else:

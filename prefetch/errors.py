@@ -37,7 +37,9 @@ builtin where that is true, so callers can also catch them as ``FileNotFoundErro
     ├── ClusterReadError                     prefetch status could not read the Nodes (no
     │                                        kubeconfig, unreachable API server, 401/403)
     └── CompileCacheError                    a compile cache that cannot be pushed (not
-                                             finished, still changing) or a bad cache key
+        │                                    finished, still changing) or a bad cache key
+        └── CompileCacheRefused              holds a symlink or a non-file, or a file was
+                                             swapped or changed after its check
 
 Each kind of failure has one stable name, :func:`error_reason` (table :data:`ERROR_REASONS`):
 the CLI's ``error_reason`` in ``--json`` and the agent's ``reason`` (the sync-failures metric's
@@ -172,6 +174,11 @@ class ClusterReadError(PrefetchError):
 
 class CompileCacheError(PrefetchError):
     """A compile cache that cannot be published as asked (see prefetch.compile_cache)."""
+
+
+class CompileCacheRefused(CompileCacheError):
+    """A compile cache that holds what a cache must not (a symlink, a device, a file swapped
+    or changed after its check): refused until its directory changes, not a passing state."""
 
 
 #: The one vocabulary of failure kinds, for scripts and dashboards (an error's message is for

@@ -5,7 +5,9 @@ error, a half-pushed one that is not pulled, and a published one pulled through 
 from __future__ import annotations
 
 import json
+import logging
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -284,3 +286,123 @@ def test_extra_dirs_are_published_with_the_key_and_undeclared_ones_are_left_out(
         "FLASHINFER_WORKSPACE_BASE": "/var/cache/vllm/flashinfer",
         "DG_JIT_CACHE_DIR": "/var/cache/vllm/deep_gemm",
     }
+
+
+# -- a push refused for good (issue 29, item 15) -------------------------------------------------
+
+
+def _hostile_push_from(root: Path) -> None:
+    """A finished cache with a symlink in it, as a vLLM pod running model code could leave."""
+    vllm_cache(root)
+    (root / "torch_compile_cache" / "link").symlink_to("/etc/hostname")
+
+
+def test_a_push_refused_for_good_is_one_warning_event_not_a_line_every_poll(
+    s3_client: Any,
+    bucket: str,
+    stub: KubeStub,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    stub.add_node("node-a")
+    root = tmp_path / "vllm-cache"
+    _hostile_push_from(root)
+    entry = {**ENTRY, "source": f"s3://{bucket}/compile-cache/", "push": True,
+             "pushFrom": str(root)}  # fmt: skip
+    config = tmp_path / "models.yaml"
+    config.write_text(config_text(tmp_path / "cache", [], compileCaches=[entry]))
+    sink = KubeEventSink(stub.events_client(), stub.client(), "node-a")
+    agent = Agent(config, s3_client=s3_client, serve=False, tick=0.05, event_sink=sink,
+                  push_poll=0.05, push_settle=0.01)  # fmt: skip
+    caplog.set_level(logging.DEBUG, logger="prefetch.agent.cache_push")
+    with AgentThread(agent):
+        wait_for(lambda: agent.passes > 5, "the agent's first passes")
+        passes = agent.passes
+        wait_for(lambda: agent.passes > passes + 40, "many push polls")
+        assert agent.events.flush()
+    refused = [e for e in stub.events("default") if e["reason"] == "CompileCachePushRefused"]
+    assert len(refused) == 1 and refused[0]["type"] == "Warning"
+    assert "series" not in refused[0]
+    assert "symlink" in refused[0]["note"] or "not a regular file" in refused[0]["note"]
+    loud = [r for r in caplog.records
+            if r.name == "prefetch.agent.cache_push" and r.levelno >= logging.INFO]  # fmt: skip
+    assert loud == []  # the Event's own line says it once; no line at every poll
+    assert s3_client.list_objects_v2(Bucket=bucket).get("KeyCount", 0) == 0
+
+
+class _Told:
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    def emit(self, event: Any) -> None:
+        self.events.append(event)
+
+
+def test_a_refused_push_is_looked_at_again_with_a_growing_interval(tmp_path: Path) -> None:
+    from prefetch.agent.cache_push import REFUSED_FIRST, CachePusher
+
+    root = tmp_path / "vllm-cache"
+    _hostile_push_from(root)
+    entry = {**ENTRY, "push": True, "pushFrom": str(root)}
+    config = parse_config(config_text(tmp_path / "cache", [], compileCaches=[entry]))
+    now, looks, told = [1000.0], [], _Told()
+
+    def client(_config: Any) -> None:
+        looks.append(now[0])  # made for each push attempt
+
+    pusher = CachePusher(told, client, settle=0, clock=lambda: now[0])
+    scheduler = SimpleNamespace(get=lambda _name: None, current=lambda _ms: False)
+    stop = threading.Event()
+
+    def polls(n: int) -> None:
+        for _ in range(n):
+            pusher.run(config, scheduler, stop)
+
+    polls(5)
+    assert looks == [1000.0] and [e.reason.value for e in told.events] == [
+        "CompileCachePushRefused"
+    ]
+    now[0] += REFUSED_FIRST
+    polls(5)
+    assert len(looks) == 2 and len(told.events) == 1  # looked again, not told again
+    now[0] += REFUSED_FIRST
+    polls(5)
+    assert len(looks) == 2  # the interval doubled
+    now[0] += REFUSED_FIRST
+    polls(5)
+    assert len(looks) == 3
+
+
+def test_a_key_another_writer_s_live_claim_holds_is_looked_at_again(
+    s3_client: Any, bucket: str, tmp_path: Path
+) -> None:
+    """Issue 29, item 14: a claim without completion is a push in progress, or one that died
+    and whose lease will run out: not "published elsewhere" for good; once the claim is gone
+    (or expired) this node publishes."""
+    from prefetch.agent.cache_push import CachePusher
+
+    root = tmp_path / "vllm-cache"
+    vllm_cache(root)
+    entry = {**ENTRY, "source": f"s3://{bucket}/compile-cache/", "push": True,
+             "pushFrom": str(root)}  # fmt: skip
+    config = parse_config(config_text(tmp_path / "cache", [], compileCaches=[entry]))
+    claim = f"compile-cache/{KEY.key}/{CLAIM}"
+    live = {"host": "node-b", "expires_at": 4_000_000_000.0}
+    s3_client.put_object(Bucket=bucket, Key=claim, Body=json.dumps(live).encode())
+    looks, told = [], _Told()
+
+    def client(_config: Any) -> Any:
+        looks.append(1)
+        return s3_client
+
+    pusher = CachePusher(told, client, settle=0)
+    scheduler = SimpleNamespace(get=lambda _name: None, current=lambda _ms: False)
+    stop = threading.Event()
+    pusher.run(config, scheduler, stop)
+    pusher.run(config, scheduler, stop)
+    assert len(looks) == 2 and told.events == []  # held: looked at again, nothing told
+    s3_client.delete_object(Bucket=bucket, Key=claim)  # that push gave the key up
+    pusher.run(config, scheduler, stop)
+    assert [e.reason.value for e in told.events] == ["CompileCachePushed"]
+    pusher.run(config, scheduler, stop)
+    assert len(looks) == 3  # done with this key

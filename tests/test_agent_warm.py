@@ -159,3 +159,14 @@ def test_a_model_over_its_memory_share_is_skipped_and_still_ready(
         assert warm["state"] == "skipped" and "does not fit" in warm["reason"]
         assert warm["bytes_read"] == 0 and warm["bytes_total"] >= 4 * MiB
     assert any("warm-up skipped" in r.getMessage() for r in caplog.records)
+
+
+def test_a_partial_warm_up_is_a_warning_event() -> None:
+    from prefetch.agent.events import warm_up_finished
+
+    why = "only 4 B of 10 B (40%) stayed in the page cache"
+    partial = warm_up_finished("m", "partial", bytes_read=10, seconds=1.0, revision="r", reason=why)
+    assert partial.type == "Warning" and "40%" in partial.note
+    skipped = warm_up_finished("m", "skipped", bytes_read=0, seconds=0.0, revision="r",
+                               reason="does not fit")  # fmt: skip
+    assert skipped.type == "Normal"

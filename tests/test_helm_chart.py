@@ -66,6 +66,7 @@ EVERYTHING: dict[str, Any] = {
     "commonLabels": {"cost-center": "ml"},
     "extraEnv": [{"name": "PREFETCH_LOG_LEVEL", "value": "debug"}],
     "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}},
+    "warmPageCache": {"memoryLimit": "17Gi"},
     "config": {
         "listen": "0.0.0.0:9090",
         "minRate": "64KiB",
@@ -521,3 +522,31 @@ def test_chart_readme_documents_every_value() -> None:
             sub = path.rpartition(".")[2] if "." in path else None
             shown = (f"`{path}`", f"`{path}.", f"`{top}.*`") + ((f"`.{sub}`",) if sub else ())
             assert any(s in readme for s in shown), f"charts/model-prefetch/README.md: {path}"
+
+
+def test_warm_page_cache_memory_limit_is_the_agent_s_memory_limit() -> None:
+    """The page cache a warm-up reads is charged to the agent's memory cgroup: the chart lets
+    a user give the agent the memory its warmed models need (and the kustomize overlay
+    deploy/warm-page-cache/ does the same), and says so when models warm without it."""
+    warm_model = {"name": "a", "source": "s3://bkt/a", "warmPageCache": True}
+    values = {"warmPageCache": {"memoryLimit": "33280Mi"}, "config": {"models": [warm_model]}}
+    [ds] = [d for d in render(values) if d["kind"] == "DaemonSet"]
+    resources = mu.container(ds)["resources"]
+    assert resources["limits"] == {"cpu": "4", "memory": "33280Mi"}
+    assert resources["requests"] == {"cpu": "250m", "memory": "256Mi"}
+    [default] = [d for d in render() if d["kind"] == "DaemonSet"]
+    assert mu.container(default)["resources"]["limits"]["memory"] == "512Mi"
+    with helm.Chart.load(CHART) as chart:
+        unsized = chart.render({"config": {"models": [warm_model]}}, name=RELEASE,
+                               namespace=NAMESPACE)  # fmt: skip
+        sized = chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    notes = next(text for path, text in unsized.items() if path.endswith("NOTES.txt"))
+    assert "warmPageCache.memoryLimit" in notes and "(512Mi)" in notes
+    assert "warmPageCache.memoryLimit" not in next(
+        text for path, text in sized.items() if path.endswith("NOTES.txt")
+    )
+    if mu.kubectl() is None:
+        pytest.skip("kubectl is not installed")
+    [overlay] = [d for d in mu.kustomize_build(REPO / "deploy" / "warm-page-cache")
+                 if d["kind"] == "DaemonSet"]  # fmt: skip
+    assert mu.container(overlay)["resources"]["limits"]["memory"] == "33280Mi"

@@ -6,7 +6,10 @@ agent's loop (in a worker thread) and, once vLLM has finished (its ``.cache_read
 there and no file changes for the settle period), publishes it with
 :func:`prefetch.compile_cache.push` under the entry's key: first writer wins by
 ``If-None-Match: *``, nothing is overwritten, a cache still being written is left for the next
-look. Each key is published (or found published by another writer) once per agent process.
+look. Each key is published (or found published by another writer) once per agent process. A
+key another writer's live claim holds is looked at again (that push may die; its lease then
+runs out). A directory refused for good (a symlink, a file swapped after its check) is told
+once as a Warning Event and looked at again with a growing interval.
 
 Why a poll and not ``watchdog`` (inotify): the decision needs a settle period anyway (no file
 changed for a while), which an event stream does not give; the directory may not exist until the
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,11 +30,12 @@ from prefetch.agent.config import AgentConfig, PushTarget
 from prefetch.agent.events import (
     EventRecorder,
     compile_cache_already_published,
+    compile_cache_push_refused,
     compile_cache_pushed,
 )
 from prefetch.agent.scheduler import Scheduler
 from prefetch.compile_cache import CACHE_READY, push
-from prefetch.errors import CompileCacheError, PrefetchError
+from prefetch.errors import CompileCacheError, CompileCacheRefused, PrefetchError
 from prefetch.logjson import scrub
 
 log = logging.getLogger(__name__)
@@ -41,8 +46,13 @@ PUSH_POLL = 30.0
 #: ``prefetch cache push``'s 2 s, because the agent cannot know that every tensor-parallel rank
 #: has written its part (each rank writes its own directory, and its own marker).
 PUSH_SETTLE = 30.0
+#: A push refused for good (a symlink or a swapped file in ``pushFrom``: the directory must
+#: change first) is looked at again after this long, doubling at each refusal up to
+#: :data:`REFUSED_MAX`; the first refusal of a run is a Warning Event, the rest debug lines.
+REFUSED_FIRST = 5 * 60.0
+REFUSED_MAX = 60 * 60.0
 
-__all__ = ["PUSH_POLL", "PUSH_SETTLE", "CachePusher"]
+__all__ = ["PUSH_POLL", "PUSH_SETTLE", "REFUSED_FIRST", "REFUSED_MAX", "CachePusher"]
 
 
 class _Stopped(Exception):
@@ -61,11 +71,15 @@ class CachePusher:
         client: Callable[[AgentConfig], Any],
         *,
         settle: float = PUSH_SETTLE,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._events = events
         self._client = client
         self._settle = settle
+        self._clock = clock
         self._done: set[tuple[str, str]] = set()  # (entry, key) published or found published
+        # (entry, key) refused for good -> (when to look again, the interval that gave it)
+        self._refused: dict[tuple[str, str], tuple[float, float]] = {}
 
     def run(self, config: AgentConfig, scheduler: Scheduler, stop: threading.Event) -> None:
         """One look at every ``pushFrom`` directory whose key is not done (a worker thread)."""
@@ -73,7 +87,7 @@ class CachePusher:
             name, root, key = target.name, target.root, target.key
             if stop.is_set():
                 return
-            if (name, key.key) in self._done:
+            if (name, key.key) in self._done or self._backing_off((name, key.key)):
                 continue
             ms = scheduler.get(name)
             if ms is not None and ms.ready and not ms.nothing_published and not ms.syncing:
@@ -98,6 +112,9 @@ class CachePusher:
         try:
             result = push(self._client(config), root, uri, key=key, settle=self._settle,
                           sleep=sleep, extra_dirs=target.extra_dirs)  # fmt: skip
+        except CompileCacheRefused as exc:  # the directory must change first: back off
+            self._refuse((name, key.key), str(exc))
+            return None
         except CompileCacheError as exc:  # still being written: the next look tries again
             log.info("%s: compile cache not pushed yet: %s", name, exc,
                      extra={"model": name, "phase": "push"})  # fmt: skip
@@ -106,6 +123,11 @@ class CachePusher:
             log.warning("%s: compile cache push failed (tried again later): %s", name,
                         scrub(str(exc)), extra={"model": name, "phase": "push",
                                                 "error": scrub(str(exc))})  # fmt: skip
+            return None
+        self._refused.pop((name, key.key), None)
+        if result.pending:  # another writer's live claim: its push may still die
+            log.info("%s: compile cache not pushed yet: %s", name, result.reason,
+                     extra={"model": name, "phase": "push"})  # fmt: skip
             return None
         self._done.add((name, key.key))
         where = scrub(uri)
@@ -116,6 +138,24 @@ class CachePusher:
             return "pushed"
         self._events.emit(compile_cache_already_published(name, key.key, uri=where))
         return "published-elsewhere"
+
+    def _backing_off(self, target: tuple[str, str]) -> bool:
+        """Whether ``target`` was refused for good and its next look is not due yet."""
+        due = self._refused.get(target)
+        return due is not None and self._clock() < due[0]
+
+    def _refuse(self, target: tuple[str, str], detail: str) -> None:
+        """A push refused for good: a Warning Event the first time in a run, then a longer wait
+        before each next look (:data:`REFUSED_FIRST` doubling to :data:`REFUSED_MAX`)."""
+        name, key = target
+        previous = self._refused.get(target)
+        interval = REFUSED_FIRST if previous is None else min(previous[1] * 2, REFUSED_MAX)
+        self._refused[target] = (self._clock() + interval, interval)
+        if previous is None:
+            self._events.emit(compile_cache_push_refused(name, key, detail=scrub(detail)))
+        else:
+            log.debug("%s: compile cache push still refused (next look in %.0fs): %s", name,
+                      interval, detail, extra={"model": name, "phase": "push"})  # fmt: skip
 
 
 def _has_marker(root: Path) -> bool:

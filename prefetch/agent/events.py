@@ -76,6 +76,7 @@ __all__ = [
     "compile_cache_already_published",
     "compile_cache_not_published",
     "compile_cache_pulled",
+    "compile_cache_push_refused",
     "compile_cache_pushed",
     "evicted",
     "gate_opened",
@@ -124,6 +125,7 @@ class Reason(StrEnum):
     COMPILE_CACHE_NOT_PUBLISHED = "CompileCacheNotPublished"
     COMPILE_CACHE_PUSHED = "CompileCachePushed"
     COMPILE_CACHE_ALREADY_PUBLISHED = "CompileCacheAlreadyPublished"
+    COMPILE_CACHE_PUSH_REFUSED = "CompileCachePushRefused"
 
 
 @dataclass(frozen=True)
@@ -274,7 +276,8 @@ def warm_up_finished(
     model: str, state: str, *, bytes_read: int, seconds: float, reason: str, revision: str
 ) -> NodeEvent:
     """How a warm-up ended: ``warm`` (WarmUpFinished: bytes and seconds), or ``skipped`` /
-    ``failed`` (WarmUpSkipped, with why; a failure is a Warning)."""
+    ``partial`` / ``failed`` (WarmUpSkipped, with why; a failure, or a warm-up whose pages did
+    not all stay in the page cache, is a Warning)."""
     seconds = round(seconds, 3)
     if state == "warm":
         return NodeEvent(
@@ -290,7 +293,7 @@ def warm_up_finished(
         Reason.WARM_UP_SKIPPED,
         "Warm",
         f"Page-cache warm-up of model {model} {state}: {reason or state}",
-        warning=state == "failed",
+        warning=state in ("failed", "partial"),
         key=f"{model}@{revision}/{state}",
         model=model,
         bytes=bytes_read,
@@ -351,6 +354,20 @@ def compile_cache_already_published(model: str, key: str, *, uri: str) -> NodeEv
         key=f"{model}/{key}",
         model=model,
         source=uri,
+    )
+
+
+def compile_cache_push_refused(model: str, key: str, *, detail: str) -> NodeEvent:
+    """The ``pushFrom`` directory holds what a cache must not (a symlink, a file swapped after
+    its check): not published; looked at again with a growing interval."""
+    return NodeEvent(
+        Reason.COMPILE_CACHE_PUSH_REFUSED,
+        "CompileCache",
+        f"Compile cache {model}: push for key {key} refused: {detail}",
+        warning=True,
+        key=f"{model}/{key}",
+        model=model,
+        error=detail,
     )
 
 
