@@ -27,6 +27,7 @@ from prefetch.spec import ModelSpec, parse_source_uri
 
 from .fakes.hubserver import HubServer
 from .support import HUB_REPO, HUB_TOKEN, REPO_ROOT, clean_env, run_cli, server_files
+from .tls import TestCA
 
 ENDPOINT = "http://hub.test"
 COMMIT = "c" * 40
@@ -50,9 +51,9 @@ sys.exit(code)
 
 
 def test_a_hub_pull_and_its_no_op_repeat_never_import_huggingface_hub(
-    model_dir: Path, tmp_path: Path
+    model_dir: Path, tmp_path: Path, test_ca: TestCA
 ) -> None:
-    with HubServer(token=HUB_TOKEN) as hub:
+    with HubServer(test_ca, token=HUB_TOKEN) as hub:
         hub.add_commit(HUB_REPO, model_dir)
         home = tmp_path / "hf-home"
         home.mkdir()
@@ -309,8 +310,8 @@ def test_an_unreachable_hub_is_retried_then_named(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def hub(model_dir: Path) -> Iterator[HubServer]:
-    with HubServer(tree_page_size=3) as server:
+def hub(model_dir: Path, test_ca: TestCA) -> Iterator[HubServer]:
+    with HubServer(test_ca, tree_page_size=3) as server:
         server.add_commit(HUB_REPO, model_dir)
         yield server
 

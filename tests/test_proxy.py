@@ -38,6 +38,7 @@ from .support import (
     upload,
     wait_for,
 )
+from .tls import TestCA
 
 MiB = 1024 * 1024
 REPO = "acme/proxied"
@@ -51,8 +52,8 @@ def proxy() -> Iterator[ForwardProxy]:
 
 
 @pytest.fixture
-def hub(tmp_path: Path) -> Iterator[HubServer]:
-    with HubServer() as server:
+def hub(tmp_path: Path, test_ca: TestCA) -> Iterator[HubServer]:
+    with HubServer(test_ca) as server:
         make_model_repo(server, REPO, tmp_path / "hub-src", seed=5, shard_sizes=(2 * MiB,))
         yield server
 
