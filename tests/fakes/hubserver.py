@@ -669,6 +669,7 @@ class _PortServer(ThreadingHTTPServer):
 
     def get_request(self) -> tuple[socket.socket, object]:
         sock, address = super().get_request()
+        self.hub._count_connection(self.port_name)
         if self.tls is None:
             return sock, address
         # The handshake is the handler thread's (_Handler.setup): one slow or broken client must
@@ -904,6 +905,7 @@ class HubServer:
         self._blobs: dict[str, HubFile] = {}  # sha256 -> an LFS file with that content
         self._lock = threading.RLock()
         self._requests: list[RecordedRequest] = []
+        self._connections: dict[Port, int] = {}
         self._errors: list[str] = []
         self._secret = secrets.token_bytes(16)
         self._commit_counter = 0
@@ -1125,12 +1127,24 @@ class HubServer:
     def clear_requests(self) -> None:
         with self._lock:
             self._requests.clear()
+            self._connections.clear()
+
+    @property
+    def connections(self) -> dict[Port, int]:
+        """Connections accepted so far per port (over TLS: one handshake each), cleared with
+        :meth:`clear_requests`; a client that reuses its connections opens few."""
+        with self._lock:
+            return {"hub": self._connections.get("hub", 0), "cdn": self._connections.get("cdn", 0)}
 
     @property
     def errors(self) -> list[str]:
         """Tracebacks of exceptions raised while handling requests (should stay empty)."""
         with self._lock:
             return list(self._errors)
+
+    def _count_connection(self, port: Port) -> None:
+        with self._lock:
+            self._connections[port] = self._connections.get(port, 0) + 1
 
     def _record(self, record: RecordedRequest) -> None:
         with self._lock:
