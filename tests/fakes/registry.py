@@ -46,7 +46,8 @@ class Registry:
     (``https://registry.prefetch.test:PORT`` with ``tls``), ``host`` what an ``oci://`` ref names.
 
     ``proxy_of``: a pull-through cache of that registry's URL (an https origin is trusted through
-    the session CA: the registry process gets ``SSL_CERT_FILE``)."""
+    the session CA: the registry process gets ``SSL_CERT_FILE``). ``role``: the test host name it
+    answers to over TLS (``registry``, or ``mirror`` for a node-local mirror)."""
 
     def __init__(
         self,
@@ -55,13 +56,14 @@ class Registry:
         *,
         htpasswd: Path | None = None,
         proxy_of: str | None = None,
+        role: str = "registry",
     ) -> None:
         self.root = root
         self.tls = tls
         root.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         plain = f"http://127.0.0.1:{self.port}"
-        self.url = plain if tls is None else tls.url(self.port, "registry")
+        self.url = plain if tls is None else tls.url(self.port, role)
         self.host = self.url.split("://", 1)[1]
         self.storage = root / "storage"
         auth = ""
