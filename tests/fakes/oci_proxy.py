@@ -88,7 +88,7 @@ class RegistryProxy:
         return f"http://127.0.0.1:{port}" if self.tls is None else self.tls.url(port, role)
 
     def _upstream_connection(self) -> http.client.HTTPConnection:
-        host, port = self.upstream.hostname, self.upstream.port
+        host, port = self.upstream.hostname or "127.0.0.1", self.upstream.port
         if self.upstream.scheme != "https":
             return http.client.HTTPConnection(host, port, timeout=30)
         context = self.tls.client_context() if self.tls is not None else None

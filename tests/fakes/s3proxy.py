@@ -174,7 +174,7 @@ class S3FaultProxy:
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     def _upstream_connection(self) -> http.client.HTTPConnection:
-        host, port = self.upstream.hostname, self.upstream.port
+        host, port = self.upstream.hostname or "127.0.0.1", self.upstream.port
         if self.upstream.scheme != "https":
             return http.client.HTTPConnection(host, port, timeout=60)
         context = self.tls.client_context() if self.tls is not None else None
