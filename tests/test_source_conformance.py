@@ -45,6 +45,7 @@ from prefetch.modelgen import GeneratedFile, make_model_dir, random_bytes, uploa
 from prefetch.progress import NullProgress
 from prefetch.retry import RetryPolicy
 from prefetch.sources import SourceSettings, open_source
+from prefetch.sources._http import watched_pools
 from prefetch.sources.hf import HubOptions, open_hub_source
 from prefetch.sources.oci import open_oci_source
 from prefetch.sources.s3 import S3Source, make_s3_client
@@ -93,6 +94,15 @@ class SourceCase(ABC):
     @abstractmethod
     def url(self) -> str:
         """The base URL the source is pointed at (the server the pull talks to first)."""
+
+    tls: TestCA
+
+    def tls_pool(self) -> urllib3.PoolManager:
+        """The pools production builds (prefetch.sources._http: the watched connections, over
+        TLS too), trusting the session CA; the caller clears it after the pull."""
+        return watched_pools(
+            urllib3.PoolManager(maxsize=16, retries=False, ca_certs=str(self.tls.ca_file))
+        )
 
     # -- the model
     @abstractmethod
@@ -244,7 +254,7 @@ class HubCase(SourceCase):
 
     def pull(self, dest, config=CONFIG, *, progress=None, stop=None):  # type: ignore[no-untyped-def]
         spec = ModelSpec(source=parse_source_uri(f"hf://{self.repo}"))
-        pool = urllib3.PoolManager(maxsize=16, retries=False, ca_certs=str(self.tls.ca_file))
+        pool = self.tls_pool()
         options = HubOptions(endpoint=self.hub.endpoint, token=False, http=pool, retry=config.retry)
         try:
             layout = HfCacheLayout(dest, self.repo)
@@ -389,7 +399,7 @@ class OciCase(SourceCase):
     def pull(self, dest, config=CONFIG, *, progress=None, stop=None):  # type: ignore[no-untyped-def]
         host = self.proxy.endpoint.split("://", 1)[1]
         spec = ModelSpec(source=parse_source_uri(f"oci://{host}/{self.repo}:v1"))
-        pool = urllib3.PoolManager(maxsize=16, retries=False, ca_certs=str(self.tls.ca_file))
+        pool = self.tls_pool()
         try:
             source = open_oci_source(spec, http=pool, retry=config.retry)
             return sync(spec, source, PlainLayout(dest), config, progress=progress, stop=stop)
