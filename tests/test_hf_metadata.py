@@ -196,8 +196,10 @@ def test_an_answer_that_is_not_the_hubs_json_is_one_clear_error_not_retried(
     assert "hf_secret" not in str(err.value)
 
 
-def test_a_cli_pull_from_a_server_that_answers_html_is_one_error_line(tmp_path: Path) -> None:
-    with _HtmlServer() as endpoint:
+def test_a_cli_pull_from_a_server_that_answers_html_is_one_error_line(
+    tmp_path: Path, test_ca: TestCA
+) -> None:
+    with _HtmlServer(test_ca) as endpoint:
         proc = run_cli("pull", "hf://acme/x", str(tmp_path / "d"), "--endpoint", endpoint,
                        env=clean_env(tmp_path / "hf"))  # fmt: skip
     assert proc.returncode == 1
@@ -207,8 +209,11 @@ def test_a_cli_pull_from_a_server_that_answers_html_is_one_error_line(tmp_path: 
 
 
 class _HtmlServer:
-    """An HTTP server on 127.0.0.1 that answers every GET with an HTML page (a captive portal,
-    a proxy's error page, a web server at the wrong port)."""
+    """An HTTPS server (the session CA, hub.prefetch.test) that answers every GET with an HTML
+    page (a captive portal, a proxy's error page, a web server at the wrong port)."""
+
+    def __init__(self, tls: TestCA) -> None:
+        self.tls = tls
 
     def __enter__(self) -> str:
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -224,8 +229,10 @@ class _HtmlServer:
                 pass
 
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        context = self.tls.server_context()
+        self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
+        return self.tls.url(self._server.server_address[1], "hub")
 
     def __exit__(self, *_: object) -> None:
         self._server.shutdown()
