@@ -30,6 +30,15 @@ def test_ca(tmp_path_factory: pytest.TempPathFactory) -> TestCA:
     return TestCA.create(tmp_path_factory.mktemp("tls"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def trust_test_ca(test_ca: TestCA) -> Iterator[None]:
+    """In-process clients trust the session CA, as a user with a private CA sets it up."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in test_ca.env().items():
+            mp.setenv(name, value)
+        yield
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
     if find_executable("weed") is None:
@@ -110,11 +119,12 @@ def small_fs(small_fs_mib: int) -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
-    """A real OCI registry (Debian's docker-registry) on 127.0.0.1, one per test module."""
+def registry(tmp_path_factory: pytest.TempPathFactory, test_ca: TestCA) -> Iterator[Registry]:
+    """A real OCI registry (Debian's docker-registry) over HTTPS with the session CA, as
+    ``registry.prefetch.test`` (127.0.0.1), one per test module."""
     if registry_binary() is None:
         pytest.skip("docker-registry (Debian package docker-registry) is not installed")
-    reg = Registry(tmp_path_factory.mktemp("registry"))
+    reg = Registry(tmp_path_factory.mktemp("registry"), test_ca)
     reg.start()
     try:
         yield reg
@@ -123,9 +133,10 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
 
 
 @pytest.fixture
-def hub(model_dir: Path) -> Iterator[HubServer]:
-    """A local Hub serving ``model_dir`` as one commit of ``HUB_REPO`` (modules that need other
-    paging or checks define their own)."""
-    with HubServer() as server:
+def hub(model_dir: Path, test_ca: TestCA) -> Iterator[HubServer]:
+    """A local Hub over HTTPS (session CA; hub.prefetch.test, its CDN cdn.prefetch.test) serving
+    ``model_dir`` as one commit of ``HUB_REPO`` (modules that need other paging or checks define
+    their own)."""
+    with HubServer(test_ca) as server:
         server.add_commit(HUB_REPO, model_dir)
         yield server

@@ -7,11 +7,14 @@ from pathlib import Path
 
 from .fakes.hubserver import HubServer, make_model_repo
 from .support import AgentProcess, clean_env, config_text, hf_check, server_files, wait_for
+from .tls import TestCA
 
 
-def test_agent_warms_a_hub_model_that_huggingface_hub_loads_offline(tmp_path: Path) -> None:
+def test_agent_warms_a_hub_model_that_huggingface_hub_loads_offline(
+    tmp_path: Path, test_ca: TestCA
+) -> None:
     cache = tmp_path / "cache"
-    with HubServer(token="hf_agent_secret_token") as hub:
+    with HubServer(test_ca, token="hf_agent_secret_token") as hub:
         sha = make_model_repo(hub, "acme/tiny", tmp_path / "src", seed=3)
         config = tmp_path / "models.yaml"
         models = [{"name": "tiny", "source": "hf://acme/tiny", "revision": "main"}]
@@ -49,10 +52,12 @@ def test_agent_warms_a_hub_model_that_huggingface_hub_loads_offline(tmp_path: Pa
     assert not list((cache / "hub").rglob(".prefetch"))
 
 
-def test_agent_follows_a_moved_branch_and_prunes_the_old_snapshot(tmp_path: Path) -> None:
+def test_agent_follows_a_moved_branch_and_prunes_the_old_snapshot(
+    tmp_path: Path, test_ca: TestCA
+) -> None:
     cache = tmp_path / "cache"
     repo = cache / "hub" / "models--acme--tiny"
-    with HubServer() as hub:
+    with HubServer(test_ca) as hub:
         sha1 = make_model_repo(hub, "acme/tiny", tmp_path / "src", seed=4)
         config = tmp_path / "models.yaml"
         models = [{"name": "tiny", "source": "hf://acme/tiny"}]

@@ -18,6 +18,7 @@ from prefetch.errors import ConfigError
 
 from .fakes.hubserver import HubServer, make_model_repo
 from .support import AgentProcess, config_text, s3_subprocess_env, wait_for, write_mirror
+from .tls import TestCA
 
 # -- the config keys ------------------------------------------------------------------------------
 
@@ -105,11 +106,11 @@ def _source_of(agent: AgentProcess) -> Any:
 
 @pytest.mark.slow
 def test_the_agent_falls_back_to_the_hub_from_an_empty_mirror_and_returns_once_it_has_the_commit(
-    s3_server: Any, s3_client: Any, bucket: str, tmp_path: Path
+    s3_server: Any, s3_client: Any, bucket: str, tmp_path: Path, test_ca: TestCA
 ) -> None:
     cache = tmp_path / "cache"
     mirror = f"s3://{bucket}/hf/acme/tiny/"
-    with HubServer() as hub:
+    with HubServer(test_ca) as hub:
         make_model_repo(hub, "acme/tiny", tmp_path / "src", seed=5)
         config = tmp_path / "models.yaml"
         models = [{"name": "tiny", "source": "hf://acme/tiny", "mirrors": [mirror]}]

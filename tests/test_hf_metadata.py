@@ -27,6 +27,7 @@ from prefetch.spec import ModelSpec, parse_source_uri
 
 from .fakes.hubserver import HubServer
 from .support import HUB_REPO, HUB_TOKEN, REPO_ROOT, clean_env, run_cli, server_files
+from .tls import TestCA
 
 ENDPOINT = "http://hub.test"
 COMMIT = "c" * 40
@@ -50,9 +51,9 @@ sys.exit(code)
 
 
 def test_a_hub_pull_and_its_no_op_repeat_never_import_huggingface_hub(
-    model_dir: Path, tmp_path: Path
+    model_dir: Path, tmp_path: Path, test_ca: TestCA
 ) -> None:
-    with HubServer(token=HUB_TOKEN) as hub:
+    with HubServer(test_ca, token=HUB_TOKEN) as hub:
         hub.add_commit(HUB_REPO, model_dir)
         home = tmp_path / "hf-home"
         home.mkdir()
@@ -195,8 +196,10 @@ def test_an_answer_that_is_not_the_hubs_json_is_one_clear_error_not_retried(
     assert "hf_secret" not in str(err.value)
 
 
-def test_a_cli_pull_from_a_server_that_answers_html_is_one_error_line(tmp_path: Path) -> None:
-    with _HtmlServer() as endpoint:
+def test_a_cli_pull_from_a_server_that_answers_html_is_one_error_line(
+    tmp_path: Path, test_ca: TestCA
+) -> None:
+    with _HtmlServer(test_ca) as endpoint:
         proc = run_cli("pull", "hf://acme/x", str(tmp_path / "d"), "--endpoint", endpoint,
                        env=clean_env(tmp_path / "hf"))  # fmt: skip
     assert proc.returncode == 1
@@ -206,8 +209,11 @@ def test_a_cli_pull_from_a_server_that_answers_html_is_one_error_line(tmp_path: 
 
 
 class _HtmlServer:
-    """An HTTP server on 127.0.0.1 that answers every GET with an HTML page (a captive portal,
-    a proxy's error page, a web server at the wrong port)."""
+    """An HTTPS server (the session CA, hub.prefetch.test) that answers every GET with an HTML
+    page (a captive portal, a proxy's error page, a web server at the wrong port)."""
+
+    def __init__(self, tls: TestCA) -> None:
+        self.tls = tls
 
     def __enter__(self) -> str:
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -223,8 +229,10 @@ class _HtmlServer:
                 pass
 
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        context = self.tls.server_context()
+        self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
+        return self.tls.url(self._server.server_address[1], "hub")
 
     def __exit__(self, *_: object) -> None:
         self._server.shutdown()
@@ -309,8 +317,8 @@ def test_an_unreachable_hub_is_retried_then_named(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def hub(model_dir: Path) -> Iterator[HubServer]:
-    with HubServer(tree_page_size=3) as server:
+def hub(model_dir: Path, test_ca: TestCA) -> Iterator[HubServer]:
+    with HubServer(test_ca, tree_page_size=3) as server:
         server.add_commit(HUB_REPO, model_dir)
         yield server
 

@@ -13,14 +13,15 @@ from prefetch.mirror_format import ref_key
 
 from .fakes.hubserver import HubServer, make_model_dir
 from .support import run_cli
+from .tls import TestCA
 
 FIRST, SECOND = "acme/first", "acme/second"
 PREFIX = "shared/"
 
 
 @pytest.fixture
-def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubServer]:
-    with HubServer() as server:
+def hub(tmp_path_factory: pytest.TempPathFactory, test_ca: TestCA) -> Iterator[HubServer]:
+    with HubServer(test_ca) as server:
         for seed, repo in enumerate((FIRST, SECOND), 1):
             root = tmp_path_factory.mktemp(f"model-{seed}")
             make_model_dir(root, seed=seed, shard_sizes=(64 * 1024,))

@@ -14,6 +14,7 @@ import pytest
 from .fakes.forward_proxy import ForwardProxy, _Handler
 from .fakes.hubserver import HubServer
 from .support import HUB_REPO, clean_env, run_cli, upload
+from .tls import TestCA
 
 USER, PASSWORD = "alice", "pr0xy-S3cret!pw"
 EXPECTED = "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
@@ -77,9 +78,9 @@ def assert_no_password(*outputs: str) -> None:
 
 
 def test_the_hub_path_sends_the_proxy_credentials(
-    auth_proxy: ForwardProxy, model_dir: Path, tmp_path: Path
+    auth_proxy: ForwardProxy, model_dir: Path, tmp_path: Path, test_ca: TestCA
 ) -> None:
-    with HubServer() as hub:
+    with HubServer(test_ca) as hub:
         hub.add_commit(HUB_REPO, model_dir)
         env = clean_env(tmp_path / "hf", HF_ENDPOINT=hub.endpoint)
         env["HTTP_PROXY"] = env["HTTPS_PROXY"] = with_credentials(auth_proxy.url)
@@ -106,9 +107,9 @@ def test_the_static_key_s3_path_sends_the_proxy_credentials(
 
 
 def test_wrong_proxy_credentials_are_one_error_line_without_them(
-    auth_proxy: ForwardProxy, model_dir: Path, tmp_path: Path
+    auth_proxy: ForwardProxy, model_dir: Path, tmp_path: Path, test_ca: TestCA
 ) -> None:
-    with HubServer() as hub:
+    with HubServer(test_ca) as hub:
         hub.add_commit(HUB_REPO, model_dir)
         env = clean_env(tmp_path / "hf", HF_ENDPOINT=hub.endpoint)
         wrong = auth_proxy.url.replace("http://", f"http://{USER}:wrong-{PASSWORD}@")

@@ -42,6 +42,7 @@ from prefetch.transfer import Cancelled, TransferConfig
 
 from .fakes.hubserver import HubServer, make_model_dir
 from .fakes.misbehaving import MisbehavingS3
+from .tls import TestCA
 
 MiB = 1024 * 1024
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -82,8 +83,8 @@ def hub_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def hub(hub_model: Path) -> Iterator[HubServer]:
-    with HubServer() as server:
+def hub(hub_model: Path, test_ca: TestCA) -> Iterator[HubServer]:
+    with HubServer(test_ca) as server:
         server.add_commit(HUB_REPO, hub_model)
         yield server
 

@@ -9,6 +9,7 @@ import http.client
 import json
 import os
 import shutil
+import ssl
 import subprocess
 import sys
 import textwrap
@@ -19,6 +20,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+import trustme
 
 from tests.fakes.hubserver import (
     HubServer,
@@ -28,6 +30,7 @@ from tests.fakes.hubserver import (
     write_random_file,
 )
 from tests.support import HUB_SHARDS
+from tests.tls import TestCA
 
 REPO = "acme/tiny"
 TOKEN = "hf_test_token_123"
@@ -38,8 +41,8 @@ SHARDS = HUB_SHARDS  # the shards of conftest's model_dir
 
 
 @pytest.fixture
-def hub(model_dir: Path) -> Iterator[HubServer]:
-    with HubServer(tree_page_size=4) as server:
+def hub(model_dir: Path, test_ca: TestCA) -> Iterator[HubServer]:
+    with HubServer(test_ca, tree_page_size=4) as server:
         server.add_commit(REPO, model_dir)
         yield server
         assert server.errors == []
@@ -96,12 +99,24 @@ def _hf(hub: HubServer, home: Path, body: str, **params: object) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _connect(url: str, timeout: float = 10) -> http.client.HTTPConnection:
+    """A connection to ``url``'s host: TLS for https (the default context, which trusts the
+    session CA through SSL_CERT_FILE, and checks the host name)."""
+    parts = urlsplit(url)
+    if parts.scheme == "https":
+        context = ssl.create_default_context()
+        return http.client.HTTPSConnection(
+            parts.hostname, parts.port, timeout=timeout, context=context
+        )
+    return http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+
+
 def _request(
     url: str, method: str = "GET", headers: dict[str, str] | None = None, body: bytes | None = None
 ) -> tuple[int, dict[str, str], bytes]:
     """One request on a fresh connection, no redirects; a body cut short is returned as is."""
     parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    conn = _connect(url)
     try:
         target = parts.path + (f"?{parts.query}" if parts.query else "")
         conn.request(method, target, body=body, headers=headers or {})
@@ -281,8 +296,10 @@ def test_client_survives_429_and_a_cut_body(hub: HubServer, tmp_path: Path) -> N
     assert gets[2].headers["range"] == f"bytes={chunk}-"
 
 
-def test_client_follows_same_host_small_file_redirect(model_dir: Path, tmp_path: Path) -> None:
-    with HubServer(small_file_redirect=True) as hub:
+def test_client_follows_same_host_small_file_redirect(
+    model_dir: Path, tmp_path: Path, test_ca: TestCA
+) -> None:
+    with HubServer(test_ca, small_file_redirect=True) as hub:
         hub.add_commit(REPO, model_dir)
         out = _hf(
             hub,
@@ -346,6 +363,34 @@ def test_lfs_file_redirects_to_cdn_port(hub: HubServer, model_dir: Path) -> None
     location = _request(f"{hub.endpoint}/{REPO}/resolve/main/{shard}", "HEAD", auth)[1]["location"]
     assert _request(location.replace("Signature=", "Signature=0"))[0] == 403
     assert [r.authorization for r in hub.requests if r.port == "cdn"] == [None, None]
+
+
+def test_hub_and_cdn_are_two_https_hosts_with_the_session_certificate(
+    hub: HubServer, test_ca: TestCA
+) -> None:
+    hub_url, cdn_url = urlsplit(hub.endpoint), urlsplit(hub.cdn_endpoint)
+    assert (hub_url.scheme, hub_url.hostname) == ("https", test_ca.host_for("hub"))
+    assert (cdn_url.scheme, cdn_url.hostname) == ("https", test_ca.host_for("cdn"))
+    assert hub_url.hostname != cdn_url.hostname  # "another host" for the credential rules
+    status, _, _ = _request(f"{hub.endpoint}/api/models/{REPO}")
+    assert status == 200
+    untrusted_context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # trusts another CA only
+    untrusted_context.load_verify_locations(cadata=trustme.CA().cert_pem.bytes().decode())
+    untrusted = http.client.HTTPSConnection(
+        hub_url.hostname, hub_url.port, timeout=5, context=untrusted_context
+    )
+    with pytest.raises(ssl.SSLCertVerificationError):
+        untrusted.request("GET", f"/api/models/{REPO}")
+    untrusted.close()
+
+
+def test_without_a_ca_the_hub_speaks_plain_http_on_loopback(model_dir: Path) -> None:
+    with HubServer() as server:
+        server.add_commit(REPO, model_dir)
+        assert server.endpoint.startswith("http://127.0.0.1:")
+        assert server.cdn_endpoint.startswith("http://127.0.0.1:")
+        assert server.env == {"HF_ENDPOINT": server.endpoint}
+        assert _request(f"{server.endpoint}/api/models/{REPO}")[0] == 200
 
 
 def test_tree_listing_pages_and_oids(hub: HubServer, model_dir: Path) -> None:
@@ -608,12 +653,11 @@ def test_requests_are_recorded_and_clearable(hub: HubServer) -> None:
     assert hub.requests == []
 
 
-def test_keep_alive_and_stop_leaves_no_threads(model_dir: Path) -> None:
+def test_keep_alive_and_stop_leaves_no_threads(model_dir: Path, test_ca: TestCA) -> None:
     before = {t.name for t in threading.enumerate()}
-    server = HubServer().start()
+    server = HubServer(test_ca).start()
     server.add_commit(REPO, model_dir)
-    parts = urlsplit(server.endpoint)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=5)
+    conn = _connect(server.endpoint, timeout=5)
     for _ in range(3):  # one connection, three requests
         conn.request("GET", f"/{REPO}/resolve/main/config.json")
         assert conn.getresponse().read()

@@ -30,6 +30,7 @@ from prefetch.transfer import TransferConfig
 
 from .fakes.hubserver import HubServer, make_model_dir
 from .support import HUB_TOKEN, REPO_ROOT, kill_9_when, run_cli, server_files, upload
+from .tls import TestCA
 
 MiB = 1024 * 1024
 REPO = "acme/mirrored"
@@ -52,8 +53,8 @@ def mirror_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def hub(mirror_model: Path) -> Iterator[HubServer]:
-    with HubServer() as server:
+def hub(mirror_model: Path, test_ca: TestCA) -> Iterator[HubServer]:
+    with HubServer(test_ca) as server:
         server.add_commit(REPO, mirror_model)
         yield server
         assert server.errors == []
@@ -429,11 +430,11 @@ def uploaded_bytes(client: Any, bucket: str) -> int:
 
 @pytest.mark.slow
 def test_kill_9_mid_mirror_then_resume_reuses_the_uploaded_parts(
-    s3_client, bucket, s3_env, tmp_path
+    s3_client, bucket, s3_env, tmp_path, test_ca
 ):  # type: ignore[no-untyped-def]
     src = tmp_path / "big"
     make_model_dir(src, seed=9, shard_sizes=(30 * MiB, 25 * MiB))
-    with HubServer() as hub:
+    with HubServer(test_ca) as hub:
         hub.add_commit(REPO, src)
         total = sum(f.size for f in hub.files(REPO).values())
         hub.faults.throttle(8 * MiB, port="cdn")  # ~4 s for the lot: time to kill it
@@ -472,9 +473,9 @@ def test_kill_9_mid_mirror_then_resume_reuses_the_uploaded_parts(
 
 @pytest.mark.slow
 def test_a_private_repo_mirrors_with_its_token_and_a_wrong_token_fails_in_one_line(  # type: ignore[no-untyped-def]
-    mirror_model, s3_client, bucket, s3_env
+    mirror_model, s3_client, bucket, s3_env, test_ca
 ):
-    with HubServer(token=HUB_TOKEN) as hub:
+    with HubServer(test_ca, token=HUB_TOKEN) as hub:
         hub.add_commit(REPO, mirror_model)
         hub.add_repo(REPO, private=True)
         env = {**s3_env, "HF_ENDPOINT": hub.endpoint}
@@ -495,11 +496,11 @@ def test_a_private_repo_mirrors_with_its_token_and_a_wrong_token_fails_in_one_li
 
 @pytest.mark.slow
 def test_sigterm_stops_mid_read_keeping_the_uploads_for_the_next_run(  # type: ignore[no-untyped-def]
-    s3_client, bucket, s3_env, tmp_path
+    s3_client, bucket, s3_env, tmp_path, test_ca
 ):
     src = tmp_path / "big"
     make_model_dir(src, seed=10, shard_sizes=(20 * MiB,))
-    with HubServer() as hub:
+    with HubServer(test_ca) as hub:
         hub.add_commit(REPO, src)
         hub.faults.throttle(1 * MiB, port="cdn")  # ~5 s a part
         env = {**s3_env, "HF_ENDPOINT": hub.endpoint}

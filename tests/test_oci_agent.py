@@ -6,14 +6,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .fakes.registry import Pusher, Registry
+from .fakes.registry import Registry
 from .support import AgentProcess, clean_env, config_text, hf_check
 
 FILES = {"config.json": b'{"model_type": "llama"}', "model.safetensors": os.urandom(300_000)}
 
 
 def test_agent_syncs_an_oci_model_to_ready_in_the_hf_layout(registry: Registry, tmp_path: Path):
-    pushed = Pusher(registry.url).modelpack("models/tiny", "v1", FILES)
+    pushed = registry.pusher().modelpack("models/tiny", "v1", FILES)
     cache = tmp_path / "cache"
     config = tmp_path / "models.yaml"
     models = [{"name": "tiny", "source": f"oci://{registry.host}/models/tiny:v1",

@@ -35,7 +35,7 @@ RAW = "application/vnd.cncf.model.weight.v1.raw"
 
 @pytest.fixture(scope="module")
 def pusher(registry: Registry) -> Pusher:
-    return Pusher(registry.url)
+    return registry.pusher()
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,9 @@
 """The registry protocol around the bytes: the Bearer token flow (anonymous, docker config,
 credential helpers), a token expiring mid-pull, blob redirects to storage, 429 with Retry-After,
 a registry that ignores Range, a token endpoint that hangs, and kill -9 then resume. The registry
-is the real docker-registry; tests/fakes/oci_proxy.py stands in front of it for the faults."""
+is the real docker-registry; tests/fakes/oci_proxy.py stands in front of it for the faults. All of
+it over HTTPS with the session CA: the registry, the proxy (registry.prefetch.test) and the blob
+storage it redirects to (another host, s3.prefetch.test)."""
 
 from __future__ import annotations
 
@@ -27,8 +29,9 @@ from prefetch.sync import sync
 from prefetch.transfer import TransferConfig
 
 from .fakes.oci_proxy import RegistryProxy
-from .fakes.registry import Pusher, Registry
+from .fakes.registry import Registry
 from .support import journaled_bytes, kill_9_when
+from .tls import TestCA
 
 MiB = 1024 * 1024
 CONFIG = TransferConfig(
@@ -42,12 +45,12 @@ FILES = {"config.json": b'{"a": 1}', "model.safetensors": os.urandom(3 * MiB + 1
 
 @pytest.fixture(scope="module")
 def pushed(registry: Registry) -> str:
-    return Pusher(registry.url).modelpack("models/p", "v1", FILES).digest
+    return registry.pusher().modelpack("models/p", "v1", FILES).digest
 
 
 @pytest.fixture
-def proxy(registry: Registry) -> Iterator[RegistryProxy]:
-    p = RegistryProxy(registry.url).start()
+def proxy(registry: Registry, test_ca: TestCA) -> Iterator[RegistryProxy]:
+    p = RegistryProxy(registry.url, test_ca).start()
     try:
         yield p
     finally:
@@ -203,10 +206,10 @@ def test_a_one_chunk_blob_from_a_registry_that_ignores_range_is_fine(proxy, push
 
 
 @pytest.mark.slow
-def test_kill_9_mid_pull_then_resume_fetches_only_what_was_in_flight(registry, tmp_path):
+def test_kill_9_mid_pull_then_resume_fetches_only_what_was_in_flight(registry, tmp_path, test_ca):
     big = {"model.safetensors": os.urandom(16 * MiB)}
-    Pusher(registry.url).modelpack("models/big", "v1", big)
-    proxy = RegistryProxy(registry.url).start()
+    registry.pusher().modelpack("models/big", "v1", big)
+    proxy = RegistryProxy(registry.url, test_ca).start()
     try:
         proxy.faults.throttle_bps = 3 * MiB  # per connection: ~2.5 s for the lot at 2
         dest = tmp_path / "d"
@@ -264,16 +267,16 @@ def bcrypt_line(user: str, password: str) -> str | None:
     return f"{user}:{hashed}" if hashed and hashed.startswith("$2") else None
 
 
-def test_a_registry_behind_htpasswd_takes_the_docker_login(tmp_path, no_docker_config):
+def test_a_registry_behind_htpasswd_takes_the_docker_login(tmp_path, no_docker_config, test_ca):
     line = bcrypt_line("alice", "s3cret")
     if line is None:
         pytest.skip("no bcrypt in libc's crypt")
     (tmp_path / "htpasswd").write_text(line + "\n")
-    reg = Registry(tmp_path / "reg", htpasswd=tmp_path / "htpasswd")
+    reg = Registry(tmp_path / "reg", test_ca, htpasswd=tmp_path / "htpasswd")
     reg.start()
     try:
         auth = base64.b64encode(b"alice:s3cret").decode()
-        Pusher(reg.url, {"Authorization": f"Basic {auth}"}).modelpack("models/p", "v1", FILES)
+        reg.pusher({"Authorization": f"Basic {auth}"}).modelpack("models/p", "v1", FILES)
         uri = f"oci://{reg.host}/models/p:v1"
         spec = ModelSpec(source=parse_source_uri(uri))
         http = urllib3.PoolManager(retries=False)

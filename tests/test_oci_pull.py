@@ -1,5 +1,7 @@
 """`prefetch pull oci://...` against a real registry (Debian's docker-registry, distribution 2.8)
-on 127.0.0.1, with artifacts pushed by hand-built manifests (and skopeo where installed)."""
+over HTTPS with the session CA (registry.prefetch.test on 127.0.0.1), with artifacts pushed by
+hand-built manifests (and skopeo where installed). Plain HTTP only where it is the point: a
+node-local mirror listed in PREFETCH_OCI_PLAIN_HTTP."""
 
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import urllib3
 
 from prefetch.errors import (
     ChecksumMismatchError,
@@ -54,7 +55,7 @@ FILES = {
 
 @pytest.fixture(scope="module")
 def pusher(registry: Registry) -> Pusher:
-    return Pusher(registry.url)
+    return registry.pusher()
 
 
 def pull(uri: str, dest: Path, *, hf_repo: str | None = None, config: TransferConfig = CONFIG):
@@ -239,14 +240,18 @@ def test_digest_helper_matches_pushed(pusher):
 
 
 def test_a_pull_through_mirror_serves_the_origin_digest_and_then_the_origin_may_stop(
-    tmp_path_factory, tmp_path
+    tmp_path_factory, tmp_path, test_ca
 ):
-    origin = Registry(tmp_path_factory.mktemp("origin"))
+    origin = Registry(tmp_path_factory.mktemp("origin"), test_ca)
     origin.start()
-    mirror = Registry(tmp_path_factory.mktemp("mirror"), proxy_of=origin.url)
+    # a pull-through cache of an https origin, itself https under another name
+    mirror = Registry(
+        tmp_path_factory.mktemp("mirror"), test_ca, proxy_of=origin.url, role="mirror"
+    )
     mirror.start()
     try:
-        pushed = Pusher(origin.url).modelpack("models/m", "v1", FILES)
+        assert origin.url.startswith("https://") and mirror.url.startswith("https://")
+        pushed = origin.pusher().modelpack("models/m", "v1", FILES)
         uri = f"oci://{origin.host}/models/m:v1"
         run = cli("pull", uri, str(tmp_path / "a"), "--mirror", f"oci://{mirror.host}", "--json")
         assert run.returncode == 0, run.stderr
@@ -307,12 +312,15 @@ def oci_layout_dir(root: Path, files: dict[str, bytes]) -> str:
 
 
 @pytest.mark.skipif(shutil.which("skopeo") is None, reason="skopeo is not installed")
-def test_an_artifact_pushed_by_skopeo_is_pulled_into_the_hf_layout(registry, tmp_path):
+def test_an_artifact_pushed_by_skopeo_is_pulled_into_the_hf_layout(registry, tmp_path, test_ca):
     from huggingface_hub import snapshot_download
 
     digest = oci_layout_dir(tmp_path / "layout", FILES)
+    certs = tmp_path / "certs"  # skopeo trusts the *.crt of --dest-cert-dir (verification on)
+    certs.mkdir()
+    shutil.copy(test_ca.ca_file, certs / "ca.crt")
     copy = subprocess.run(
-        ["skopeo", "copy", "--dest-tls-verify=false", "--preserve-digests",
+        ["skopeo", "copy", "--dest-cert-dir", str(certs), "--preserve-digests",
          f"oci:{tmp_path / 'layout'}:v1", f"docker://{registry.host}/models/skopeo:v1"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
@@ -340,19 +348,19 @@ def test_a_range_past_the_end_is_clamped_to_the_descriptor_size(registry, pusher
     assert bytes(buf[:n]) == b"456789"
 
 
-def test_a_blob_the_mirror_lacks_is_read_from_the_origin(tmp_path_factory, tmp_path):
-    origin = Registry(tmp_path_factory.mktemp("origin2"))
-    mirror = Registry(tmp_path_factory.mktemp("mirror2"))
+def test_a_blob_the_mirror_lacks_is_read_from_the_origin(tmp_path_factory, tmp_path, test_ca):
+    origin = Registry(tmp_path_factory.mktemp("origin2"), test_ca)
+    mirror = Registry(tmp_path_factory.mktemp("mirror2"), test_ca, role="mirror")
     origin.start()
     mirror.start()
     try:
         files = {**FILES, "model.safetensors": os.urandom(8 * MiB + 1)}  # 9 chunks
-        pushed = Pusher(origin.url).modelpack("models/part", "v1", files)
-        assert Pusher(mirror.url).modelpack("models/part", "v1", files).digest == pushed.digest
+        pushed = origin.pusher().modelpack("models/part", "v1", files)
+        assert mirror.pusher().modelpack("models/part", "v1", files).digest == pushed.digest
         gone = pushed.layers["model.safetensors"]  # a mirror that has the rest only
-        http = urllib3.PoolManager()
+        http = mirror.client()
         assert http.request("DELETE", f"{mirror.url}/v2/models/part/blobs/{gone}").status == 202
-        proxy = RegistryProxy(mirror.url).start()
+        proxy = RegistryProxy(mirror.url, test_ca).start()
         try:
             spec = ModelSpec(
                 source=parse_source_uri(f"oci://{origin.host}/models/part@{pushed.digest}"),
@@ -371,3 +379,32 @@ def test_a_blob_the_mirror_lacks_is_read_from_the_origin(tmp_path_factory, tmp_p
     finally:
         mirror.stop()
         origin.stop()
+
+
+# -- plain HTTP where it is the point --------------------------------------------------------------
+
+
+def test_a_plain_http_mirror_is_spoken_to_over_http_only_when_listed(
+    tmp_path_factory, tmp_path, test_ca
+):
+    """An in-cluster mirror without TLS, reached by a name (not loopback): https by default, so
+    the pull fails; listed in PREFETCH_OCI_PLAIN_HTTP, it is pulled over plain HTTP."""
+    if test_ca.host != "prefetch.test":
+        pytest.skip("the prefetch.test names do not resolve here")
+    plain = Registry(tmp_path_factory.mktemp("plain"))
+    plain.start()
+    try:
+        assert plain.url.startswith("http://")
+        plain.pusher().modelpack("models/plain", "v1", FILES)
+        host = f"{test_ca.host_for('mirror')}:{plain.port}"
+        uri = f"oci://{host}/models/plain:v1"
+        refused = cli("pull", uri, str(tmp_path / "a"), "--attempts", "1",
+                      env={"PREFETCH_OCI_PLAIN_HTTP": ""})  # fmt: skip
+        assert refused.returncode != 0 and refused.stderr.startswith("Error: "), refused.stderr
+        assert not (tmp_path / "a" / "config.json").exists()
+        run = cli("pull", uri, str(tmp_path / "b"), env={"PREFETCH_OCI_PLAIN_HTTP": host})
+        assert run.returncode == 0, run.stderr
+        for path, data in FILES.items():
+            assert (tmp_path / "b" / path).read_bytes() == data
+    finally:
+        plain.stop()

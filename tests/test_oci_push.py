@@ -26,14 +26,15 @@ from prefetch.sync import sync
 from prefetch.transfer import TransferConfig
 
 from .fakes.hubserver import HubServer, make_model_repo
+from .tls import TestCA
 
 RETRY = RetryPolicy(attempts=2, base_delay=0.01, max_delay=0.1)
 CONFIG = TransferConfig(concurrency=4, chunk_size=1 << 20, buffer_size=64 * 1024, retry=RETRY)
 
 
 @pytest.fixture
-def hub(tmp_path: Path) -> Iterator[tuple[HubServer, str]]:
-    with HubServer() as server:
+def hub(tmp_path: Path, test_ca: TestCA) -> Iterator[tuple[HubServer, str]]:
+    with HubServer(test_ca) as server:
         sha = make_model_repo(server, "acme/tiny", tmp_path / "src", seed=7)
         yield server, sha
 

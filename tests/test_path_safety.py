@@ -34,6 +34,7 @@ from prefetch.sync import SyncResult, sync
 
 from .fakes.hubserver import HubServer
 from .support import FAST, clean_env, pull_s3, put, run_cli
+from .tls import TestCA
 
 REPO = "acme/tiny"
 Tamper = Callable[[dict[str, object]], dict[str, object]]
@@ -286,8 +287,8 @@ def test_a_plain_layout_directory_symlinked_outside_dest_is_never_written_throug
 
 
 @pytest.fixture
-def hub() -> Iterator[HubServer]:
-    with HubServer(tree_page_size=50) as server:
+def hub(test_ca: TestCA) -> Iterator[HubServer]:
+    with HubServer(test_ca, tree_page_size=50) as server:
         server.add_commit(REPO, FILES, lfs=100_000)
         yield server
         assert server.errors == []

@@ -2,9 +2,11 @@
 ``--proxy``, with NO_PROXY bypassing it; checked through a real forward proxy
 (tests/fakes/forward_proxy.py) that counts requests per target host.
 
-The servers are addressed as 127.0.0.1 and NO_PROXY is emptied in each test's environment
-(tests/support.clean_env sets it to 127.0.0.1 for every other test), so nothing here passes
-because a client skipped the proxy for a loopback address on its own.
+The servers are addressed by name or as 127.0.0.1 and NO_PROXY is emptied in each test's
+environment (tests/support.clean_env sets it to 127.0.0.1 for every other test), so nothing here
+passes because a client skipped the proxy for a loopback address on its own. The Hub speaks HTTPS
+(the session CA), so its traffic crosses the proxy in CONNECT tunnels, as in production: the proxy
+counts tunnels, the Hub counts the connections it accepted, and the two must agree.
 """
 
 from __future__ import annotations
@@ -38,9 +40,12 @@ from .support import (
     upload,
     wait_for,
 )
+from .tls import TestCA
 
 MiB = 1024 * 1024
 REPO = "acme/proxied"
+#: NO_PROXY naming every test server: the loopback address and the test domain.
+DIRECT = "127.0.0.1,prefetch.test"
 _PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY")
 
 
@@ -51,8 +56,8 @@ def proxy() -> Iterator[ForwardProxy]:
 
 
 @pytest.fixture
-def hub(tmp_path: Path) -> Iterator[HubServer]:
-    with HubServer() as server:
+def hub(tmp_path: Path, test_ca: TestCA) -> Iterator[HubServer]:
+    with HubServer(test_ca) as server:
         make_model_repo(server, REPO, tmp_path / "hub-src", seed=5, shard_sizes=(2 * MiB,))
         yield server
 
@@ -100,13 +105,17 @@ def _pull_s3(server: SeaweedS3, bucket: str, dest: Path, proxy: str | None = Non
 
 
 def test_the_forward_proxy_tunnels_connect_and_counts_its_target(
-    proxy: ForwardProxy, hub: HubServer
+    proxy: ForwardProxy, hub: HubServer, test_ca: TestCA
 ) -> None:
     import http.client
+    import ssl
     from urllib.parse import urlsplit
 
     target = urlsplit(hub.endpoint)
-    conn = http.client.HTTPConnection("127.0.0.1", int(proxy.url.rsplit(":", 1)[1]), timeout=10)
+    proxy_port = int(proxy.url.rsplit(":", 1)[1])
+    # TLS to the Hub inside the tunnel (the session CA, the Hub's host name checked)
+    context = ssl.create_default_context(cafile=str(test_ca.ca_file))
+    conn = http.client.HTTPSConnection("127.0.0.1", proxy_port, timeout=10, context=context)
     conn.set_tunnel(str(target.hostname), target.port)
     conn.request("GET", f"/api/models/{REPO}")
     resp = conn.getresponse()
@@ -125,10 +134,11 @@ def test_a_hub_pull_goes_through_the_environments_proxy_metadata_and_bytes(
     _pull_hub(hub, tmp_path / "dest")
     hub_requests = [r for r in hub.requests if r.port == "hub"]
     api = [r for r in hub_requests if r.url_path.startswith("/api/")]
-    # every request the Hub saw came through the proxy: the listing and the resolve GETs
-    assert api and proxy.through(hub.endpoint) == len(hub_requests)
-    assert proxy.through(hub.cdn_endpoint) == len([r for r in hub.requests if r.port == "cdn"])
-    assert proxy.through(hub.cdn_endpoint) > 0
+    # every connection the Hub accepted was a tunnel through the proxy: the listing and the
+    # resolve GETs, and the CDN's bytes
+    assert api and hub_requests
+    assert proxy.through(hub.endpoint) == hub.connections["hub"] > 0
+    assert proxy.through(hub.cdn_endpoint) == hub.connections["cdn"] > 0
 
 
 def test_an_s3_pull_goes_through_the_environments_proxy(
@@ -156,7 +166,7 @@ def test_no_proxy_sends_both_sources_direct(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    _proxy_env(monkeypatch, HTTPS_PROXY=proxy.url, HTTP_PROXY=proxy.url, NO_PROXY="127.0.0.1")
+    _proxy_env(monkeypatch, HTTPS_PROXY=proxy.url, HTTP_PROXY=proxy.url, NO_PROXY=DIRECT)
     _s3_credentials(monkeypatch, s3_server)
     _pull_hub(hub, tmp_path / "hub")
     _pull_s3(s3_server, bucket, tmp_path / "s3")
@@ -166,7 +176,7 @@ def test_no_proxy_sends_both_sources_direct(
 def test_no_proxy_also_bypasses_a_sources_own_proxy(
     proxy: ForwardProxy, hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _proxy_env(monkeypatch, NO_PROXY="127.0.0.1")
+    _proxy_env(monkeypatch, NO_PROXY=DIRECT)
     _pull_hub(hub, tmp_path / "hub", proxy=proxy.url)
     assert sum(proxy.requests.values()) == 0
 
@@ -179,8 +189,8 @@ def test_a_models_own_proxy_carries_the_hub_pull_without_any_environment_proxy(
 ) -> None:
     _proxy_env(monkeypatch, NO_PROXY="")
     _pull_hub(hub, tmp_path / "dest", proxy=proxy.url)
-    assert proxy.through(hub.endpoint) == len([r for r in hub.requests if r.port == "hub"])
-    assert proxy.through(hub.cdn_endpoint) > 0
+    assert proxy.through(hub.endpoint) == hub.connections["hub"] > 0
+    assert proxy.through(hub.cdn_endpoint) == hub.connections["cdn"] > 0
 
 
 def test_proxy_none_goes_direct_even_when_the_environment_names_a_proxy(

@@ -54,6 +54,7 @@ from .support import (
     run_cli,
     server_files,
 )
+from .tls import TestCA
 
 MiB = 1024 * 1024
 REPO = HUB_REPO
@@ -70,8 +71,8 @@ def model_extra_files() -> dict[str, bytes]:
 
 
 @pytest.fixture
-def hub(model_dir: Path) -> Iterator[HubServer]:
-    with HubServer(tree_page_size=4) as server:
+def hub(model_dir: Path, test_ca: TestCA) -> Iterator[HubServer]:
+    with HubServer(test_ca, tree_page_size=4) as server:
         server.add_commit(REPO, model_dir)
         yield server
         assert server.errors == []
@@ -346,9 +347,9 @@ def test_delete_removes_links_not_in_the_revision_and_unreferenced_blobs(
 
 
 def test_token_goes_to_the_hub_only_and_bad_tokens_fail_in_one_line(
-    model_dir: Path, tmp_path: Path
+    model_dir: Path, tmp_path: Path, test_ca: TestCA
 ) -> None:
-    with HubServer(token=TOKEN, small_file_redirect=True) as hub:
+    with HubServer(test_ca, token=TOKEN, small_file_redirect=True) as hub:
         hub.add_commit(REPO, model_dir)
         hub.add_repo(REPO, private=True)
         dest = tmp_path / "home"
@@ -386,8 +387,10 @@ def test_token_goes_to_the_hub_only_and_bad_tokens_fail_in_one_line(
         assert hub.errors == []
 
 
-def test_gated_repo_says_the_token_lacks_access(model_dir: Path, tmp_path: Path) -> None:
-    with HubServer() as hub:
+def test_gated_repo_says_the_token_lacks_access(
+    model_dir: Path, tmp_path: Path, test_ca: TestCA
+) -> None:
+    with HubServer(test_ca) as hub:
         hub.add_commit(REPO, model_dir)
         hub.add_repo(REPO, gated=True, allowed_tokens={TOKEN})
         with pytest.raises(AccessDeniedError, match="gated repository and the token has no"):
@@ -532,11 +535,11 @@ OPTS: dict[str, Any] = dict(
 
 
 @pytest.mark.slow
-def test_resume_after_sigkill_fetches_less_than_30_percent(tmp_path: Path) -> None:
+def test_resume_after_sigkill_fetches_less_than_30_percent(tmp_path: Path, test_ca: TestCA) -> None:
     src = tmp_path / "src"
     make_model_dir(src, seed=5, shard_sizes=(64 * MiB, 64 * MiB))
     total_dir = sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
-    with HubServer() as hub:
+    with HubServer(test_ca) as hub:
         hub.add_commit("acme/big", src)
         hub.faults.throttle(40 * MiB, port="cdn")  # ~2 s for the lot: time to kill it
         home = tmp_path / "home"

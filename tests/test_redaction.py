@@ -20,6 +20,7 @@ from .support import HUB_REPO as REPO
 from .support import HUB_SHARDS as SHARDS
 from .support import HUB_TOKEN as TOKEN
 from .support import clean_env, run_cli
+from .tls import TestCA
 
 SIGNED = (
     "https://cdn.example.com/cdn/abc?Expires=1700000000&Signature=c2lnbmF0dXJlLXZhbHVl"
@@ -118,10 +119,10 @@ def test_an_error_message_with_a_newline_is_one_error_line(
 # -- the command line, against real servers ------------------------------------------------------
 
 
-def test_debug_output_never_shows_the_cdn_signature(tmp_path: Path) -> None:
+def test_debug_output_never_shows_the_cdn_signature(tmp_path: Path, test_ca: TestCA) -> None:
     model = tmp_path / "model"
     make_model_dir(model, seed=3, shard_sizes=SHARDS)
-    with HubServer(token=TOKEN) as hub:
+    with HubServer(test_ca, token=TOKEN) as hub:
         hub.add_commit(REPO, model)
         env = clean_env(tmp_path / "hf-home", HF_ENDPOINT=hub.endpoint, HF_TOKEN=TOKEN)
         done = run_cli("-vv", "pull", f"hf://{REPO}", str(tmp_path / "dest"), env=env)

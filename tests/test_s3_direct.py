@@ -377,7 +377,7 @@ def test_a_client_with_a_profile_lists_through_botocore(s3_server, s3_client, bu
 
 @pytest.mark.parametrize("client_kind", ["botocore", "static keys"])
 def test_a_pull_through_a_mirror_reads_everything_but_a_listing_on_the_seam(
-    s3_server, s3_client, bucket, tmp_path, client_kind
+    s3_server, s3_client, bucket, tmp_path, client_kind, test_ca
 ):
     """The mirror source lists nothing of the model, yet its ref, commit metadata, blob HEADs
     and GETs skip botocore: with a botocore client only a listing goes through it (to learn
@@ -396,7 +396,7 @@ def test_a_pull_through_a_mirror_reads_everything_but_a_listing_on_the_seam(
     model.mkdir()
     (model / "config.json").write_bytes(b'{"a": 1}')
     (model / "w.safetensors").write_bytes(b"w" * 200_000)
-    with HubServer() as hub:
+    with HubServer(test_ca) as hub:
         hub.add_commit(HUB_REPO, model)
         write_mirror(s3_client, bucket, "hf/acme/tiny/", hub)
         through_botocore: list[str] = []

@@ -16,6 +16,11 @@ The model comes from :mod:`prefetch.modelgen` (one shard big enough for several 
 small JSON files). The S3 case serves it from the session's SeaweedFS through
 :class:`tests.fakes.s3proxy.S3FaultProxy` (real S3 checksums and conditional reads, faults injected
 on the wire); the Hub case from :class:`tests.fakes.hubserver.HubServer` and its faults.
+
+Every case is served over HTTPS with the session's private CA (tests/tls.py), each server under
+its own test host name, and the client trusts that CA explicitly (S3: ``AWS_CA_BUNDLE``, set
+for the session; the Hub and OCI: the pool's ``ca_certs``): TLS is how sources meet servers in
+production, so it is how every behaviour below is checked.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
+from urllib.parse import urlsplit
 
 import pytest
 import urllib3
@@ -39,6 +45,7 @@ from prefetch.modelgen import GeneratedFile, make_model_dir, random_bytes, uploa
 from prefetch.progress import NullProgress
 from prefetch.retry import RetryPolicy
 from prefetch.sources import SourceSettings, open_source
+from prefetch.sources._http import watched_pools
 from prefetch.sources.hf import HubOptions, open_hub_source
 from prefetch.sources.oci import open_oci_source
 from prefetch.sources.s3 import S3Source, make_s3_client
@@ -48,9 +55,10 @@ from prefetch.transfer import Cancelled, TransferConfig
 from prefetch.verify import new_hasher
 
 from .fakes.hubserver import HubFile, HubServer
-from .fakes.registry import Pusher, Registry
+from .fakes.registry import Registry
 from .fakes.s3proxy import S3FaultProxy
 from .support import journaled_bytes, put
+from .tls import TestCA
 
 MiB = 1024 * 1024
 SHARD = "model.safetensors"
@@ -81,6 +89,20 @@ class SourceCase(ABC):
 
     def __init__(self, model: dict[str, Path]) -> None:
         self.model = model
+
+    @property
+    @abstractmethod
+    def url(self) -> str:
+        """The base URL the source is pointed at (the server the pull talks to first)."""
+
+    tls: TestCA
+
+    def tls_pool(self) -> urllib3.PoolManager:
+        """The pools production builds (prefetch.sources._http: the watched connections, over
+        TLS too), trusting the session CA; the caller clears it after the pull."""
+        return watched_pools(
+            urllib3.PoolManager(maxsize=16, retries=False, ca_certs=str(self.tls.ca_file))
+        )
 
     # -- the model
     @abstractmethod
@@ -137,12 +159,14 @@ class S3Case(SourceCase):
 
     id = "s3"
 
-    def __init__(self, model: dict[str, Path], s3_server: Any, client: Any, bucket: str) -> None:
+    def __init__(
+        self, model: dict[str, Path], s3_server: Any, client: Any, bucket: str, tls: TestCA
+    ) -> None:
         super().__init__(model)
         self.client, self.bucket = client, bucket
         files = [GeneratedFile(rel, p, p.stat().st_size) for rel, p in model.items()]
         upload_model(client, bucket, "m", files, create_bucket=False)
-        self.proxy = S3FaultProxy(s3_server.endpoint).__enter__()
+        self.proxy = S3FaultProxy(s3_server.endpoint, tls).__enter__()
         self.proxy_client = make_s3_client(
             endpoint_url=self.proxy.endpoint,
             access_key=s3_server.access_key,
@@ -151,6 +175,10 @@ class S3Case(SourceCase):
 
     def close(self) -> None:
         self.proxy.__exit__(None, None, None)
+
+    @property
+    def url(self) -> str:
+        return self.proxy.endpoint
 
     def key(self, path: str) -> str:
         return f"m/{path}"
@@ -208,20 +236,25 @@ class HubCase(SourceCase):
     id = "hub"
     repo = "acme/conform"
 
-    def __init__(self, model: dict[str, Path]) -> None:
+    def __init__(self, model: dict[str, Path], tls: TestCA) -> None:
         super().__init__(model)
-        self.hub = HubServer().__enter__()
+        self.tls = tls
+        self.hub = HubServer(tls).__enter__()
         self.hub.add_commit(self.repo, model)
 
     def close(self) -> None:
         self.hub.__exit__(None, None, None)
+
+    @property
+    def url(self) -> str:
+        return self.hub.endpoint
 
     def replace(self, path: str, data: bytes) -> None:
         self.hub.add_commit(self.repo, {path: data}, inherit=True)
 
     def pull(self, dest, config=CONFIG, *, progress=None, stop=None):  # type: ignore[no-untyped-def]
         spec = ModelSpec(source=parse_source_uri(f"hf://{self.repo}"))
-        pool = urllib3.PoolManager(maxsize=16, retries=False)
+        pool = self.tls_pool()
         options = HubOptions(endpoint=self.hub.endpoint, token=False, http=pool, retry=config.retry)
         try:
             layout = HfCacheLayout(dest, self.repo)
@@ -281,12 +314,14 @@ class MirrorCase(S3Case):
     repo = "acme/conform"
     prefix = "mirror/"
 
-    def __init__(self, model: dict[str, Path], s3_server: Any, client: Any, bucket: str) -> None:
+    def __init__(
+        self, model: dict[str, Path], s3_server: Any, client: Any, bucket: str, tls: TestCA
+    ) -> None:
         SourceCase.__init__(self, model)
         self.client, self.bucket = client, bucket
         self.files = {rel: HubFile.from_path(rel, p) for rel, p in model.items()}
         self.commit(self.files)
-        self.proxy = S3FaultProxy(s3_server.endpoint).__enter__()
+        self.proxy = S3FaultProxy(s3_server.endpoint, tls).__enter__()
         self.proxy_client = make_s3_client(
             endpoint_url=self.proxy.endpoint,
             access_key=s3_server.access_key,
@@ -340,27 +375,31 @@ class OciCase(SourceCase):
     id = "oci"
     repo = "conform/model"
 
-    def __init__(self, model: dict[str, Path], registry: Registry) -> None:
+    def __init__(self, model: dict[str, Path], registry: Registry, tls: TestCA) -> None:
         super().__init__(model)
-        self.registry = registry
+        self.registry, self.tls = registry, tls
         self.files = {rel: p.read_bytes() for rel, p in model.items()}
-        self.pushed = Pusher(registry.url).modelpack(self.repo, "v1", self.files)
-        self.proxy = S3FaultProxy(registry.url).__enter__()
+        self.pushed = registry.pusher().modelpack(self.repo, "v1", self.files)
+        self.proxy = S3FaultProxy(registry.url, tls, role="registry").__enter__()
 
     def close(self) -> None:
         self.proxy.__exit__(None, None, None)
+
+    @property
+    def url(self) -> str:
+        return self.proxy.endpoint
 
     def key(self, path: str) -> str:
         return f"{self.repo}/blobs/{self.pushed.layers[path]}"
 
     def replace(self, path: str, data: bytes) -> None:
         self.files = {**self.files, path: data}
-        self.pushed = Pusher(self.registry.url).modelpack(self.repo, "v1", self.files)
+        self.pushed = self.registry.pusher().modelpack(self.repo, "v1", self.files)
 
     def pull(self, dest, config=CONFIG, *, progress=None, stop=None):  # type: ignore[no-untyped-def]
         host = self.proxy.endpoint.split("://", 1)[1]
         spec = ModelSpec(source=parse_source_uri(f"oci://{host}/{self.repo}:v1"))
-        pool = urllib3.PoolManager(maxsize=16, retries=False)
+        pool = self.tls_pool()
         try:
             source = open_oci_source(spec, http=pool, retry=config.retry)
             return sync(spec, source, PlainLayout(dest), config, progress=progress, stop=stop)
@@ -386,17 +425,19 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(params=CASES)
-def case(request: pytest.FixtureRequest, model: dict[str, Path]) -> Iterator[SourceCase]:
+def case(
+    request: pytest.FixtureRequest, model: dict[str, Path], test_ca: TestCA
+) -> Iterator[SourceCase]:
     made: SourceCase
     if request.param == "oci":
-        made = OciCase(model, request.getfixturevalue("registry"))
+        made = OciCase(model, request.getfixturevalue("registry"), test_ca)
     elif request.param in ("s3", "mirror"):
         server = request.getfixturevalue("s3_server")
         client = request.getfixturevalue("s3_client")
         kind = S3Case if request.param == "s3" else MirrorCase
-        made = kind(model, server, client, request.getfixturevalue("bucket"))
+        made = kind(model, server, client, request.getfixturevalue("bucket"), test_ca)
     else:
-        made = HubCase(model)
+        made = HubCase(model, test_ca)
     try:
         yield made
     finally:
@@ -430,6 +471,21 @@ class ReplaceOnce(NullProgress):
         if not self.done.is_set():
             self.done.set()
             self.case.replace(self.path, self.data)
+
+
+# -- the transport ------------------------------------------------------------------------------
+
+
+def test_every_source_is_served_over_https_under_a_test_host_name(
+    case: SourceCase, model: dict[str, Path], tmp_path: Path, test_ca: TestCA
+) -> None:
+    """What every test below runs on: TLS with the session CA and a certificate for a name, not
+    plain HTTP to 127.0.0.1 (which hid a TypeError on every HTTPS request once)."""
+    url = urlsplit(case.url)
+    assert url.scheme == "https"
+    assert url.hostname is not None and url.hostname.endswith(test_ca.host)
+    case.pull(tmp_path / "dest")
+    assert case.published(tmp_path / "dest", SHARD) == shard_bytes(model)
 
 
 # -- resume -------------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """A Hugging Face Hub-compatible HTTP server for tests and benchmarks (standard library only).
 
-Two listening ports on 127.0.0.1, like the real Hub and its CDN:
+Two listening ports on 127.0.0.1, like the real Hub and its CDN, each speaking HTTPS with the
+session's test CA (:mod:`tests.tls`) under its own host name (``hub.prefetch.test``,
+``cdn.prefetch.test``), or plain HTTP when no CA is given:
 
 * the **hub** port (``HubServer.endpoint``) answers the JSON API and ``/resolve``; it serves regular
   (non-LFS) files itself and answers ``302`` to the CDN for LFS files;
@@ -23,14 +25,14 @@ or not)::
 
 Errors carry ``X-Error-Code`` (``RepoNotFound``, ``RevisionNotFound``, ``EntryNotFound``,
 ``GatedRepo``), ``X-Error-Message`` and a JSON body ``{"error": ...}``. No ``X-Xet-*`` header and no
-``xetHash`` field is ever sent, so huggingface_hub stays on plain HTTP.
+``xetHash`` field is ever sent, so huggingface_hub stays on its HTTP download path (no Xet).
 
 Usage::
 
-    with HubServer() as hub:
+    with HubServer(test_ca) as hub:
         sha = make_model_repo(hub, "acme/tiny", tmp_path / "src", seed=1, shard_sizes=(3 << 20,))
         hub.faults.cut(after_bytes=1 << 20, port="cdn")      # next CDN body stops after 1 MiB
-        ...  # point HF_ENDPOINT (or our client) at hub.endpoint
+        ...  # point HF_ENDPOINT (or our client) at hub.endpoint; hub.env has it and the CA
         assert not [r for r in hub.requests if r.port == "cdn" and r.authorization]
 
 Run standalone for benchmarks: ``python tests/fakes/hubserver.py --repo acme/m --dir DIR`` prints
@@ -56,6 +58,7 @@ import secrets
 import signal
 import socket
 import socketserver
+import ssl
 import sys
 import threading
 import time
@@ -66,10 +69,13 @@ from datetime import UTC, datetime
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
 
 from prefetch import modelgen
+
+if TYPE_CHECKING:
+    from tests.tls import TestCA
 
 __all__ = [
     "DEFAULT_LFS_SUFFIXES",
@@ -108,6 +114,7 @@ _SHA_RE = re.compile(r"[0-9a-f]{40}")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _API_KEYWORDS = frozenset({"revision", "tree", "paths-info", "refs"})
 _CHUNK = 1 << 20  # read size for the non-sendfile body path
+_HANDSHAKE_TIMEOUT = 10.0  # seconds a TLS client has to finish its handshake
 _EPOCH = 1_704_067_200  # 2024-01-01T00:00:00Z: commit dates are deterministic
 
 
@@ -650,12 +657,24 @@ class _PortServer(ThreadingHTTPServer):
     request_queue_size = 128
     allow_reuse_address = True
 
-    def __init__(self, hub: HubServer, port_name: Port, port: int) -> None:
+    def __init__(
+        self, hub: HubServer, port_name: Port, port: int, tls: ssl.SSLContext | None
+    ) -> None:
         self.hub = hub
         self.port_name: Port = port_name
+        self.tls = tls
         self.conns: set[socket.socket] = set()
         self.conns_lock = threading.Lock()
         super().__init__(("127.0.0.1", port), _Handler)
+
+    def get_request(self) -> tuple[socket.socket, object]:
+        sock, address = super().get_request()
+        self.hub._count_connection(self.port_name)
+        if self.tls is None:
+            return sock, address
+        # The handshake is the handler thread's (_Handler.setup): one slow or broken client must
+        # not hold up the accept loop.
+        return self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), address
 
     def server_bind(self) -> None:
         # HTTPServer.server_bind would call socket.getfqdn(), a reverse DNS lookup: skip it.
@@ -677,9 +696,19 @@ class _Handler(BaseHTTPRequestHandler):
     disable_nagle_algorithm = True
 
     def setup(self) -> None:
-        super().setup()
+        sock = self.request
         with self.server.conns_lock:
-            self.server.conns.add(self.connection)
+            self.server.conns.add(sock)
+        try:
+            if isinstance(sock, ssl.SSLSocket):
+                sock.settimeout(_HANDSHAKE_TIMEOUT)
+                sock.do_handshake()
+                sock.settimeout(None)
+            super().setup()
+        except BaseException:
+            with self.server.conns_lock:
+                self.server.conns.discard(sock)
+            raise
 
     def finish(self) -> None:
         try:
@@ -834,6 +863,11 @@ class HubServer:
     """The Hub (and its CDN) on two ephemeral 127.0.0.1 ports. A context manager.
 
     Args:
+        tls: the session's :class:`tests.tls.TestCA`: both ports speak HTTPS with its certificate,
+            the hub reached as ``hub.prefetch.test`` and the CDN as ``cdn.prefetch.test`` (two
+            host names, as huggingface.co and its CDN are, so "credentials never go to another
+            host" is tested across real names). ``None``: plain HTTP on ``127.0.0.1``, only for
+            tests that are about plain HTTP (and the standalone benchmark server).
         token: when set, every hub-port request must carry ``Authorization: Bearer <token>``:
             no header gives 401 ``X-Error-Code: RepoNotFound`` (what the Hub says for a private
             repo), another token gives 401 "Invalid credentials in Authorization header".
@@ -852,12 +886,14 @@ class HubServer:
 
     def __init__(
         self,
+        tls: TestCA | None = None,
         *,
         token: str | None = None,
         tree_page_size: int = 50,
         small_file_redirect: bool = False,
         cdn_url_ttl: float = 3600.0,
     ) -> None:
+        self.tls = tls
         self.token = token
         self.tree_page_size = tree_page_size
         self.small_file_redirect = small_file_redirect
@@ -869,6 +905,7 @@ class HubServer:
         self._blobs: dict[str, HubFile] = {}  # sha256 -> an LFS file with that content
         self._lock = threading.RLock()
         self._requests: list[RecordedRequest] = []
+        self._connections: dict[Port, int] = {}
         self._errors: list[str] = []
         self._secret = secrets.token_bytes(16)
         self._commit_counter = 0
@@ -885,15 +922,16 @@ class HubServer:
         if self._servers:
             raise RuntimeError("already started")
         self._stopping.clear()
-        hub = _PortServer(self, "hub", hub_port)
+        context = self.tls.server_context() if self.tls is not None else None
+        hub = _PortServer(self, "hub", hub_port, context)
         try:
-            cdn = _PortServer(self, "cdn", cdn_port)
+            cdn = _PortServer(self, "cdn", cdn_port, context)
         except BaseException:
             hub.server_close()
             raise
         self._servers = [hub, cdn]
-        self.endpoint = f"http://127.0.0.1:{hub.server_address[1]}"
-        self.cdn_endpoint = f"http://127.0.0.1:{cdn.server_address[1]}"
+        self.endpoint = self._url(hub.server_address[1], "hub")
+        self.cdn_endpoint = self._url(cdn.server_address[1], "cdn")
         for server in self._servers:
             thread = threading.Thread(
                 target=server.serve_forever,
@@ -904,6 +942,15 @@ class HubServer:
             thread.start()
             self._threads.append(thread)
         return self
+
+    def _url(self, port: int, role: str) -> str:
+        return f"http://127.0.0.1:{port}" if self.tls is None else self.tls.url(port, role)
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What a client process needs to reach this Hub: ``HF_ENDPOINT`` and, over TLS, the
+        variables that make it trust the session CA."""
+        return {"HF_ENDPOINT": self.endpoint, **(self.tls.env() if self.tls is not None else {})}
 
     def stop(self) -> None:
         """Stop serving, drop open (keep-alive) connections and join every thread."""
@@ -1080,12 +1127,24 @@ class HubServer:
     def clear_requests(self) -> None:
         with self._lock:
             self._requests.clear()
+            self._connections.clear()
+
+    @property
+    def connections(self) -> dict[Port, int]:
+        """Connections accepted so far per port (over TLS: one handshake each), cleared with
+        :meth:`clear_requests`; a client that reuses its connections opens few."""
+        with self._lock:
+            return {"hub": self._connections.get("hub", 0), "cdn": self._connections.get("cdn", 0)}
 
     @property
     def errors(self) -> list[str]:
         """Tracebacks of exceptions raised while handling requests (should stay empty)."""
         with self._lock:
             return list(self._errors)
+
+    def _count_connection(self, port: Port) -> None:
+        with self._lock:
+            self._connections[port] = self._connections.get(port, 0) + 1
 
     def _record(self, record: RecordedRequest) -> None:
         with self._lock:

@@ -7,6 +7,11 @@ token it issued (an expiry mid-pull), hang at ``/token``, answer blob GETs with 
 Retry-After, strip the Range header (a registry that ignores Range), throttle bodies, and redirect
 blob GETs (307) to a second listener that plays object storage (it records the headers it got,
 so a test sees whether the Authorization followed the redirect).
+
+Given the session's :class:`tests.tls.TestCA` both listeners speak HTTPS, the proxy as
+``registry.prefetch.test`` and the storage as another host, ``s3.prefetch.test`` (so a credential
+that follows the redirect crosses a real host name), and the upstream registry is reached over
+HTTPS when its URL says so, trusting the same CA.
 """
 
 from __future__ import annotations
@@ -15,11 +20,17 @@ import base64
 import http.client
 import json
 import secrets
+import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qs, urlsplit
+
+if TYPE_CHECKING:
+    from tests.tls import TestCA
 
 _HOP = {"connection", "keep-alive", "transfer-encoding", "host"}
 
@@ -38,9 +49,27 @@ class Faults:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+class _Server(ThreadingHTTPServer):
+    """A threading HTTP server, over TLS when given a context; the handshake happens in the
+    handler's thread (on its first read), so one stuck client never holds up the accept loop."""
+
+    daemon_threads = True
+
+    def __init__(self, handler: type[BaseHTTPRequestHandler], tls: ssl.SSLContext | None) -> None:
+        self.tls = tls
+        super().__init__(("127.0.0.1", 0), handler)
+
+    def get_request(self) -> tuple[socket.socket, object]:
+        sock, address = super().get_request()
+        if self.tls is None:
+            return sock, address
+        return self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), address
+
+
 class RegistryProxy:
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, tls: TestCA | None = None) -> None:
         self.upstream = urlsplit(upstream)
+        self.tls = tls
         self.faults = Faults()
         self.tokens: set[str] = set()
         #: (path, headers) of every request, in order, both listeners
@@ -48,12 +77,22 @@ class RegistryProxy:
         self.storage_requests: list[tuple[str, dict[str, str]]] = []
         self.token_requests: list[dict[str, str]] = []
         self._stop = threading.Event()
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler(storage=False))
-        self.storage = ThreadingHTTPServer(("127.0.0.1", 0), self._handler(storage=True))
-        self.server.daemon_threads = self.storage.daemon_threads = True
-        self.host = f"127.0.0.1:{self.server.server_address[1]}"
-        self.url = f"http://{self.host}"
-        self.storage_url = f"http://127.0.0.1:{self.storage.server_address[1]}"
+        context = tls.server_context() if tls is not None else None
+        self.server = _Server(self._handler(storage=False), context)
+        self.storage = _Server(self._handler(storage=True), context)
+        self.url = self._url(self.server.server_address[1], "registry")
+        self.host = self.url.split("://", 1)[1]
+        self.storage_url = self._url(self.storage.server_address[1], "s3")
+
+    def _url(self, port: int, role: str) -> str:
+        return f"http://127.0.0.1:{port}" if self.tls is None else self.tls.url(port, role)
+
+    def _upstream_connection(self) -> http.client.HTTPConnection:
+        host, port = self.upstream.hostname or "127.0.0.1", self.upstream.port
+        if self.upstream.scheme != "https":
+            return http.client.HTTPConnection(host, port, timeout=30)
+        context = self.tls.client_context() if self.tls is not None else None
+        return http.client.HTTPSConnection(host, port, timeout=30, context=context)
 
     def start(self) -> RegistryProxy:
         for srv in (self.server, self.storage):
@@ -157,9 +196,7 @@ class RegistryProxy:
                 self.wfile.write(body)
 
             def _forward(self, path: str, headers: dict[str, str], head: bool) -> None:
-                up = http.client.HTTPConnection(
-                    proxy.upstream.hostname, proxy.upstream.port, timeout=30
-                )
+                up = proxy._upstream_connection()
                 sent = {k: v for k, v in headers.items() if k.lower() not in _HOP}
                 sent.pop("Authorization", None)  # the registry behind is anonymous
                 up.request("HEAD" if head else "GET", path, headers=sent)

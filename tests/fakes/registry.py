@@ -2,21 +2,31 @@
 with filesystem storage in a temporary directory, and a small client that pushes hand-built
 artifacts to it (blobs by monolithic upload, manifests by PUT) so the reader is tested against
 manifests it did not write.
+
+Given the session's :class:`tests.tls.TestCA` the registry speaks HTTPS (``http.tls`` in its
+config) as ``registry.prefetch.test``, as every registry a node pulls from in production does;
+without one it is plain HTTP on ``127.0.0.1`` (a loopback registry, which the OCI source speaks
+plain HTTP to, as docker does for ``localhost``; or a host in ``PREFETCH_OCI_PLAIN_HTTP``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import urllib3
 
 from tests.support import free_port
+
+if TYPE_CHECKING:
+    from tests.tls import TestCA
 
 MODELPACK_CONFIG = "application/vnd.cncf.model.config.v1+json"
 MODELPACK_ARTIFACT = "application/vnd.cncf.model.manifest.v1+json"
@@ -32,29 +42,45 @@ def registry_binary() -> str | None:
 
 
 class Registry:
-    """``docker-registry serve`` with a config of the test's own; ``url`` is its http base."""
+    """``docker-registry serve`` with a config of the test's own; ``url`` is its base URL
+    (``https://registry.prefetch.test:PORT`` with ``tls``), ``host`` what an ``oci://`` ref names.
+
+    ``proxy_of``: a pull-through cache of that registry's URL (an https origin is trusted through
+    the session CA: the registry process gets ``SSL_CERT_FILE``). ``role``: the test host name it
+    answers to over TLS (``registry``, or ``mirror`` for a node-local mirror)."""
 
     def __init__(
-        self, root: Path, *, htpasswd: Path | None = None, proxy_of: str | None = None
+        self,
+        root: Path,
+        tls: TestCA | None = None,
+        *,
+        htpasswd: Path | None = None,
+        proxy_of: str | None = None,
+        role: str = "registry",
     ) -> None:
         self.root = root
+        self.tls = tls
         root.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
-        self.host = f"127.0.0.1:{self.port}"
-        self.url = f"http://{self.host}"
+        plain = f"http://127.0.0.1:{self.port}"
+        self.url = plain if tls is None else tls.url(self.port, role)
+        self.host = self.url.split("://", 1)[1]
         self.storage = root / "storage"
         auth = ""
         if htpasswd is not None:
             auth = f"auth:\n  htpasswd:\n    realm: test\n    path: {htpasswd}\n"
         if proxy_of is not None:  # a pull-through cache of another registry
             auth += f"proxy:\n  remoteurl: {proxy_of}\n"
+        certificate = ""
+        if tls is not None:
+            certificate = f"  tls:\n    certificate: {tls.cert_file}\n    key: {tls.key_file}\n"
         self.config = root / "config.yml"
         self.config.write_text(
             "version: 0.1\n"
             "log:\n  level: error\n  accesslog:\n    disabled: true\n"
             f"storage:\n  filesystem:\n    rootdirectory: {self.storage}\n"
             "  delete:\n    enabled: true\n"
-            f"http:\n  addr: 127.0.0.1:{self.port}\n"
+            f"http:\n  addr: 127.0.0.1:{self.port}\n{certificate}"
             f"{auth}"
         )
         self._proc: subprocess.Popen[bytes] | None = None
@@ -64,8 +90,11 @@ class Registry:
         binary = registry_binary()
         assert binary is not None
         log = self._log.open("ab")
-        self._proc = subprocess.Popen([binary, "serve", str(self.config)], stdout=log, stderr=log)
-        http = urllib3.PoolManager()
+        env = {**os.environ, **(self.tls.env() if self.tls is not None else {})}
+        self._proc = subprocess.Popen(
+            [binary, "serve", str(self.config)], stdout=log, stderr=log, env=env
+        )
+        http = self.client()
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
@@ -77,6 +106,16 @@ class Registry:
                 pass
             time.sleep(0.05)
         raise RuntimeError("docker-registry did not start")
+
+    def client(self) -> urllib3.PoolManager:
+        """A urllib3 client that trusts this registry (the session CA, hostname checks on)."""
+        if self.tls is None:
+            return urllib3.PoolManager()
+        return urllib3.PoolManager(ca_certs=str(self.tls.ca_file))
+
+    def pusher(self, headers: dict[str, str] | None = None) -> Pusher:
+        """A :class:`Pusher` to this registry."""
+        return Pusher(self.url, headers, client=self.client())
 
     @property
     def pid(self) -> int:
@@ -110,12 +149,20 @@ class Pushed:
 
 
 class Pusher:
-    """Pushes blobs and manifests to ``base`` (``http://host:port``) over the distribution API."""
+    """Pushes blobs and manifests to ``base`` (``https://host:port``) over the distribution API;
+    ``client``: the urllib3 client to push with (default: one that trusts the system's CAs and
+    ``SSL_CERT_FILE``; :meth:`Registry.pusher` passes one that trusts the session CA)."""
 
-    def __init__(self, base: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        base: str,
+        headers: dict[str, str] | None = None,
+        *,
+        client: urllib3.PoolManager | None = None,
+    ) -> None:
         self.base = base
         self.headers = headers or {}
-        self.http = urllib3.PoolManager()
+        self.http = client or urllib3.PoolManager()
 
     def blob(self, repo: str, data: bytes) -> str:
         digest = sha256_digest(data)

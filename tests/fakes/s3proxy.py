@@ -7,6 +7,10 @@ object offset, cut the connection after some bytes, refuse the request with a st
 SlowDown with Retry-After, as S3 throttles), answer a ranged GET with 200 (as a server that ignores
 Range; the body is what the server sent, the status and the missing Content-Range are the lie), or
 trickle the body a few bytes at a time.
+
+Given the session's :class:`tests.tls.TestCA` (``tls``) it listens over HTTPS as ``role``'s test
+host name (``s3.prefetch.test`` by default), and it reaches an ``https://`` upstream over TLS
+trusting the same CA.
 """
 
 from __future__ import annotations
@@ -14,11 +18,16 @@ from __future__ import annotations
 import http.client
 import re
 import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    from tests.tls import TestCA
 
 _RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 
@@ -45,9 +54,23 @@ class Faults:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+class _TLSServer(ThreadingHTTPServer):
+    """Wraps each accepted socket in TLS; the handshake runs on the handler thread's first read,
+    so a stuck client never holds up the accept loop."""
+
+    def __init__(self, handler: type[BaseHTTPRequestHandler], tls: ssl.SSLContext) -> None:
+        self.tls = tls
+        super().__init__(("127.0.0.1", 0), handler)
+
+    def get_request(self) -> tuple[socket.socket, object]:
+        sock, address = super().get_request()
+        return self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), address
+
+
 class S3FaultProxy:
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, tls: TestCA | None = None, role: str = "s3") -> None:
         self.upstream = urlsplit(upstream)
+        self.tls = tls
         self.faults = Faults()
         self.gets: list[str] = []
         #: (key, Range header or None) of every GET, in order
@@ -75,9 +98,7 @@ class S3FaultProxy:
                     if refusal is not None:
                         self._refuse(*refusal)
                         return
-                up = http.client.HTTPConnection(
-                    proxy.upstream.hostname, proxy.upstream.port, timeout=60
-                )
+                up = proxy._upstream_connection()
                 headers = {k: v for k, v in self.headers.items()}
                 up.request(self.command, self.path, body=body, headers=headers)
                 resp = up.getresponse()
@@ -143,10 +164,21 @@ class S3FaultProxy:
 
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        if tls is None:
+            self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+            self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        else:
+            self._server = _TLSServer(Handler, tls.server_context())
+            self.endpoint = tls.url(self._server.server_address[1], role)
         self._server.daemon_threads = True
-        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def _upstream_connection(self) -> http.client.HTTPConnection:
+        host, port = self.upstream.hostname or "127.0.0.1", self.upstream.port
+        if self.upstream.scheme != "https":
+            return http.client.HTTPConnection(host, port, timeout=60)
+        context = self.tls.client_context() if self.tls is not None else None
+        return http.client.HTTPSConnection(host, port, timeout=60, context=context)
 
     def _maybe_flip(self, key: str, start: int, data: bytes, status: int) -> bytes:
         f = self.faults
