@@ -284,11 +284,21 @@ def translate(exc: Exception, what: str) -> Exception:
     if isinstance(exc, bce.ClientError):
         err = exc.response.get("Error", {})
         code = str(err.get("Code", ""))
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        meta = exc.response.get("ResponseMetadata", {})
+        status = meta.get("HTTPStatusCode", 0)
         msg = err.get("Message") or code
         if code == "NoSuchBucket":
             return BucketNotFoundError(f"{what}: bucket does not exist")
-        return _client_error(what, code, int(status or 0), msg)
+        error = _client_error(what, code, int(status or 0), msg)
+        # the server's Retry-After (S3 throttling may send it), as answer_error keeps it
+        return _with_retry_after(error, dict(meta.get("HTTPHeaders") or {}))
+    if isinstance(exc, bce.ProxyConnectionError):
+        # botocore's "Failed to connect to proxy URL": the proxy's own answer, in one sentence
+        # as the seam's requests say it (its cause is urllib3's ProxyError)
+        cause = exc.kwargs.get("error")
+        if isinstance(cause, urllib3.exceptions.ProxyError):
+            return transport_error(cause, what)
+        return TransientSourceError(f"{what}: cannot connect through the proxy")
     if isinstance(exc, bce.NoCredentialsError | bce.PartialCredentialsError):
         return AccessDeniedError(
             f"{what}: no AWS credentials found",
@@ -404,7 +414,14 @@ def answer_error(what: str, answer: Response, *, has_body: bool) -> SourceError:
     if code == "NoSuchBucket":
         return BucketNotFoundError(f"{what}: bucket does not exist")
     error = _client_error(what, code, answer.status, msg)
-    retry_after = parse_retry_after(answer.headers.get("Retry-After"))
+    return _with_retry_after(error, answer.headers)
+
+
+def _with_retry_after(error: SourceError, headers: Mapping[str, str]) -> SourceError:
+    """``error`` carrying the answer's ``Retry-After`` when it is transient and one was sent
+    (``headers``: urllib3's, or botocore's lowercased ``HTTPHeaders``)."""
+    value = headers.get("Retry-After") or headers.get("retry-after")
+    retry_after = parse_retry_after(value)
     if isinstance(error, TransientSourceError) and retry_after is not None:
         return TransientSourceError(str(error), retry_after=retry_after)
     return error
