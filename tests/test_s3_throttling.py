@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+import pytest
 
 from .fakes.scripted_s3 import ScriptedS3
 from .support import clean_env, run_cli
@@ -97,3 +101,65 @@ def test_the_botocore_listing_waits_the_retry_after(test_ca: TestCA, tmp_path: P
     gaps = [b.at - a.at for a, b in itertools.pairwise(listings[:3])]
     assert all(gap >= 2.9 for gap in gaps), gaps  # the server's 3 s, not the 0.25 s backoff
     assert (tmp_path / "d" / "w.bin").read_bytes() == objects["m/w.bin"]
+
+
+# -- item 22: a throttled node slows down as a whole ---------------------------------------------
+
+PULLS = 4
+FILES = {f"m/w{i:02d}.bin": bytes([i]) * (1024 * 1024 + 1) for i in range(12)}  # HEAD + 5 GETs
+
+
+def pulls(env: dict[str, str], tmp_path: Path, count: int) -> list[subprocess.Popen[str]]:
+    """``count`` pulls of s3://bkt/m started together (each its own process: one node)."""
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "prefetch.cli",
+                "pull",
+                "s3://bkt/m",
+                str(tmp_path / f"d{n}"),
+                "--chunk-size",
+                "256KiB",
+                "--json",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(count)
+    ]
+
+
+def finished(procs: list[subprocess.Popen[str]]) -> list[tuple[int, str]]:
+    out = []
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        out.append((proc.returncode, err))
+    return out
+
+
+@pytest.mark.slow
+def test_throttled_pulls_stay_within_half_again_the_minimum_requests(
+    test_ca: TestCA, tmp_path: Path
+) -> None:
+    with ScriptedS3(test_ca, objects=dict(FILES)) as s3:
+        (tmp_path / "one").mkdir()
+        env = profile_env(tmp_path / "one", test_ca, s3.endpoint)
+        (one,) = finished(pulls(env, tmp_path / "one", 1))
+        assert one[0] == 0, one[1][-2000:]
+        minimum, listings = PULLS * s3.count(), PULLS * s3.count("list")
+    with ScriptedS3(test_ca, objects=dict(FILES), rate=40) as s3:
+        env = profile_env(tmp_path, test_ca, s3.endpoint)
+        results = finished(pulls(env, tmp_path, PULLS))
+        sent, throttled = s3.count(), s3.count(status=503)
+        listed = s3.count("list", status=200)
+    for code, err in results:
+        assert code == 0, err[-2000:]  # every node ready
+    for n in range(PULLS):
+        assert (tmp_path / f"d{n}" / "w11.bin").read_bytes() == FILES["m/w11.bin"]
+    assert throttled > 0  # the server did throttle
+    assert sent <= 1.5 * minimum, (sent, throttled, minimum)
+    assert listed == listings  # throttled requests were retried, never a pull from its listing
