@@ -70,14 +70,20 @@ def refusing_proxy() -> Iterator[str]:
         httpd.server_close()
 
 
+@pytest.mark.parametrize(
+    "source",
+    [["s3://bkt/m"], ["hf://acme/x", "--mirror", "s3://bkt/m", "--no-hub-fallback"]],
+    ids=["s3", "mirror"],
+)
 def test_a_refused_connect_on_the_botocore_listing_is_one_sentence(
-    test_ca: TestCA, tmp_path: Path
+    test_ca: TestCA, tmp_path: Path, source: list[str]
 ) -> None:
     with refusing_proxy() as proxy:
         env = profile_env(tmp_path, test_ca, "https://s3.prefetch.test:9")
         env.update(HTTPS_PROXY=proxy, HTTP_PROXY=proxy, NO_PROXY="")
-        proc = run_cli("pull", "s3://bkt/m", str(tmp_path / "d"), "--attempts", "1", env=env,
-                       timeout=60)  # fmt: skip
+        env["HF_ENDPOINT"] = "https://hub.prefetch.test:9"
+        proc = run_cli("pull", source[0], str(tmp_path / "d"), *source[1:], "--attempts", "1",
+                       env=env, timeout=60)  # fmt: skip
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr
     first = proc.stderr.splitlines()[0]
