@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from .fakes.scripted_s3 import ScriptedS3
-from .support import clean_env, run_cli
+from .support import AgentProcess, clean_env, config_text, run_cli
 from .tls import TestCA
 
 PROFILE = "[throttled]\naws_access_key_id = AKIATHROTTLED\naws_secret_access_key = s3cret\n"
@@ -169,3 +169,44 @@ def test_throttled_pulls_stay_within_half_again_the_minimum_requests(
     assert throttled > 0  # the server did throttle
     assert sent <= 1.5 * minimum, (sent, throttled, minimum)
     assert listed == listings  # throttled requests were retried, never a pull from its listing
+
+
+def agents_until_ready(
+    s3: ScriptedS3, ca: TestCA, tmp_path: Path, count: int
+) -> list[dict[str, object]]:
+    """``count`` agents (one node each) started together on s3://bkt/m, until each is ready;
+    the /readyz body of each."""
+    started = []
+    for n in range(count):
+        work = tmp_path / f"node{n}"
+        work.mkdir(parents=True)
+        config = work / "models.yaml"
+        config.write_text(
+            config_text(work / "cache", [{"name": "m", "source": "s3://bkt/m"}], chunkSize="256KiB")
+        )
+        env = profile_env(work, ca, s3.endpoint)
+        started.append(AgentProcess(config, env, work / "agent.log"))
+    try:
+        return [agent.ready_then_terminated(timeout=90) for agent in started]
+    finally:
+        for agent in started:
+            agent.stop()
+
+
+@pytest.mark.slow
+def test_throttled_agents_stay_within_half_again_the_minimum_requests(
+    test_ca: TestCA, tmp_path: Path
+) -> None:
+    """Each agent's models share one pace per endpoint: three nodes scaling up together against
+    a throttling endpoint all get ready without multiplying their requests."""
+    with ScriptedS3(test_ca, objects=dict(FILES)) as s3:
+        agents_until_ready(s3, test_ca, tmp_path / "one", 1)
+        minimum, listings = 3 * s3.count(), 3 * s3.count("list")
+    with ScriptedS3(test_ca, objects=dict(FILES), rate=25) as s3:
+        bodies = agents_until_ready(s3, test_ca, tmp_path / "three", 3)
+        sent, throttled = s3.count(), s3.count(status=503)
+        listed = s3.count("list", status=200)
+    assert all(body["ready"] for body in bodies)
+    assert throttled > 0
+    assert sent <= 1.5 * minimum, (sent, throttled, minimum)
+    assert listed == listings  # no sync started again from its listing
