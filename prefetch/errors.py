@@ -121,6 +121,11 @@ class TransientSourceError(SourceError):
         self.retry_after = retry_after
 
 
+class ThrottledError(TransientSourceError):
+    """The server asks the client to slow down (S3's ``503 SlowDown``, a 429): retried like
+    any transient failure, and the client's request rate to that server is lowered."""
+
+
 class TransferError(PrefetchError):
     pass
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import random
 import threading
@@ -110,3 +111,112 @@ def call_with_retries(
             else:
                 time.sleep(wait)
             attempt += 1
+
+
+class AdaptiveRate:
+    """A client-side request rate for one server, shared by every thread that talks to it: not
+    limited until the server first throttles, then a token bucket whose rate is cut at each
+    throttle and grows back between them along the CUBIC curve (RFC 8312), as botocore's
+    ``adaptive`` retry mode and the CRT client do. A throttled node so slows down as a whole,
+    instead of each request retrying on its own schedule and multiplying the load.
+
+    Hand-written rather than botocore's: botocore applies its limiter to requests its own
+    client sends, while most of ours go out on the transport seam (urllib3) with no botocore
+    loaded at all (a pull with static keys never imports it).
+
+    :meth:`acquire` before each request (it returns the request's ticket), then
+    :meth:`throttled` or :meth:`succeeded` with that ticket: the answers to requests sent before
+    the last cut do not cut again (one burst of 503s is one signal, not one per request).
+    """
+
+    #: The CUBIC constant and multiplicative decrease (RFC 8312's C and beta, botocore's too).
+    SCALE = 0.4
+    BETA = 0.7
+    #: Requests per second the rate is never cut below.
+    MIN_RATE = 0.5
+    #: Seconds over which the rate actually sent is measured.
+    WINDOW = 1.0
+    #: The longest single sleep of a waiting request (it checks ``abort`` in between).
+    SLICE = 0.2
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self._clock, self._sleep = clock, sleep
+        self._lock = threading.Lock()
+        self._rate: float | None = None  # requests/s; None: not limited (never throttled)
+        self._peak = 0.0  # the rate when last throttled (CUBIC's W_max)
+        self._cut_at = float("-inf")
+        self._tokens = 0.0
+        self._filled_at = 0.0
+        self._sent: collections.deque[float] = collections.deque()
+
+    @property
+    def rate(self) -> float | None:
+        """Requests per second allowed now (None: not limited)."""
+        with self._lock:
+            return self._rate
+
+    def acquire(self, abort: Callable[[], None] | None = None) -> float:
+        """Wait for the turn of one request; its ticket (the time it may go). ``abort`` is
+        called between waits and may raise (a stop, a deadline)."""
+        while True:
+            with self._lock:
+                now = self._clock()
+                wait = self._take(now)
+                if wait <= 0:
+                    self._sent.append(now)
+                    return now
+            if abort is not None:
+                abort()
+            self._sleep(min(wait, self.SLICE))
+
+    def _take(self, now: float) -> float:
+        """Take a token (0) or say how long until there is one (under the lock)."""
+        rate = self._rate
+        if rate is None:
+            return 0.0
+        self._tokens = min(max(1.0, rate), self._tokens + (now - self._filled_at) * rate)
+        self._filled_at = now
+        if self._tokens >= 1.0 - 1e-9:  # float dust must not leave a request waiting
+            self._tokens = max(0.0, self._tokens - 1.0)
+            return 0.0
+        return (1.0 - self._tokens) / rate
+
+    def throttled(self, ticket: float) -> None:
+        """The request of ``ticket`` was throttled: cut the rate to BETA of what was being
+        sent (unless a cut came after the request went out)."""
+        with self._lock:
+            if ticket <= self._cut_at:
+                return
+            now = self._clock()
+            sent = self._sent_rate(now)
+            base = sent if self._rate is None else min(self._rate, sent)
+            self._peak = base
+            self._rate = max(self.MIN_RATE, base * self.BETA)
+            self._cut_at = now
+            self._tokens, self._filled_at = 0.0, now
+        log.info("throttled: at most %.1f requests/s from now on", self._rate)
+
+    def succeeded(self, ticket: float) -> None:
+        """The request of ``ticket`` was not throttled: the rate grows back along the curve."""
+        del ticket  # every answer that is not a throttle lets the rate grow, whenever sent
+        with self._lock:
+            if self._rate is None:
+                return
+            now = self._clock()
+            since = now - self._cut_at
+            k = (self._peak * (1 - self.BETA) / self.SCALE) ** (1 / 3)
+            grown = self.SCALE * (since - k) ** 3 + self._peak
+            # never above twice what is being sent: a rate nobody uses is no information
+            ceiling = max(2.0 * self._sent_rate(now), self.MIN_RATE)
+            self._rate = max(self.MIN_RATE, min(grown, ceiling))
+
+    def _sent_rate(self, now: float) -> float:
+        """Requests per second sent over the last WINDOW (at least one request)."""
+        while self._sent and now - self._sent[0] > self.WINDOW:
+            self._sent.popleft()
+        return max(1.0, len(self._sent)) / self.WINDOW

@@ -419,10 +419,11 @@ def test_warming_started_waits_for_the_starting_syncs_plans_and_tells_their_size
 
 
 def test_warming_started_is_told_before_a_sync_of_its_episode_ends() -> None:
-    """However slow one sync is to resolve, no model is ready before warming started."""
+    """However slow one sync is to resolve, no model is ready before warming started (here
+    the ended sync waits no time at all for the other to resolve)."""
     sink = Recording()
     recorder = EventRecorder(AgentMetrics(CollectorRegistry()), sink)
-    story = ev.WarmingStory(recorder)
+    story = ev.WarmingStory(recorder, resolve_wait=0.0)
     story.begin(["a", "b"], starting=["a", "b"], known={})
     story.planned("a", 10, 10)
     story.settled("a")  # a is done (ModelReady next) while b is still resolving
@@ -714,3 +715,51 @@ def test_a_failed_warm_up_is_a_warning() -> None:
     )
     assert event.reason is ev.Reason.WARM_UP_SKIPPED and event.type == "Warning"
     assert event.error == "m/x: Input/output error" and "failed: m/x" in event.note
+
+
+def test_a_sync_that_ends_first_waits_for_the_others_sizes() -> None:
+    """A small model synced before the large one resolved: WarmingStarted still has both."""
+    sink = Recording()
+    recorder = EventRecorder(AgentMetrics(CollectorRegistry()), sink)
+    story = ev.WarmingStory(recorder)
+    story.begin(["small", "large"], starting=["small", "large"], known={})
+    story.planned("small", 10, 10)
+    threading.Timer(0.3, story.planned, ("large", 2048, 2048)).start()
+    story.settled("small")  # returns once large resolved, then small's ModelReady is told
+    assert recorder.flush()
+    recorder.close()
+    assert [e["note"] for e in sink.created] == [
+        "Warming 2 model(s): small, large; 2.0 KiB (2058 bytes) in total, 2.0 KiB (2058 bytes) "
+        "to download"
+    ]
+
+
+def test_a_required_model_that_fails_fast_is_named_not_counted_as_0_bytes() -> None:
+    sink = Recording()
+    recorder = EventRecorder(AgentMetrics(CollectorRegistry()), sink)
+    story = ev.WarmingStory(recorder)
+    story.begin(["broken", "llama"], starting=["broken", "llama"], known={})
+    threading.Timer(0.3, story.planned, ("llama", 1024, 1024)).start()
+    story.settled("broken")  # its listing was refused: no size, ever
+    assert recorder.flush()
+    recorder.close()
+    (note,) = [e["note"] for e in sink.created]
+    assert note == (
+        "Warming 2 model(s): broken, llama; 1.0 KiB (1024 bytes) in total, 1.0 KiB (1024 bytes) "
+        "to download; failed before resolving: broken"
+    )
+
+
+def test_with_no_size_resolved_warming_started_gives_none() -> None:
+    sink = Recording()
+    recorder = EventRecorder(AgentMetrics(CollectorRegistry()), sink)
+    story = ev.WarmingStory(recorder, resolve_wait=0.2)
+    story.begin(["a", "b"], starting=["a"], known={})
+    story.settled("a")
+    assert recorder.flush()
+    recorder.close()
+    (event,) = sink.created
+    assert event["note"] == (
+        "Warming 2 model(s): a, b; sizes not resolved yet: b; failed before resolving: a"
+    )
+    assert "0 B" not in event["note"]

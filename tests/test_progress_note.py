@@ -376,3 +376,37 @@ def test_the_note_shows_the_warm_up_and_the_compile_cache_state_and_a_change_is_
     limiter.written(shapes[0])
     assert not limiter.due(shapes[0], in_flight=False)  # steady state: nothing
     assert limiter.due(shapes[1], in_flight=False)  # the warm-up began: written
+
+
+def test_an_optional_model_that_keeps_failing_writes_nothing_once_the_node_is_ready(
+    stub: KubeStub,
+) -> None:
+    """docs/operations.md: 0 writes/s once ready. A failing optional model's retries fetch
+    nothing, so its note keeps saying ``failed``: no change, nothing moving, nothing written."""
+    from prefetch.errors import TransientSourceError
+
+    scene = Scene(stub)
+    extra = state("extra", required=False)
+    extra.sync_failed(TransientSourceError("503"), 0.0, cast(Any, _Backoff()))
+    scene.models = [ready("llama", GiB), extra]
+    scene.all_ready = True
+    for _ in range(20):  # ten minutes: a retry every 30 s, each failing after 10 s
+        sink = scene.metrics.sink("extra", "s3")
+        extra.start_sync(Job(JobKind.SYNC, cast(Any, None), threading.Event(), 0.0), sink)
+        scene.run_for(10)
+        extra.job = None
+        extra.sync_failed(TransientSourceError("503"), 0.0, cast(Any, _Backoff()))
+        scene.run_for(20)
+    assert len(scene.patches()) == 1  # the first pass only
+    assert scene.written()["models"][1] == {
+        "name": "extra",
+        "phase": "failed",
+        "reason": "transient",
+    }
+    # a retry that does fetch bytes is progress again, and shown as such
+    sink = scene.metrics.sink("extra", "s3")
+    extra.start_sync(Job(JobKind.SYNC, cast(Any, None), threading.Event(), 0.0), sink)
+    sink.start("extra", GiB, 1)
+    sink.advance(1024)
+    scene.run_for(1)
+    assert scene.written()["models"][1]["phase"] == "syncing"

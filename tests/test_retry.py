@@ -15,7 +15,7 @@ from prefetch.agent.config import AgentConfig
 from prefetch.agent.gate_driver import GATE_RETRY, GateDriver
 from prefetch.errors import ConfigError, SourceError, TransientSourceError
 from prefetch.metrics import AgentMetrics
-from prefetch.retry import RetryPolicy, call_with_retries
+from prefetch.retry import AdaptiveRate, RetryPolicy, call_with_retries
 from prefetch.transfer import Cancelled, retry_read
 
 
@@ -164,3 +164,43 @@ def test_the_gate_driver_backs_off_as_its_policy_says(monkeypatch: pytest.Monkey
         assert gate.calls == failures
         clock[0] += 0.01
     assert waits == [10.0, 20.0, 40.0, 60.0]
+
+
+class FakeTime:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_the_adaptive_rate_engages_at_the_first_throttle_and_cuts_once_per_burst() -> None:
+    t = FakeTime()
+    pace = AdaptiveRate(clock=t.clock, sleep=t.sleep)
+    tickets = [pace.acquire() for _ in range(20)]  # a burst: nothing limits it yet
+    assert t.now == 100.0 and pace.rate is None
+    for ticket in tickets:  # every request of the burst was throttled: one signal
+        pace.throttled(ticket)
+    assert pace.rate == pytest.approx(20 * 0.7)
+    began = t.now
+    for _ in range(29):
+        pace.acquire()
+    assert t.now - began == pytest.approx(29 / 14, rel=0.05)  # paced: ~14 per second
+    pace.throttled(pace.acquire())  # sent after the cut: cuts again
+    assert pace.rate is not None and pace.rate < 14
+
+
+def test_the_adaptive_rate_grows_back_along_the_curve() -> None:
+    t = FakeTime()
+    pace = AdaptiveRate(clock=t.clock, sleep=t.sleep)
+    pace.throttled(next(iter([pace.acquire() for _ in range(10)])))
+    assert pace.rate == pytest.approx(7.0)
+    rates = []
+    for _ in range(60):  # six seconds of answers that are not throttled, paced
+        pace.succeeded(pace.acquire())
+        rates.append(pace.rate or 0.0)
+    assert rates == sorted(rates)  # never down without a throttle
+    assert rates[-1] > 10.0  # back past the rate it was throttled at

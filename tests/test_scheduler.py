@@ -241,3 +241,26 @@ def test_the_table_reports_ready_names_required_readiness_and_config_order() -> 
     assert not scheduler.all_required_ready()
     assert [ms.spec.name for ms in scheduler.states()] == ["b-model", "a-model"]
     assert scheduler.current(a) and not scheduler.current(state("b-model"))
+
+
+def test_a_sync_is_stalled_after_a_window_without_enough_bytes(job: Job) -> None:
+    """Issue 29 item 18: what frees a parallelModels slot (see Agent._stalled_syncs)."""
+    from prometheus_client import CollectorRegistry
+
+    from prefetch.metrics import AgentMetrics
+
+    ms = state("m")
+    sink = AgentMetrics(CollectorRegistry()).sink("m", "s3")
+    job.started = 100.0
+    ms.start_sync(job, sink)
+    assert not ms.stalled(129.0, 30.0, 1000)  # resolving: not yet a window without progress
+    assert ms.stalled(130.0, 30.0, 1000)
+    sink.start("m", 10_000, 1)
+    sink.advance(999)  # a trickle: less than enough
+    assert ms.stalled(131.0, 30.0, 1000)
+    sink.advance(1)  # enough bytes: progress, and the window starts again
+    assert not ms.stalled(132.0, 30.0, 1000)
+    assert not ms.stalled(161.0, 30.0, 1000)
+    assert ms.stalled(162.0, 30.0, 1000)
+    ms.job = None
+    assert not ms.stalled(200.0, 30.0, 1000)  # no sync running: nothing to free

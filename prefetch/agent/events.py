@@ -160,12 +160,25 @@ def _size(n: int) -> str:
 
 
 def warming_started(
-    models: Sequence[str], total_bytes: int, to_fetch: int, unresolved: Sequence[str] = ()
+    models: Sequence[str],
+    total_bytes: int,
+    to_fetch: int,
+    unresolved: Sequence[str] = (),
+    failed: Sequence[str] = (),
 ) -> NodeEvent:
     """The node starts fetching the models it lacks: ``total_bytes`` is their size and
     ``to_fetch`` what is not in the cache yet, over the models resolved so far (``unresolved``
-    are the others: waiting for a sync slot, or not resolved before a sync ended)."""
-    later = f"; sizes not resolved yet: {', '.join(unresolved)}" if unresolved else ""
+    are the others: waiting for a sync slot, or slow to resolve; ``failed``: their sync ended
+    before it resolved them). With no model resolved no size is given (never "0 B")."""
+    pending = [m for m in unresolved if m not in failed]
+    later = f"; sizes not resolved yet: {', '.join(pending)}" if pending else ""
+    later += f"; failed before resolving: {', '.join(failed)}" if failed else ""
+    if len(unresolved) >= len(models):
+        return NodeEvent(
+            Reason.WARMING_STARTED,
+            "Warm",
+            f"Warming {len(models)} model(s): {', '.join(models)}{later}",
+        )
     return NodeEvent(
         Reason.WARMING_STARTED,
         "Warm",
@@ -371,24 +384,34 @@ def compile_cache_push_refused(model: str, key: str, *, detail: str) -> NodeEven
     )
 
 
+#: The longest a sync that ended waits for the other syncs of its warming episode to resolve
+#: (a resolve takes well under a second when the source answers).
+RESOLVE_WAIT = 10.0
+
+
 class WarmingStory:
     """Tells WarmingStarted once per warming episode, with the size of what is warming.
 
     On a cold node no model's size is known before its sync resolves it, moments after the sync
     starts. So the Agent opens the episode with :meth:`begin` (the models to warm, and which of
     them start syncing now), each of those syncs reports its plan (:meth:`planned`), and the
-    Event goes out when all of them have (within the time a resolve takes), or as soon as any
-    sync of the episode ends (:meth:`settled`), whichever comes first: so it always comes
-    before the episode's first ModelReady, which a sync tells only after it settled.
-    Thread-safe: syncs report from their worker threads.
+    Event goes out when all of them have (within the time a resolve takes). A sync of the
+    episode that ends first (:meth:`settled`: it failed fast, or its model was small) waits,
+    at most ``resolve_wait`` seconds, for the others to resolve before it goes on to tell its
+    ModelReady or failure: so the Event always comes before the episode's first ModelReady,
+    with every size that could be had, and names the models whose size it does not have
+    (never a size it does not have). Thread-safe: syncs report from their worker threads.
     """
 
-    def __init__(self, recorder: EventRecorder) -> None:
+    def __init__(self, recorder: EventRecorder, *, resolve_wait: float = RESOLVE_WAIT) -> None:
         self._recorder = recorder
+        self._resolve_wait = resolve_wait
         self._lock = threading.Lock()
+        self._resolved = threading.Condition(self._lock)
         self._models: list[str] = []
         self._waiting: set[str] = set()
         self._sizes: dict[str, tuple[int, int]] = {}  # model -> (total, to fetch)
+        self._failed: list[str] = []  # their sync ended before resolving them
         self._open = False
 
     def begin(self, models: Sequence[str], starting: Sequence[str], known: dict[str, int]) -> None:
@@ -398,6 +421,7 @@ class WarmingStory:
             self._models = list(models)
             self._waiting = set(starting)
             self._sizes = {m: (n, n) for m, n in known.items()}
+            self._failed = []
             self._open = True
         self._maybe_tell()
 
@@ -407,12 +431,23 @@ class WarmingStory:
                 return
             self._waiting.discard(model)
             self._sizes[model] = (total, to_fetch)
+            self._resolved.notify_all()
         self._maybe_tell()
 
-    def settled(self, model: str) -> None:
-        """A sync ended (any outcome): tell now, with the sizes known so far, so that the
-        story never has a model ready before warming started."""
-        with self._lock:
+    def settled(self, model: str, stop: threading.Event | None = None) -> None:
+        """A sync ended (any outcome). Before it tells how (its model's ModelReady comes
+        next), wait for the episode's other starting syncs to resolve, at most
+        ``resolve_wait`` seconds (less when ``stop`` is set), then tell with what is known."""
+        give_up = time.monotonic() + self._resolve_wait
+        with self._resolved:
+            if self._open and model in self._models and model not in self._sizes:
+                self._failed.append(model)
+            self._waiting.discard(model)
+            while self._open and self._waiting and not (stop is not None and stop.is_set()):
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    break
+                self._resolved.wait(min(left, 0.2))
             self._waiting.clear()
         self._maybe_tell()
 
@@ -421,11 +456,11 @@ class WarmingStory:
             if not self._open or self._waiting:
                 return
             self._open = False
-            models, sizes = self._models, dict(self._sizes)
+            models, sizes, failed = self._models, dict(self._sizes), list(self._failed)
         unresolved = [m for m in models if m not in sizes]
         total = sum(t for t, _ in sizes.values())
         to_fetch = sum(f for _, f in sizes.values())
-        self._recorder.emit(warming_started(models, total, to_fetch, unresolved))
+        self._recorder.emit(warming_started(models, total, to_fetch, unresolved, failed))
 
 
 # -- sending ---------------------------------------------------------------------------------------

@@ -172,7 +172,7 @@ class SyncJob:
                 self._warm(ms, result, config, stop)  # before the model is ready: gating
             return result
         finally:
-            self._parts.warming.settled(ms.spec.name)
+            self._parts.warming.settled(ms.spec.name, stop)
 
     @staticmethod
     def _wants_warm(ms: ModelState, result: SyncResult, config: AgentConfig) -> bool:

@@ -12,10 +12,11 @@ written and whether every required model is ready::
 (30 s) apart. A write is due when what the note *says* changed since the last successful write
 (a model's phase, or all-ready: so warming start and all ready go out as soon as the interval
 allows), or, while bytes are moving, once per interval to refresh the numbers. In the steady
-state (everything ready, nothing fetching) nothing is written. A failed write counts against
-the interval like a successful one (a struggling API server gets at most one try per interval)
-but leaves the change due, so it is tried again. The cost of that at 1,000 nodes is worked out
-in docs/operations.md.
+state (everything ready, nothing fetching) nothing is written, also while a model keeps failing
+(its retries show ``failed`` until one fetches a byte: see :func:`shown_phase`). A failed write
+counts against the interval like a successful one (a struggling API server gets at most one try
+per interval) but leaves the change due, so it is tried again. The cost of that at 1,000 nodes
+is worked out in docs/operations.md.
 
 Phases in the note are the scheduler's, except that a ready model being re-verified, or checked
 against its source with nothing to fetch, shows ``ready``: those periodic checks would otherwise
@@ -88,12 +89,21 @@ class NodeAnnotator(Protocol):
 
 def shown_phase(ms: ModelState) -> str:
     """The phase the note shows: the scheduler's, but ``ready`` for a ready model that is only
-    being re-verified or checked against its source (nothing to fetch)."""
+    being re-verified or checked against its source (nothing to fetch), and ``failed`` for a
+    failed model's retry until it fetches a byte (a model that keeps failing, say an optional
+    one on a ready node, changes nothing in the note at each retry: nothing is written)."""
+    if ms.phase is ModelPhase.SYNCING and ms.last_error is not None and not retry_moved(ms):
+        return "failed"
     if ms.ready and ms.phase is ModelPhase.VERIFYING:
         return "ready"
     if ms.ready and ms.phase is ModelPhase.UPDATING and not (ms.sink and ms.sink.total):
         return "ready"
     return ms.phase.value
+
+
+def retry_moved(ms: ModelState) -> bool:
+    """Has the running sync fetched any byte?"""
+    return ms.sink is not None and ms.sink.done > 0
 
 
 def warm_state(ms: ModelState) -> str | None:

@@ -446,11 +446,37 @@ class Agent:
             return
         running = sum(1 for t in self._tasks if not t.done())
         intervals = Intervals(self.config.resolve_interval, self.config.verify_interval)
-        slots = self.config.parallel_models - running
+        slots = self.config.parallel_models - running + self._stalled_syncs(now)
         due = self.scheduler.due_jobs(now, intervals, slots)
         self._announce_warming(due)
         for ms, kind in due:
             self._start(ms, kind)
+
+    def _stalled_syncs(self, now: float) -> int:
+        """How many running syncs made no progress for ``stallTimeout`` (fewer bytes than
+        ``minRate`` delivers in half of it): they do not count against ``parallelModels``, so
+        one trickling source cannot keep the other models waiting. The stalled sync goes on
+        (its ranges are retried by the engine's stall rule, and it may recover); while it is
+        stalled one more model may run. Chosen over ending the attempt after repeated stalls:
+        an ended attempt comes back after its backoff and holds the slot again, and a source
+        that recovers would have lost its progress to a restart."""
+        config = self.config
+        enough = max(1, int(config.min_rate * config.stall_timeout / 2))
+        stalled = 0
+        for ms in self.scheduler.states():
+            if not ms.stalled(now, config.stall_timeout, enough):
+                continue
+            stalled += 1
+            if not ms.slot_given_up:
+                ms.slot_given_up = True
+                log.warning(
+                    "%s: no progress for %.0fs: its parallelModels slot goes to a waiting "
+                    "model while it goes on",
+                    ms.spec.name,
+                    now - ms.progress_mark[0],
+                    extra={"model": ms.spec.name, "phase": "sync"},
+                )
+        return stalled
 
     def _announce_warming(self, due: list[tuple[ModelState, JobKind]]) -> None:
         """A warming episode begins when syncs start while a required model is not ready (once,

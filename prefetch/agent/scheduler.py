@@ -105,10 +105,31 @@ class ModelState:
     #: Publishing its compile cache from this node (``push: true``): ``pushed`` (this node won
     #: the key) or ``published-elsewhere`` (another writer did); None before either.
     cache_push: str | None = None
+    #: (monotonic time, bytes downloaded) when the running sync last made progress (see
+    #: :meth:`stalled`); set when the sync starts.
+    progress_mark: tuple[float, int] = (0.0, 0)
+    #: The running sync was found stalled and gave up its ``parallelModels`` slot (told once).
+    slot_given_up: bool = False
 
     @property
     def syncing(self) -> bool:
         return self.job is not None and self.job.kind is JobKind.SYNC
+
+    def stalled(self, now: float, window: float, enough: int) -> bool:
+        """Has the running sync moved fewer than ``enough`` bytes in the last ``window``
+        seconds (resolving, planning and trickled reads included)? Asked on the loop at every
+        pass: the mark moves each time the sync has moved ``enough`` bytes since it."""
+        if not self.syncing or self.sink is None:
+            return False
+        at, mark = self.progress_mark
+        done = self.sink.done
+        if done < mark:  # the download (re)started its count
+            self.progress_mark = at, done
+        elif done - mark >= enough:
+            self.progress_mark = now, done
+            self.slot_given_up = False
+            return False
+        return now - at >= window
 
     # -- transitions --------------------------------------------------------------------------
 
@@ -131,6 +152,8 @@ class ModelState:
     def start_sync(self, job: Job, sink: MetricsSink | None = None) -> None:
         self.job = job
         self.sink = sink
+        self.progress_mark = job.started, 0
+        self.slot_given_up = False
         self.phase = ModelPhase.UPDATING if self.ready else ModelPhase.SYNCING
 
     def start_verify(self, job: Job) -> None:

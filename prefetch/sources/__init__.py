@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from prefetch.retry import RetryPolicy
+from prefetch.retry import AdaptiveRate, RetryPolicy
 from prefetch.snapshot import Snapshot
 from prefetch.sources.base import RangeReader, Source
 from prefetch.spec import ModelSpec, SpecError, layout_kind
@@ -52,7 +52,14 @@ class S3Clients:
     def __init__(self, make: Callable[..., Any] | None = None) -> None:
         self._make = make
         self._clients: dict[tuple[str | None, int, str | None], Any] = {}
+        self._paces: dict[str | None, AdaptiveRate] = {}
         self._lock = threading.Lock()
+
+    def pace(self, endpoint: str | None) -> AdaptiveRate:
+        """The request rate to ``endpoint`` (None: AWS), shared by every model the process
+        reads from it: a throttled node slows down as a whole (see AdaptiveRate)."""
+        with self._lock:
+            return self._paces.setdefault(endpoint, AdaptiveRate())
 
     def get(self, endpoint: str | None, pool: int, proxy: str | None) -> Any:
         key = (endpoint, pool, proxy)
@@ -164,6 +171,12 @@ def _s3_client(spec: ModelSpec, settings: SourceSettings, *, lazy: bool) -> Any:
     )
 
 
+def _pace(settings: SourceSettings) -> AdaptiveRate | None:
+    """The shared request rate to the S3 endpoint in a long-running process (None: the
+    client's or the source's own, see S3Source)."""
+    return settings.clients.pace(settings.s3_endpoint) if settings.clients is not None else None
+
+
 def _open_s3(spec: ModelSpec, settings: SourceSettings, *, probe: bool, kind: str) -> OpenedSource:
     """An S3 prefix: read as a mirror when it is one (``probe``), else object by object."""
     from prefetch.sources.s3 import S3Source
@@ -174,7 +187,7 @@ def _open_s3(spec: ModelSpec, settings: SourceSettings, *, probe: bool, kind: st
     if probe:
         from prefetch.sources.mirror import MirrorSource
 
-        mirror = MirrorSource(client, spec.source, retry=settings.retry)
+        mirror = MirrorSource(client, spec.source, retry=settings.retry, pace=_pace(settings))
         if mirror.is_mirror():
             snapshot = mirror.resolve(spec)
             if spec.hf_repo is None:
@@ -188,7 +201,7 @@ def _open_s3(spec: ModelSpec, settings: SourceSettings, *, probe: bool, kind: st
                     )
                 spec = replace(spec, hf_repo=snapshot.repo_id)
             return OpenedSource(mirror, spec, "hf", snapshot, s3_client=client)
-    source = S3Source(client, spec.source, retry=settings.retry)
+    source = S3Source(client, spec.source, retry=settings.retry, pace=_pace(settings))
     return OpenedSource(source, spec, kind, s3_client=client)
 
 
@@ -224,7 +237,7 @@ def _ordered(spec: ModelSpec, settings: SourceSettings, client: Any) -> Source:
 
     retry = settings.retry if settings.hub is None else settings.hub.retry
     candidates: list[tuple[str, Source]] = [
-        (str(m), MirrorSource(client, m, retry=retry)) for m in spec.mirrors
+        (str(m), MirrorSource(client, m, retry=retry, pace=_pace(settings))) for m in spec.mirrors
     ]
     if spec.hub_fallback:
         candidates.append((f"hf://{spec.source.location}", _hub(spec, settings)))

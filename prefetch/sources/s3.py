@@ -34,9 +34,10 @@ from prefetch.errors import (
     PrefetchError,
     SourceChangedError,
     SourceError,
+    ThrottledError,
     TransientSourceError,
 )
-from prefetch.retry import RetryPolicy, call_with_retries
+from prefetch.retry import AdaptiveRate, RetryPolicy, call_with_retries
 from prefetch.snapshot import Checksum, RemoteFile, Snapshot, listing_digest
 from prefetch.sources._http import (
     BodyReader,
@@ -77,6 +78,10 @@ _ADDITIONAL = (
 _TRANSIENT_CODES = {
     "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
     "InternalError", "ServiceUnavailable", "503", "500", "502", "504", "RequestLimitExceeded",
+}  # fmt: skip
+#: The codes (and statuses) of an answer asking the client to slow down (see AdaptiveRate).
+_THROTTLE_CODES = {
+    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "503", "429",
 }  # fmt: skip
 _DENIED_CODES = {
     "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "401",
@@ -195,6 +200,10 @@ class LazyS3Client:
         self._client: Any = None  # boto3's client (untyped: see make_s3_client)
         self._direct_buckets: dict[str, S3Bucket | None] = {}
         self._lock = threading.Lock()
+        #: The request rate to this client's endpoint, shared by every source using the client
+        #: (the agent shares a client per endpoint between models): a throttled node slows
+        #: down as a whole.
+        self.pace = AdaptiveRate()
 
     @property
     def created(self) -> bool:
@@ -284,11 +293,21 @@ def translate(exc: Exception, what: str) -> Exception:
     if isinstance(exc, bce.ClientError):
         err = exc.response.get("Error", {})
         code = str(err.get("Code", ""))
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        meta = exc.response.get("ResponseMetadata", {})
+        status = meta.get("HTTPStatusCode", 0)
         msg = err.get("Message") or code
         if code == "NoSuchBucket":
             return BucketNotFoundError(f"{what}: bucket does not exist")
-        return _client_error(what, code, int(status or 0), msg)
+        error = _client_error(what, code, int(status or 0), msg)
+        # the server's Retry-After (S3 throttling may send it), as answer_error keeps it
+        return _with_retry_after(error, dict(meta.get("HTTPHeaders") or {}))
+    if isinstance(exc, bce.ProxyConnectionError):
+        # botocore's "Failed to connect to proxy URL": the proxy's own answer, in one sentence
+        # as the seam's requests say it (its cause is urllib3's ProxyError)
+        cause = exc.kwargs.get("error")
+        if isinstance(cause, urllib3.exceptions.ProxyError):
+            return transport_error(cause, what)
+        return TransientSourceError(f"{what}: cannot connect through the proxy")
     if isinstance(exc, bce.NoCredentialsError | bce.PartialCredentialsError):
         return AccessDeniedError(
             f"{what}: no AWS credentials found",
@@ -355,7 +374,9 @@ def _client_error(what: str, code: str, status: int, msg: str) -> SourceError:
             "and that they may s3:ListBucket and s3:GetObject here",
         )
     if cls is TransientSourceError:
-        return TransientSourceError(f"{what}: {code or status}: {msg}")
+        throttled = code in _THROTTLE_CODES or status in (429, 503)
+        kind = ThrottledError if throttled else TransientSourceError
+        return kind(f"{what}: {code or status}: {msg}")
     return cls(f"{what}: {code or status}: {msg}")
 
 
@@ -404,9 +425,16 @@ def answer_error(what: str, answer: Response, *, has_body: bool) -> SourceError:
     if code == "NoSuchBucket":
         return BucketNotFoundError(f"{what}: bucket does not exist")
     error = _client_error(what, code, answer.status, msg)
-    retry_after = parse_retry_after(answer.headers.get("Retry-After"))
+    return _with_retry_after(error, answer.headers)
+
+
+def _with_retry_after(error: SourceError, headers: Mapping[str, str]) -> SourceError:
+    """``error`` carrying the answer's ``Retry-After`` when it is transient and one was sent
+    (``headers``: urllib3's, or botocore's lowercased ``HTTPHeaders``)."""
+    value = headers.get("Retry-After") or headers.get("retry-after")
+    retry_after = parse_retry_after(value)
     if isinstance(error, TransientSourceError) and retry_after is not None:
-        return TransientSourceError(str(error), retry_after=retry_after)
+        return type(error)(str(error), retry_after=retry_after)
     return error
 
 
@@ -431,13 +459,23 @@ class S3Source:
     """Objects under ``s3://bucket/prefix``; a file's path is its key relative to the prefix."""
 
     def __init__(
-        self, client: S3Client | LazyS3Client, uri: SourceURI, *, retry: RetryPolicy | None = None
+        self,
+        client: S3Client | LazyS3Client,
+        uri: SourceURI,
+        *,
+        retry: RetryPolicy | None = None,
+        pace: AdaptiveRate | None = None,
     ) -> None:
         if uri.scheme != "s3":
             raise ValueError(f"not an S3 URI: {uri}")
         self._client = client
         self._uri = uri
         self._retry = retry or RetryPolicy()
+        #: Every request waits its turn here: the one given (the agent's, per endpoint), else
+        #: the lazy client's (shared by its other sources), else this source's own.
+        if pace is None:
+            pace = client.pace if isinstance(client, LazyS3Client) else AdaptiveRate()
+        self.pace = pace
         self._small: dict[tuple[str, str], bytes] = {}  # (key, etag) -> body, see SMALL_OBJECT
         self._small_reserved = 0
         self._small_lock = threading.Lock()
@@ -462,13 +500,19 @@ class S3Source:
         trickled byte by byte resets the socket timeout at every byte)."""
 
         def attempt() -> T:
+            ticket = self.pace.acquire(SCOPE.raise_if_aborted)
             try:
-                return fn(**kwargs)
-            except PrefetchError:
-                raise  # already one of ours (e.g. a stalled small-object GET)
+                result = fn(**kwargs)
+            except PrefetchError as exc:  # already one of ours (e.g. a stalled small GET)
+                self._paced(ticket, exc)
+                raise
             except Exception as exc:
                 SCOPE.raise_if_aborted()  # a stop interrupted it: not a failure to retry
-                raise translate(exc, what) from exc
+                error = translate(exc, what)
+                self._paced(ticket, error)
+                raise error from exc
+            self.pace.succeeded(ticket)
+            return result
 
         def once() -> T:
             if not bounded:
@@ -478,6 +522,13 @@ class S3Source:
             )
 
         return call_with_retries(once, self._retry, what=what)
+
+    def _paced(self, ticket: float, error: Exception) -> None:
+        """Tell the pace how the request of ``ticket`` ended (it failed with ``error``)."""
+        if isinstance(error, ThrottledError):
+            self.pace.throttled(ticket)
+        else:
+            self.pace.succeeded(ticket)
 
     def _objects_for(self, key: str) -> S3Bucket | BotocoreObjects:
         """Who sends requests about ``key``: the seam's bucket once a listing set it up, else
@@ -867,7 +918,13 @@ class S3Source:
         bucket, key = self._uri.location, file.locator
         what = f"s3://{bucket}/{key} bytes {start}-{end - 1}"
         headers = {"Range": f"bytes={start}-{end - 1}", **_if_match(file.version)}
-        answer = self._answer("GET", key, what, headers=headers)
+        ticket = self.pace.acquire(SCOPE.raise_if_aborted)
+        try:
+            answer = self._answer("GET", key, what, headers=headers)
+        except PrefetchError as exc:
+            self._paced(ticket, exc)
+            raise
+        self.pace.succeeded(ticket)
         etag = str(answer.headers.get("ETag") or "").strip('"')
         if file.version and etag and etag != file.version:
             answer.discard()
