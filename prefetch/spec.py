@@ -26,7 +26,7 @@ _OCI_REPO = re.compile(
 )
 _OCI_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 _OCI_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
-#: The sidecar checksum file an S3 prefix may carry (sha256sum format), see README.
+#: The sidecar checksum file an S3 prefix may carry (sha256sum format), see docs/pulling.md.
 SIDECAR_MANIFEST = "SHA256SUMS"
 #: The ModelSpec fields, and the layout asked for, that a rule's message may name (as
 #: ``{field}`` in its reason).
