@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import signal
+import stat
 import sys
 import threading
 import time
@@ -282,8 +283,20 @@ def writable_destination(dest: str) -> Path:
     except OSError as exc:
         raise LayoutError(f"cannot create the destination {path}: {exc.strerror}") from exc
     if not os.access(path, os.W_OK | os.X_OK):
-        raise LayoutError(f"the destination {path} is not writable")
+        raise LayoutError(f"the destination {path} is not writable: {unwritable_reason(path)}")
     return path
+
+
+def unwritable_reason(path: Path) -> str:
+    """Why this process cannot write in the directory ``path``: its file system is mounted
+    read-only, or the permissions (owner, mode, who runs this) do not allow it."""
+    if os.statvfs(path).f_flag & os.ST_RDONLY:
+        return "read-only file system"
+    st = path.stat()
+    return (
+        f"permission denied (owner uid {st.st_uid}, {stat.filemode(st.st_mode)}; "
+        f"this process runs as uid {os.geteuid()})"
+    )
 
 
 def hub_source_options(fn: F) -> F:

@@ -107,6 +107,12 @@ def parse_source_uri(uri: str) -> SourceURI:
     """Parse ``s3://bucket/prefix`` or ``hf://org/name[@revision]``; errors name what is wrong."""
     text = uri.strip()
     parts = urlsplit(text)
+    if parts.scheme in ("hf", "oci") and not (
+        text[: len(parts.scheme) + 3].lower() == f"{parts.scheme}://" and parts.netloc
+    ):
+        example = "hf://org/name" if parts.scheme == "hf" else "oci://registry/repo:tag"
+        kind = "Hub" if parts.scheme == "hf" else "OCI"
+        raise ConfigError(f"malformed {kind} URI {uri!r}: expected {example} (the scheme, then //)")
     if parts.scheme == "s3":
         bucket = parts.netloc
         if not bucket:

@@ -10,6 +10,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -19,6 +20,9 @@ from prefetch.compile_cache import GPU_PRODUCT_LABEL
 from prefetch.constants import DEFAULT_LISTEN
 from prefetch.errors import ConfigError, LockTimeoutError, PrefetchError
 from prefetch.units import format_bytes
+
+if TYPE_CHECKING:
+    from prefetch.store import CachedModel
 
 log = logging.getLogger(__name__)
 
@@ -189,21 +193,44 @@ def ls_cmd(cache_dir: str | None, config_path: str | None, as_json: bool) -> Non
                 e.name,
                 e.kind,
                 format_bytes(e.size),
-                (e.revision or "-")[:24],
-                {True: "yes", False: "NO", None: "-"}[e.complete],
+                (e.revision or UNKNOWN)[:24],
+                {True: "yes", False: "NO", None: UNKNOWN}[e.complete],
                 _ago(e.last_used),
-                {True: "yes", False: "no", None: "?"}[e.wanted],
+                {True: "yes", False: "no", None: UNKNOWN}[e.wanted],
                 "yes" if e.pinned else "no",
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    for line in _ls_legend(entries):
+        click.echo(line, err=True)
+
+
+#: What ``prefetch ls`` shows where the cache holds no record of a column's value.
+UNKNOWN = "unknown"
+
+
+def _ls_legend(entries: list[CachedModel]) -> list[str]:
+    """The notes under ``prefetch ls``'s table that say what an ``unknown`` means (on stderr:
+    stdout is the table)."""
+    notes = []
+    if any(e.complete is None or e.last_used is None for e in entries):
+        notes.append(
+            f"VERIFIED, LAST USED {UNKNOWN}: no agent sync recorded in this cache (a model "
+            "`prefetch pull` wrote: `prefetch verify DIR` re-checks it)"
+        )
+    if any(e.wanted is None for e in entries):
+        notes.append(
+            f"WANTED {UNKNOWN}: no agent config to compare with (pass --config or set "
+            "PREFETCH_CONFIG)"
+        )
+    return notes
 
 
 def _ago(ts: float | None) -> str:
     if ts is None:
-        return "-"
+        return UNKNOWN
     s = max(0, int(time.time() - ts))
     for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
         if s >= n:
