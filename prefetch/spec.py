@@ -107,8 +107,9 @@ def parse_source_uri(uri: str) -> SourceURI:
     """Parse ``s3://bucket/prefix`` or ``hf://org/name[@revision]``; errors name what is wrong."""
     text = uri.strip()
     parts = urlsplit(text)
-    if parts.scheme in ("hf", "oci") and not (
-        text[: len(parts.scheme) + 3].lower() == f"{parts.scheme}://" and parts.netloc
+    two_slashes = text[: len(parts.scheme) + 3].lower() == f"{parts.scheme}://"
+    if (parts.scheme == "hf" and not (two_slashes and parts.netloc)) or (
+        parts.scheme == "oci" and not two_slashes  # oci:///m: "no registry host", below
     ):
         example = "hf://org/name" if parts.scheme == "hf" else "oci://registry/repo:tag"
         kind = "Hub" if parts.scheme == "hf" else "OCI"
