@@ -109,6 +109,16 @@ def json_even_on_failure(new_record: Callable[[dict[str, Any]], Any]) -> Callabl
     return decorate
 
 
+#: ``ctx.meta`` key: what a Ctrl-C leaves behind, said by the command once it is true (before
+#: any download there is nothing partial to keep).
+INTERRUPTED_NOTE = "prefetch.interrupted_note"
+
+
+def on_interrupt(note: str) -> None:
+    """From here on, a Ctrl-C of this command prints ``note`` (default: ``Interrupted.``)."""
+    click.get_current_context().meta[INTERRUPTED_NOTE] = note
+
+
 class _Group(click.Group):
     """Turns package errors into one clear line and exit 1, never a traceback."""
 
@@ -126,7 +136,7 @@ class _Group(click.Group):
             fail(exc)
             ctx.exit(1)
         except KeyboardInterrupt:
-            click.echo("Interrupted; partial downloads are kept and resume next time.", err=True)
+            click.echo(ctx.meta.get(INTERRUPTED_NOTE, "Interrupted."), err=True)
             ctx.exit(130)
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
             raise
@@ -512,6 +522,7 @@ def pull(
     layout = layout_for(spec, root, layout_name=opened.layout)
     show = sys.stderr.isatty() if progress is None else progress
     sink: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()
+    on_interrupt("Interrupted; partial downloads are kept and resume next time.")
     t0 = time.monotonic()
     try:
         result = sync(spec, source, layout, config, progress=sink, delete=delete,
@@ -669,6 +680,7 @@ def mirror(
     )
     show = sys.stderr.isatty() if progress is None else progress
     sink: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()
+    on_interrupt("Interrupted; partial uploads are kept and the next mirror resumes them.")
     t0 = time.monotonic()
     try:
         if source_uri.scheme == "hf":
@@ -711,6 +723,7 @@ def _mirror_to_registry(
     show = sys.stderr.isatty() if progress is None else progress
     sink: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()
     retry = make_config(concurrency, "64MiB", False, False, attempts, "64KiB", "30s", "off").retry
+    on_interrupt("Interrupted; partial uploads are kept and the next mirror resumes them.")
     t0 = time.monotonic()
     try:
         result = mirror_command(
@@ -738,15 +751,28 @@ def _print_mirror(result: Any, src: str, as_json: bool) -> None:
 
 @main.command()
 @click.option("--size", default="96MiB", show_default=True, help="Total size of the model.")
-@click.option("--dest", default=None, help="Where to pull to (default: a temporary folder).")
+@click.option(
+    "--dest",
+    default=None,
+    help="Where to pull to, kept after the demo [default: a folder the demo removes].",
+)
+@click.option(
+    "--keep",
+    is_flag=True,
+    help="Keep the demo's folder (the generated model, the server's data, the pull).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the pull's JSON summary on stdout.")
-def demo(size: str, dest: str | None, as_json: bool) -> None:
-    """Start a local S3 server, upload a generated model, pull and verify it, stop the server."""
+def demo(size: str, dest: str | None, keep: bool, as_json: bool) -> None:
+    """Start a local S3 server, upload a generated model, pull and verify it, stop the server.
+
+    It prints the `prefetch pull` command that does the same by hand and where its data is, and
+    removes that data at the end unless --keep (on an error or Ctrl-C too)."""
     from prefetch.demo import run_demo
 
     total = size_option(size, "--size")
     assert total is not None
-    run_demo(total, dest, as_json=as_json)
+    on_interrupt("Interrupted; the demo's server is stopped.")
+    run_demo(total, dest, as_json=as_json, keep=keep)
 
 
 _LazyGroup.lazy_commands.update(
