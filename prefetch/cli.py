@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from prefetch import __version__, errors, settings
+from prefetch.clihelp import HelpGroup
 from prefetch.errors import (
     ConfigError,
     LayoutError,
@@ -119,7 +120,7 @@ def on_interrupt(note: str) -> None:
     click.get_current_context().meta[INTERRUPTED_NOTE] = note
 
 
-class _Group(click.Group):
+class _Group(HelpGroup):
     """Turns package errors into one clear line and exit 1, never a traceback."""
 
     def invoke(self, ctx: click.Context) -> Any:
@@ -169,7 +170,19 @@ class _LazyGroup(_Group):
         return command
 
 
-@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(
+    cls=_LazyGroup,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    examples=[
+        ("Try it on this machine: a local S3 server, a generated model, a pull",
+         "prefetch demo"),
+        ("Pull a model from the Hugging Face Hub into an HF_HOME",
+         "prefetch pull hf://org/name /mnt/models/huggingface"),
+        ("Pull a prefix of an S3 bucket into a folder",
+         "prefetch pull s3://my-bucket/models/llama /mnt/models/llama"),
+        ("The options and examples of one command", "prefetch pull --help"),
+    ],
+)  # fmt: skip
 @click.version_option(__version__, prog_name="prefetch")
 @click.option("-v", "--verbose", count=True, help="More log output on stderr (-vv for debug).")
 def main(verbose: int) -> None:
@@ -427,7 +440,33 @@ def open_pull_source(
     return open_source(spec, reach, layout=layout_name)  # pull_spec checked the layout
 
 
-@main.command()
+@main.command(
+    short_help="Download a model (s3://, hf://, oci://), verified and resumable.",
+    option_groups=[
+        ("Source", ["include", "exclude", "revision", "token", "endpoint", "endpoint_url",
+                    "proxy", "mirrors", "hub_fallback"]),
+        ("Destination", ["layout_name", "hf_repo", "hf_revision", "name", "delete"]),
+        ("Performance", ["concurrency", "chunk_size", "attempts", "min_rate", "stall_timeout",
+                         "deadline", "warm", "warm_memory_share"]),
+        ("Verification", ["require_checksum", "no_verify"]),
+        ("Output", ["as_json", "progress"]),
+    ],
+    examples=[
+        ("A Hub model into an HF_HOME, which vLLM reads offline (HF_HUB_OFFLINE=1)",
+         "prefetch pull hf://org/name /mnt/models/huggingface --revision main"),
+        ("An S3 prefix, weights and JSON only (credentials: the usual AWS ways)",
+         "prefetch pull s3://my-bucket/models/llama /mnt/models/llama "
+         "--include '*.safetensors' --include '*.json'"),
+        ("Another S3 server, one JSON summary on stdout",
+         "prefetch pull s3://my-bucket/llama /models/llama --endpoint-url http://127.0.0.1:9000 "
+         "--json"),
+        ("An OCI model artifact (ModelPack, KitOps), by tag",
+         "prefetch pull oci://ghcr.io/org/llama:v1 /models/llama"),
+        ("A Hub model through an S3 mirror first",
+         "prefetch pull hf://org/name /mnt/models/huggingface "
+         "--mirror s3://my-mirror/hf/org/name/"),
+    ],
+)  # fmt: skip
 @click.argument("uri")
 @click.argument("dest")
 @click.option("--include", multiple=True, help="Only files matching this glob (repeatable).")
@@ -562,7 +601,15 @@ def pull(
         )
 
 
-@main.command("verify")
+@main.command(
+    "verify",
+    short_help="Re-check a pulled model against the checksums recorded at download.",
+    examples=[
+        ("Re-hash every file pulled into a folder", "prefetch verify /mnt/models/llama"),
+        ("The same for an HF_HOME, one JSON report on stdout",
+         "prefetch verify /mnt/models/huggingface --json"),
+    ],
+)  # fmt: skip
 @click.argument("dest")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
 @json_even_on_failure(lambda params: VerifyReport())
@@ -598,7 +645,24 @@ def _mirror_record(params: dict[str, Any]) -> Any:
     return MirrorResult(source=params["src"], destination=params["dst"])
 
 
-@main.command()
+@main.command(
+    short_help="Copy a Hub model (or a mirror) into S3 or an OCI registry, verified.",
+    option_groups=[
+        ("Source", ["revision", "token", "endpoint", "proxy"]),
+        ("Destination", ["endpoint_url"]),
+        ("Performance", ["concurrency", "part_size", "attempts", "min_rate", "stall_timeout",
+                         "deadline"]),
+        ("Output", ["as_json", "progress"]),
+    ],
+    examples=[
+        ("One commit of a Hub repo into an S3 mirror prefix",
+         "prefetch mirror hf://org/name@main s3://my-mirror/hf/org/name/"),
+        ("A mirror prefix into another bucket or region",
+         "prefetch mirror s3://my-mirror/hf/org/name/ s3://my-mirror-eu/hf/org/name/"),
+        ("A Hub commit into a registry, as a ModelPack artifact",
+         "prefetch mirror hf://org/name@main oci://registry.internal/models/name:main"),
+    ],
+)  # fmt: skip
 @click.argument("src")
 @click.argument("dst")
 @hub_source_options
@@ -749,7 +813,14 @@ def _print_mirror(result: Any, src: str, as_json: bool) -> None:
     )
 
 
-@main.command()
+@main.command(
+    short_help="Try it here: a local S3 server, a generated model, a verified pull.",
+    examples=[
+        ("The whole path on a 96 MiB model; its data is removed at the end", "prefetch demo"),
+        ("A bigger model, kept afterwards", "prefetch demo --size 1GiB --keep"),
+        ("Pull into a folder of your own (kept)", "prefetch demo --dest /tmp/demo-model"),
+    ],
+)  # fmt: skip
 @click.option("--size", default="96MiB", show_default=True, help="Total size of the model.")
 @click.option(
     "--dest",

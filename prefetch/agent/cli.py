@@ -16,6 +16,7 @@ import click
 
 from prefetch.agent.config import DEFAULT_CACHE_DIR, DEFAULT_CONFIG_PATH, AgentConfig
 from prefetch.agent.gate_driver import GateFactory, NodeGateLike
+from prefetch.clihelp import HelpCommand
 from prefetch.compile_cache import GPU_PRODUCT_LABEL
 from prefetch.constants import DEFAULT_LISTEN
 from prefetch.errors import ConfigError, LockTimeoutError, PrefetchError
@@ -45,7 +46,17 @@ _cache_dir_option = click.option(
 )
 
 
-@click.command("agent")
+@click.command(
+    "agent",
+    cls=HelpCommand,
+    short_help="Keep this node's models synced and verified (the DaemonSet).",
+    examples=[
+        ("Run it with a model list (the DaemonSet passes its ConfigMap's file)",
+         "prefetch agent --config /etc/model-prefetch/models.yaml"),
+        ("Outside a cluster: no node labels or taint, a local port, text logs",
+         "prefetch agent --config models.yaml --listen 127.0.0.1:8090 --log-format text"),
+    ],
+)  # fmt: skip
 @_config_option
 @click.option(
     "--listen",
@@ -170,7 +181,16 @@ def _load_for_listing(
     return config, root
 
 
-@click.command("ls")
+@click.command(
+    "ls",
+    cls=HelpCommand,
+    short_help="List the models in a cache: size, revision, verified, wanted.",
+    examples=[
+        ("What a node's cache holds, and what its config wants",
+         "prefetch ls --config /etc/model-prefetch/models.yaml"),
+        ("A cache folder alone, as JSON", "prefetch ls --cache-dir /mnt/models --json"),
+    ],
+)  # fmt: skip
 @_cache_dir_option
 @_config_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON list on stdout.")
@@ -238,7 +258,17 @@ def _ago(ts: float | None) -> str:
     return f"{s}s ago"
 
 
-@click.command("gc")
+@click.command(
+    "gc",
+    cls=HelpCommand,
+    short_help="Evict cached models the agent's config no longer wants.",
+    examples=[
+        ("See what would go, delete nothing",
+         "prefetch gc --config /etc/model-prefetch/models.yaml --dry-run"),
+        ("Evict them, pinned ones too",
+         "prefetch gc --config /etc/model-prefetch/models.yaml --include-pinned"),
+    ],
+)  # fmt: skip
 @_cache_dir_option
 @_config_option
 @click.option("--dry-run", is_flag=True, help="Say what would be evicted; delete nothing.")
@@ -294,7 +324,16 @@ def gc_cmd(
         click.echo(f"{len(evicted)} model(s), {verb} {format_bytes(freed)}")
 
 
-@click.command("status")
+@click.command(
+    "status",
+    cls=HelpCommand,
+    short_help="Show each node's model warm-up: phase, progress, rate, ETA.",
+    examples=[
+        ("Every node of the current kubeconfig context", "prefetch status"),
+        ("The nodes of one NodePool, as JSON",
+         "prefetch status -l karpenter.sh/nodepool=gpu -o json"),
+    ],
+)  # fmt: skip
 @click.option(
     "--kubeconfig",
     default=None,
