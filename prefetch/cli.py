@@ -120,6 +120,42 @@ def on_interrupt(note: str) -> None:
     click.get_current_context().meta[INTERRUPTED_NOTE] = note
 
 
+#: What a Ctrl-C of ``prefetch mirror`` says once uploads have started.
+MIRROR_INTERRUPTED = "Interrupted; partial uploads are kept and the next mirror resumes them."
+
+
+class NoteWhenStarted:
+    """A progress sink that passes everything on and, when the transfer starts (after the
+    resolve, the plan and the lock), makes ``note`` what a Ctrl-C prints from then on."""
+
+    def __init__(self, inner: ProgressSink, note: str) -> None:
+        self._inner = inner
+        self._note = note
+        self._meta = click.get_current_context().meta
+
+    def start(self, model: str, total_bytes: int, total_files: int) -> None:
+        self._meta[INTERRUPTED_NOTE] = self._note
+        self._inner.start(model, total_bytes, total_files)
+
+    def advance(self, nbytes: int) -> None:
+        self._inner.advance(nbytes)
+
+    def chunk_done(self) -> None:
+        self._inner.chunk_done()
+
+    def file_done(self, path: str, size: int) -> None:
+        self._inner.file_done(path, size)
+
+    def retry(self, reason: str) -> None:
+        self._inner.retry(reason)
+
+    def checksum_failure(self, path: str) -> None:
+        self._inner.checksum_failure(path)
+
+    def finish(self) -> None:
+        self._inner.finish()
+
+
 class _Group(HelpGroup):
     """Turns package errors into one clear line and exit 1, never a traceback."""
 
@@ -560,8 +596,8 @@ def pull(
     spec, source, snapshot = opened.spec, opened.source, opened.snapshot
     layout = layout_for(spec, root, layout_name=opened.layout)
     show = sys.stderr.isatty() if progress is None else progress
-    sink: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()
-    on_interrupt("Interrupted; partial downloads are kept and resume next time.")
+    bar: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()
+    sink = NoteWhenStarted(bar, "Interrupted; partial downloads are kept and resume next time.")
     t0 = time.monotonic()
     try:
         result = sync(spec, source, layout, config, progress=sink, delete=delete,
@@ -743,8 +779,8 @@ def mirror(
         s3_client=client if proxy is None else None,
     )
     show = sys.stderr.isatty() if progress is None else progress
-    sink: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()
-    on_interrupt("Interrupted; partial uploads are kept and the next mirror resumes them.")
+    bar: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()
+    sink = NoteWhenStarted(bar, MIRROR_INTERRUPTED)
     t0 = time.monotonic()
     try:
         if source_uri.scheme == "hf":
@@ -785,9 +821,9 @@ def _mirror_to_registry(
     from prefetch.mirror.oci_push import mirror_command
 
     show = sys.stderr.isatty() if progress is None else progress
-    sink: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()
+    bar: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()
+    sink = NoteWhenStarted(bar, MIRROR_INTERRUPTED)
     retry = make_config(concurrency, "64MiB", False, False, attempts, "64KiB", "30s", "off").retry
-    on_interrupt("Interrupted; partial uploads are kept and the next mirror resumes them.")
     t0 = time.monotonic()
     try:
         result = mirror_command(

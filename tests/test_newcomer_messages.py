@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -139,3 +141,26 @@ def test_one_slash_after_the_scheme_is_refused(uri: str, message: str) -> None:
     result = CliRunner().invoke(main, ["pull", uri, "/tmp/never-written"])
     assert result.exit_code == 1
     assert result.stderr.startswith(f"Error: {message}")
+
+
+def test_ctrl_c_before_any_download_says_only_interrupted(tmp_path: Path) -> None:
+    """A Hub that takes the connection and never answers: the pull waits in resolving."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # connections complete in the backlog; nothing ever reads them
+        env = clean_env(
+            tmp_path / "hf-home", HF_ENDPOINT=f"http://127.0.0.1:{silent.getsockname()[1]}"
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "prefetch.cli", "pull", f"hf://{HUB_REPO}",
+             str(tmp_path / "d")],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        silent.settimeout(60)
+        held, _ = silent.accept()  # the pull has asked: it waits for the answer now
+        with held:
+            time.sleep(0.2)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.splitlines() == ["Interrupted."]
