@@ -52,22 +52,20 @@ def run_demo(
     target = Path(dest).resolve() if dest else work / "pulled"
     try:
         result, report, again = _pull_from_a_local_server(work, target, total_size, say)
-    except BaseException:
+        algorithms = ", ".join(f"{n} x {a}" for a, n in sorted(result.checksum_algorithms.items()))
+        say(f"Pulled {result.files} files, {format_bytes(result.bytes_downloaded)} in "
+            f"{result.seconds:.1f}s; verified: {algorithms}")  # fmt: skip
+        say(f"prefetch verify: {len(report.checked)} files re-hashed, "
+            f"{'all good' if report.ok else 'FAILURES'}")  # fmt: skip
+        say(f"Second pull: {again.bytes_downloaded} bytes downloaded (up to date)")
+        if as_json:
+            click.echo(json.dumps(result.to_json(), sort_keys=True))
+        if dest or keep:
+            say(f"The model is in {target}")
+        else:
+            say(f"The model was in {target} (--keep keeps it, --dest DIR puts it where you want)")
+    finally:  # also on an error or a Ctrl-C, at any point
         _clean_up(work, keep, say)
-        raise
-    algorithms = ", ".join(f"{n} x {a}" for a, n in sorted(result.checksum_algorithms.items()))
-    say(f"Pulled {result.files} files, {format_bytes(result.bytes_downloaded)} in "
-        f"{result.seconds:.1f}s; verified: {algorithms}")  # fmt: skip
-    say(f"prefetch verify: {len(report.checked)} files re-hashed, "
-        f"{'all good' if report.ok else 'FAILURES'}")  # fmt: skip
-    say(f"Second pull: {again.bytes_downloaded} bytes downloaded (up to date)")
-    if as_json:
-        click.echo(json.dumps(result.to_json(), sort_keys=True))
-    if dest or keep:
-        say(f"The model is in {target}")
-    else:
-        say(f"The model was in {target} (--keep keeps it, --dest DIR puts it where you want)")
-    _clean_up(work, keep, say)
     if not report.ok:
         sys.exit(1)
 
