@@ -120,7 +120,7 @@ def test_the_printed_command_pulls_the_same_model(s3_server: SeaweedS3, tmp_path
 #: Where the demo is interrupted: the stderr line after which SIGINT is sent, and a delay.
 MOMENTS = [
     ("Generating a", 0.0),  # generating the model, before any server
-    ("Starting a local S3 server", 0.3),  # weed starting, not answering yet
+    ("Starting a local S3 server", -1),  # weed started, not answering yet (-1: see below)
     ("Uploaded", 0.0),  # the server up, before the pull
     ("Pulling; the same by hand", 0.05),  # during the pull
     ("Second pull", 0.0),  # after the pulls, the server stopping
@@ -135,7 +135,11 @@ def test_ctrl_c_at_any_moment_leaves_no_process_and_no_data(
     proc = _demo(tmp_path)
     lines = _stderr_until(proc, marker)
     work = Path(WORK.search("\n".join(lines))[1])  # type: ignore[index]
-    time.sleep(delay)
+    if delay < 0:  # once the server's process exists
+        deadline = time.monotonic() + 60
+        while not _pids_using(work) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    time.sleep(max(delay, 0))
     proc.send_signal(signal.SIGINT)
     proc.send_signal(signal.SIGINT)  # a newcomer presses it twice
     _, rest = proc.communicate(timeout=120)
