@@ -125,7 +125,8 @@ class SeaweedS3:
         self._log_path = self.data_dir / "weed.log"
         with self._log_path.open("wb") as out, interrupts_deferred():
             # its own session: a Ctrl-C in the terminal reaches prefetch, never the server, so
-            # stop() alone ends it (and no interrupt falls between Popen and this assignment)
+            # stop() alone ends it (and no interrupt falls between Popen and this assignment).
+            # The child inherits the blocked SIGINT; weed (a Go program) resets its mask.
             self._proc = subprocess.Popen(
                 args,
                 stdout=out,
