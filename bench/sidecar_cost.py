@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What a ``SHA256SUMS`` sidecar costs a pull: the same model with and without one.
 
-The sidecar is checked beside the server's own checksums (README, "The sidecar checksum
+The sidecar is checked beside the server's own checksums (docs/pulling.md, "The sidecar checksum
 manifest"), so with one present a large file needs two checks: CRC64NVME per range as the bytes
 arrive, and sha256 fed in file order by hash workers reading back each finished run of pieces.
 This measures that second check, nothing else: one generated model uploaded twice to a local

@@ -11,15 +11,33 @@ from pathlib import Path
 
 import click
 
+from prefetch.clihelp import HelpGroup
 from prefetch.compile_cache import DEFAULT_LEASE, DEFAULT_SETTLE, CacheKey, push
 
 
-@click.group("cache")
+@click.group(
+    "cache",
+    cls=HelpGroup,
+    examples=[
+        ("The key of a vLLM build, model and GPU",
+         "prefetch cache key --vllm 0.11.0 --model org/name --revision main "
+         "--tensor-parallel 4 --gpu-product NVIDIA-H100-80GB-HBM3"),
+        ("Publish a finished compile cache under its key",
+         "prefetch cache push /var/cache/vllm s3://my-bucket/compile-cache/KEY"),
+    ],
+)  # fmt: skip
 def cache() -> None:
     """Compile caches shared by the fleet (vLLM's VLLM_CACHE_ROOT)."""
 
 
-@cache.command("key")
+@cache.command(
+    "key",
+    examples=[
+        ("The key of a vLLM build, model and GPU",
+         "prefetch cache key --vllm 0.11.0 --model org/name --revision main "
+         "--tensor-parallel 4 --gpu-product NVIDIA-H100-80GB-HBM3"),
+    ],
+)  # fmt: skip
 @click.option("--vllm", required=True, help="vLLM image digest (sha256:...) or version.")
 @click.option("--model", required=True, help="The model's name or repo id.")
 @click.option("--revision", required=True, help="The model's revision (commit).")
@@ -49,7 +67,14 @@ def key_cmd(
         click.echo(key.key)
 
 
-@cache.command("push")
+@cache.command(
+    "push",
+    short_help="Publish a finished compile cache at its key, unless one is there.",
+    examples=[
+        ("Publish a finished compile cache under its key",
+         "prefetch cache push /var/cache/vllm s3://my-bucket/compile-cache/KEY"),
+    ],
+)  # fmt: skip
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.argument("uri")
 @click.option("--endpoint-url", envvar="AWS_ENDPOINT_URL", help="S3 endpoint (default: AWS).")

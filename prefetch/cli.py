@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import signal
+import stat
 import sys
 import threading
 import time
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from prefetch import __version__, errors, settings
+from prefetch.clihelp import HelpGroup
 from prefetch.errors import (
     ConfigError,
     LayoutError,
@@ -108,7 +110,53 @@ def json_even_on_failure(new_record: Callable[[dict[str, Any]], Any]) -> Callabl
     return decorate
 
 
-class _Group(click.Group):
+#: ``ctx.meta`` key: what a Ctrl-C leaves behind, said by the command once it is true (before
+#: any download there is nothing partial to keep).
+INTERRUPTED_NOTE = "prefetch.interrupted_note"
+
+
+def on_interrupt(note: str) -> None:
+    """From here on, a Ctrl-C of this command prints ``note`` (default: ``Interrupted.``)."""
+    click.get_current_context().meta[INTERRUPTED_NOTE] = note
+
+
+#: What a Ctrl-C of ``prefetch mirror`` says once uploads have started.
+MIRROR_INTERRUPTED = "Interrupted; partial uploads are kept and the next mirror resumes them."
+
+
+class NoteWhenStarted:
+    """A progress sink that passes everything on and, when the transfer starts (after the
+    resolve, the plan and the lock), makes ``note`` what a Ctrl-C prints from then on."""
+
+    def __init__(self, inner: ProgressSink, note: str) -> None:
+        self._inner = inner
+        self._note = note
+        self._meta = click.get_current_context().meta
+
+    def start(self, model: str, total_bytes: int, total_files: int) -> None:
+        self._meta[INTERRUPTED_NOTE] = self._note
+        self._inner.start(model, total_bytes, total_files)
+
+    def advance(self, nbytes: int) -> None:
+        self._inner.advance(nbytes)
+
+    def chunk_done(self) -> None:
+        self._inner.chunk_done()
+
+    def file_done(self, path: str, size: int) -> None:
+        self._inner.file_done(path, size)
+
+    def retry(self, reason: str) -> None:
+        self._inner.retry(reason)
+
+    def checksum_failure(self, path: str) -> None:
+        self._inner.checksum_failure(path)
+
+    def finish(self) -> None:
+        self._inner.finish()
+
+
+class _Group(HelpGroup):
     """Turns package errors into one clear line and exit 1, never a traceback."""
 
     def invoke(self, ctx: click.Context) -> Any:
@@ -125,7 +173,7 @@ class _Group(click.Group):
             fail(exc)
             ctx.exit(1)
         except KeyboardInterrupt:
-            click.echo("Interrupted; partial downloads are kept and resume next time.", err=True)
+            click.echo(ctx.meta.get(INTERRUPTED_NOTE, "Interrupted."), err=True)
             ctx.exit(130)
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
             raise
@@ -158,7 +206,19 @@ class _LazyGroup(_Group):
         return command
 
 
-@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(
+    cls=_LazyGroup,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    examples=[
+        ("Try it on this machine: a local S3 server, a generated model, a pull",
+         "prefetch demo"),
+        ("Pull a model from the Hugging Face Hub into an HF_HOME",
+         "prefetch pull hf://org/name /mnt/models/huggingface"),
+        ("Pull a prefix of an S3 bucket into a folder",
+         "prefetch pull s3://my-bucket/models/llama /mnt/models/llama"),
+        ("The options and examples of one command", "prefetch pull --help"),
+    ],
+)  # fmt: skip
 @click.version_option(__version__, prog_name="prefetch")
 @click.option("-v", "--verbose", count=True, help="More log output on stderr (-vv for debug).")
 def main(verbose: int) -> None:
@@ -282,8 +342,20 @@ def writable_destination(dest: str) -> Path:
     except OSError as exc:
         raise LayoutError(f"cannot create the destination {path}: {exc.strerror}") from exc
     if not os.access(path, os.W_OK | os.X_OK):
-        raise LayoutError(f"the destination {path} is not writable")
+        raise LayoutError(f"the destination {path} is not writable: {unwritable_reason(path)}")
     return path
+
+
+def unwritable_reason(path: Path) -> str:
+    """Why this process cannot write in the directory ``path``: its file system is mounted
+    read-only, or the permissions (owner, mode, who runs this) do not allow it."""
+    if os.statvfs(path).f_flag & os.ST_RDONLY:
+        return "read-only file system"
+    st = path.stat()
+    return (
+        f"permission denied (owner uid {st.st_uid}, {stat.filemode(st.st_mode)}; "
+        f"this process runs as uid {os.geteuid()})"
+    )
 
 
 def hub_source_options(fn: F) -> F:
@@ -404,7 +476,33 @@ def open_pull_source(
     return open_source(spec, reach, layout=layout_name)  # pull_spec checked the layout
 
 
-@main.command()
+@main.command(
+    short_help="Download a model (s3://, hf://, oci://), verified and resumable.",
+    option_groups=[
+        ("Source", ["include", "exclude", "revision", "token", "endpoint", "endpoint_url",
+                    "proxy", "mirrors", "hub_fallback"]),
+        ("Destination", ["layout_name", "hf_repo", "hf_revision", "name", "delete"]),
+        ("Performance", ["concurrency", "chunk_size", "attempts", "min_rate", "stall_timeout",
+                         "deadline", "warm", "warm_memory_share"]),
+        ("Verification", ["require_checksum", "no_verify"]),
+        ("Output", ["as_json", "progress"]),
+    ],
+    examples=[
+        ("A Hub model into an HF_HOME, which vLLM reads offline (HF_HUB_OFFLINE=1)",
+         "prefetch pull hf://org/name /mnt/models/huggingface --revision main"),
+        ("An S3 prefix, weights and JSON only (credentials: the usual AWS ways)",
+         "prefetch pull s3://my-bucket/models/llama /mnt/models/llama "
+         "--include '*.safetensors' --include '*.json'"),
+        ("Another S3 server, one JSON summary on stdout",
+         "prefetch pull s3://my-bucket/llama /models/llama --endpoint-url http://127.0.0.1:9000 "
+         "--json"),
+        ("An OCI model artifact (ModelPack, KitOps), by tag",
+         "prefetch pull oci://ghcr.io/org/llama:v1 /models/llama"),
+        ("A Hub model through an S3 mirror first",
+         "prefetch pull hf://org/name /mnt/models/huggingface "
+         "--mirror s3://my-mirror/hf/org/name/"),
+    ],
+)  # fmt: skip
 @click.argument("uri")
 @click.argument("dest")
 @click.option("--include", multiple=True, help="Only files matching this glob (repeatable).")
@@ -499,7 +597,8 @@ def pull(
     spec, source, snapshot = opened.spec, opened.source, opened.snapshot
     layout = layout_for(spec, root, layout_name=opened.layout)
     show = sys.stderr.isatty() if progress is None else progress
-    sink: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()
+    bar: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()
+    sink = NoteWhenStarted(bar, "Interrupted; partial downloads are kept and resume next time.")
     t0 = time.monotonic()
     try:
         result = sync(spec, source, layout, config, progress=sink, delete=delete,
@@ -543,7 +642,15 @@ def pull(
         )
 
 
-@main.command("verify")
+@main.command(
+    "verify",
+    short_help="Re-check a pulled model against the checksums recorded at download.",
+    examples=[
+        ("Re-hash every file pulled into a folder", "prefetch verify /mnt/models/llama"),
+        ("The same for an HF_HOME, one JSON report on stdout",
+         "prefetch verify /mnt/models/huggingface --json"),
+    ],
+)  # fmt: skip
 @click.argument("dest")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
 @json_even_on_failure(lambda params: VerifyReport())
@@ -579,7 +686,24 @@ def _mirror_record(params: dict[str, Any]) -> Any:
     return MirrorResult(source=params["src"], destination=params["dst"])
 
 
-@main.command()
+@main.command(
+    short_help="Copy a Hub model (or a mirror) into S3 or an OCI registry, verified.",
+    option_groups=[
+        ("Source", ["revision", "token", "endpoint", "proxy"]),
+        ("Destination", ["endpoint_url"]),
+        ("Performance", ["concurrency", "part_size", "attempts", "min_rate", "stall_timeout",
+                         "deadline"]),
+        ("Output", ["as_json", "progress"]),
+    ],
+    examples=[
+        ("One commit of a Hub repo into an S3 mirror prefix",
+         "prefetch mirror hf://org/name@main s3://my-mirror/hf/org/name/"),
+        ("A mirror prefix into another bucket or region",
+         "prefetch mirror s3://my-mirror/hf/org/name/ s3://my-mirror-eu/hf/org/name/"),
+        ("A Hub commit into a registry, as a ModelPack artifact",
+         "prefetch mirror hf://org/name@main oci://registry.internal/models/name:main"),
+    ],
+)  # fmt: skip
 @click.argument("src")
 @click.argument("dst")
 @hub_source_options
@@ -660,7 +784,8 @@ def mirror(
         s3_client=client if proxy is None else None,
     )
     show = sys.stderr.isatty() if progress is None else progress
-    sink: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()
+    bar: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()
+    sink = NoteWhenStarted(bar, MIRROR_INTERRUPTED)
     t0 = time.monotonic()
     try:
         if source_uri.scheme == "hf":
@@ -701,7 +826,8 @@ def _mirror_to_registry(
     from prefetch.mirror.oci_push import mirror_command
 
     show = sys.stderr.isatty() if progress is None else progress
-    sink: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()
+    bar: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()
+    sink = NoteWhenStarted(bar, MIRROR_INTERRUPTED)
     retry = make_config(concurrency, "64MiB", False, False, attempts, "64KiB", "30s", "off").retry
     t0 = time.monotonic()
     try:
@@ -728,17 +854,37 @@ def _print_mirror(result: Any, src: str, as_json: bool) -> None:
     )
 
 
-@main.command()
+@main.command(
+    short_help="Try it here: a local S3 server, a generated model, a verified pull.",
+    examples=[
+        ("The whole path on a 96 MiB model; its data is removed at the end", "prefetch demo"),
+        ("A bigger model, kept afterwards", "prefetch demo --size 1GiB --keep"),
+        ("Pull into a folder of your own (kept)", "prefetch demo --dest /tmp/demo-model"),
+    ],
+)  # fmt: skip
 @click.option("--size", default="96MiB", show_default=True, help="Total size of the model.")
-@click.option("--dest", default=None, help="Where to pull to (default: a temporary folder).")
+@click.option(
+    "--dest",
+    default=None,
+    help="Where to pull to, kept after the demo [default: a folder the demo removes].",
+)
+@click.option(
+    "--keep",
+    is_flag=True,
+    help="Keep the demo's folder (the generated model, the server's data, the pull).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the pull's JSON summary on stdout.")
-def demo(size: str, dest: str | None, as_json: bool) -> None:
-    """Start a local S3 server, upload a generated model, pull and verify it, stop the server."""
+def demo(size: str, dest: str | None, keep: bool, as_json: bool) -> None:
+    """Start a local S3 server, upload a generated model, pull and verify it, stop the server.
+
+    It prints the `prefetch pull` command that does the same by hand and where its data is, and
+    removes that data at the end unless --keep (on an error or Ctrl-C too)."""
     from prefetch.demo import run_demo
 
     total = size_option(size, "--size")
     assert total is not None
-    run_demo(total, dest, as_json=as_json)
+    on_interrupt("Interrupted; the demo's server is stopped.")
+    run_demo(total, dest, as_json=as_json, keep=keep)
 
 
 _LazyGroup.lazy_commands.update(

@@ -116,8 +116,10 @@ class TransientSourceError(SourceError):
     ``retry_after`` is the server's requested delay in seconds, when it gave one.
     """
 
-    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
-        super().__init__(message)
+    def __init__(
+        self, message: str, *, retry_after: float | None = None, hint: str | None = None
+    ) -> None:
+        super().__init__(message, hint=hint)
         self.retry_after = retry_after
 
 

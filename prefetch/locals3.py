@@ -17,6 +17,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -104,6 +105,7 @@ class SeaweedS3:
         master, volume, filer, s3, admin = free_ports(5)
         args = [
             weed,
+            f"-logdir={self.data_dir}",  # its log files, else weed.*.log.* in the temp folder
             "mini",
             f"-dir={data}",
             "-ip=127.0.0.1",
@@ -121,7 +123,10 @@ class SeaweedS3:
             f"-s3.config={identities}",
         ]
         self._log_path = self.data_dir / "weed.log"
-        with self._log_path.open("wb") as out:
+        with self._log_path.open("wb") as out, interrupts_deferred():
+            # its own session: a Ctrl-C in the terminal reaches prefetch, never the server, so
+            # stop() alone ends it (and no interrupt falls between Popen and this assignment).
+            # The child inherits the blocked SIGINT; weed (a Go program) resets its mask.
             self._proc = subprocess.Popen(
                 args,
                 stdout=out,
@@ -130,7 +135,11 @@ class SeaweedS3:
                 start_new_session=True,
             )
         self.endpoint = f"http://127.0.0.1:{s3}"
-        self._wait_ready()
+        try:
+            self._wait_ready()
+        except BaseException:  # a Ctrl-C too: `with` calls no __exit__ when __enter__ raised
+            self.stop()
+            raise
         return self
 
     def aws_env(self, config_dir: Path) -> dict[str, str]:
@@ -189,18 +198,17 @@ class SeaweedS3:
         return "\n".join(self._log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self) -> None:
+        """End the server's whole process group and reap it, then remove a data folder of our
+        own. A Ctrl-C during the stop cuts the polite wait short, never the SIGKILL: the
+        interrupt is raised once the group is gone."""
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=10)
-            except (subprocess.TimeoutExpired, ProcessLookupError):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
+        try:
+            if proc is not None:
+                end_process_group(proc, grace=10.0)
+        finally:
+            if self._tmp is not None:
+                self._tmp.cleanup()
+                self._tmp = None
 
     def __enter__(self) -> SeaweedS3:
         return self.start()
@@ -212,3 +220,43 @@ class SeaweedS3:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """SIGINT (Ctrl-C) is held back in this thread while the block runs, and delivered (as a
+    KeyboardInterrupt) when it ends: for the few steps that must not be cut in half."""
+    if not hasattr(signal, "pthread_sigmask"):  # not POSIX: nothing to hold back with
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def end_process_group(proc: subprocess.Popen[bytes], *, grace: float) -> None:
+    """SIGTERM the process group ``proc`` leads, SIGKILL it after ``grace`` seconds (at once
+    on a KeyboardInterrupt, which is raised again at the end), and reap ``proc``."""
+    interrupted: KeyboardInterrupt | None = None
+    try:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        log.info("process group %d ignored SIGTERM for %.0fs: SIGKILL", proc.pid, grace)
+    except KeyboardInterrupt as exc:
+        interrupted = exc
+    with interrupts_deferred():
+        while True:  # a SIGINT that came just before the mask is raised here once: go on
+            try:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)  # the group: children of weed too
+                proc.wait()
+                break
+            except KeyboardInterrupt as exc:
+                interrupted = exc
+    if interrupted is not None:
+        raise interrupted

@@ -83,6 +83,15 @@ class RetryPolicy:
         return attempt >= self.attempts or not self.retryable(exc)
 
 
+def gave_up(what: str, attempts: int, exc: TransientSourceError) -> TransientSourceError:
+    """The error after the last of ``attempts`` failed with ``exc``: ``what`` once (the last
+    error's own ``what:`` prefix is dropped), and its hint kept."""
+    detail = str(exc).removeprefix(f"{what}: ")
+    return TransientSourceError(
+        f"{what}: giving up after {attempts} attempts: {detail}", hint=exc.hint
+    )
+
+
 def call_with_retries(
     fn: Callable[[], T],
     policy: RetryPolicy,
@@ -98,9 +107,7 @@ def call_with_retries(
             return fn()
         except TransientSourceError as exc:
             if policy.gives_up(attempt, exc):
-                raise TransientSourceError(
-                    f"{what}: giving up after {attempt} attempts: {exc}"
-                ) from exc
+                raise gave_up(what, attempt, exc) from exc
             wait = policy.delay(attempt, exc.retry_after)
             log.info("retrying %s in %.2fs (attempt %d): %s", what, wait, attempt + 1, exc)
             if on_retry is not None:

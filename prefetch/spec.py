@@ -26,7 +26,7 @@ _OCI_REPO = re.compile(
 )
 _OCI_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 _OCI_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
-#: The sidecar checksum file an S3 prefix may carry (sha256sum format), see README.
+#: The sidecar checksum file an S3 prefix may carry (sha256sum format), see docs/pulling.md.
 SIDECAR_MANIFEST = "SHA256SUMS"
 #: The ModelSpec fields, and the layout asked for, that a rule's message may name (as
 #: ``{field}`` in its reason).
@@ -107,6 +107,13 @@ def parse_source_uri(uri: str) -> SourceURI:
     """Parse ``s3://bucket/prefix`` or ``hf://org/name[@revision]``; errors name what is wrong."""
     text = uri.strip()
     parts = urlsplit(text)
+    two_slashes = text[: len(parts.scheme) + 3].lower() == f"{parts.scheme}://"
+    if (parts.scheme == "hf" and not (two_slashes and parts.netloc)) or (
+        parts.scheme == "oci" and not two_slashes  # oci:///m: "no registry host", below
+    ):
+        example = "hf://org/name" if parts.scheme == "hf" else "oci://registry/repo:tag"
+        kind = "Hub" if parts.scheme == "hf" else "OCI"
+        raise ConfigError(f"malformed {kind} URI {uri!r}: expected {example} (the scheme, then //)")
     if parts.scheme == "s3":
         bucket = parts.netloc
         if not bucket:

@@ -63,7 +63,7 @@ from prefetch.errors import (
 from prefetch.journal import Journal
 from prefetch.logjson import inherit_context
 from prefetch.progress import NullProgress, ProgressSink
-from prefetch.retry import RetryPolicy
+from prefetch.retry import RetryPolicy, gave_up
 from prefetch.snapshot import Checksum, RemoteFile
 from prefetch.sources.base import RangeReader, Source
 
@@ -787,9 +787,7 @@ def retry_read(
             return
         except TransientSourceError as exc:
             if policy.gives_up(attempt, exc):
-                raise TransientSourceError(
-                    f"{what}: giving up after {attempt} attempts: {exc}"
-                ) from exc
+                raise gave_up(what, attempt, exc) from exc
             on_retry(exc)
             delay = policy.delay(attempt, exc.retry_after)
             log.info("retrying %s at byte %d in %.2fs: %s", what, position(), delay, exc)

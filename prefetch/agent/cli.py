@@ -10,15 +10,20 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from prefetch.agent.config import DEFAULT_CACHE_DIR, DEFAULT_CONFIG_PATH, AgentConfig
 from prefetch.agent.gate_driver import GateFactory, NodeGateLike
+from prefetch.clihelp import HelpCommand
 from prefetch.compile_cache import GPU_PRODUCT_LABEL
 from prefetch.constants import DEFAULT_LISTEN
 from prefetch.errors import ConfigError, LockTimeoutError, PrefetchError
 from prefetch.units import format_bytes
+
+if TYPE_CHECKING:
+    from prefetch.store import CachedModel
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +46,17 @@ _cache_dir_option = click.option(
 )
 
 
-@click.command("agent")
+@click.command(
+    "agent",
+    cls=HelpCommand,
+    short_help="Keep this node's models synced and verified (the DaemonSet).",
+    examples=[
+        ("Run it with a model list (the DaemonSet passes its ConfigMap's file)",
+         "prefetch agent --config /etc/model-prefetch/models.yaml"),
+        ("Outside a cluster: no node labels or taint, a local port, text logs",
+         "prefetch agent --config models.yaml --listen 127.0.0.1:8090 --log-format text"),
+    ],
+)  # fmt: skip
 @_config_option
 @click.option(
     "--listen",
@@ -166,7 +181,16 @@ def _load_for_listing(
     return config, root
 
 
-@click.command("ls")
+@click.command(
+    "ls",
+    cls=HelpCommand,
+    short_help="List the models in a cache: size, revision, verified, wanted.",
+    examples=[
+        ("What a node's cache holds, and what its config wants",
+         "prefetch ls --config /etc/model-prefetch/models.yaml"),
+        ("A cache folder alone, as JSON", "prefetch ls --cache-dir /mnt/models --json"),
+    ],
+)  # fmt: skip
 @_cache_dir_option
 @_config_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON list on stdout.")
@@ -189,21 +213,44 @@ def ls_cmd(cache_dir: str | None, config_path: str | None, as_json: bool) -> Non
                 e.name,
                 e.kind,
                 format_bytes(e.size),
-                (e.revision or "-")[:24],
-                {True: "yes", False: "NO", None: "-"}[e.complete],
+                (e.revision or UNKNOWN)[:24],
+                {True: "yes", False: "NO", None: UNKNOWN}[e.complete],
                 _ago(e.last_used),
-                {True: "yes", False: "no", None: "?"}[e.wanted],
+                {True: "yes", False: "no", None: UNKNOWN}[e.wanted],
                 "yes" if e.pinned else "no",
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    for line in _ls_legend(entries):
+        click.echo(line, err=True)
+
+
+#: What ``prefetch ls`` shows where the cache holds no record of a column's value.
+UNKNOWN = "unknown"
+
+
+def _ls_legend(entries: list[CachedModel]) -> list[str]:
+    """The notes under ``prefetch ls``'s table that say what an ``unknown`` means (on stderr:
+    stdout is the table)."""
+    notes = []
+    if any(e.complete is None or e.last_used is None for e in entries):
+        notes.append(
+            f"VERIFIED, LAST USED {UNKNOWN}: no agent sync recorded in this cache (a model "
+            "`prefetch pull` wrote: `prefetch verify DIR` re-checks it)"
+        )
+    if any(e.wanted is None for e in entries):
+        notes.append(
+            f"WANTED {UNKNOWN}: no agent config to compare with (pass --config or set "
+            "PREFETCH_CONFIG)"
+        )
+    return notes
 
 
 def _ago(ts: float | None) -> str:
     if ts is None:
-        return "-"
+        return UNKNOWN
     s = max(0, int(time.time() - ts))
     for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
         if s >= n:
@@ -211,7 +258,17 @@ def _ago(ts: float | None) -> str:
     return f"{s}s ago"
 
 
-@click.command("gc")
+@click.command(
+    "gc",
+    cls=HelpCommand,
+    short_help="Evict cached models the agent's config no longer wants.",
+    examples=[
+        ("See what would go, delete nothing",
+         "prefetch gc --config /etc/model-prefetch/models.yaml --dry-run"),
+        ("Evict them, pinned ones too",
+         "prefetch gc --config /etc/model-prefetch/models.yaml --include-pinned"),
+    ],
+)  # fmt: skip
 @_cache_dir_option
 @_config_option
 @click.option("--dry-run", is_flag=True, help="Say what would be evicted; delete nothing.")
@@ -267,7 +324,16 @@ def gc_cmd(
         click.echo(f"{len(evicted)} model(s), {verb} {format_bytes(freed)}")
 
 
-@click.command("status")
+@click.command(
+    "status",
+    cls=HelpCommand,
+    short_help="Show each node's model warm-up: phase, progress, rate, ETA.",
+    examples=[
+        ("Every node of the current kubeconfig context", "prefetch status"),
+        ("The nodes of one NodePool, as JSON",
+         "prefetch status -l karpenter.sh/nodepool=gpu -o json"),
+    ],
+)  # fmt: skip
 @click.option(
     "--kubeconfig",
     default=None,

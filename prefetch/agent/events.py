@@ -109,7 +109,7 @@ INSTANCE_LIMIT = 128
 
 
 class Reason(StrEnum):
-    """The ``reason`` of every Event the agent writes (README, Operations: when each fires)."""
+    """The ``reason`` of every Event the agent writes (docs/operations.md: when each fires)."""
 
     WARMING_STARTED = "WarmingStarted"
     MODEL_READY = "ModelReady"

@@ -309,9 +309,36 @@ def status_error(
     return cls(message, hint=hint)
 
 
+#: What to check when no connection could be made at all (no DNS answer, refused, timed out).
+NETWORK_HINT = (
+    "check the network and DNS; behind a proxy set HTTPS_PROXY (or --proxy); "
+    "a Hub mirror: HF_ENDPOINT (or --endpoint); another S3 server: --endpoint-url"
+)
+
+
+def connection_failure(exc: BaseException) -> str | None:
+    """``cannot reach HOST:PORT: why`` when ``exc`` is urllib3's failure to open a connection
+    (no DNS answer, refused, timed out), else None. urllib3 words these with the connection
+    object's repr (a private class name): the host, port and reason are taken apart instead."""
+    if not isinstance(exc, urllib3.exceptions.ConnectTimeoutError):
+        return None
+    if isinstance(exc, urllib3.exceptions.NewConnectionError):
+        conn, detail = exc.conn, str(exc).removeprefix(f"{exc.conn}: ")
+    elif len(exc.args) == 2 and isinstance(exc.args[1], str):  # (conn, "Connection to ...")
+        conn, detail = exc.args[0], exc.args[1]
+    else:
+        return None
+    host, port = getattr(conn, "host", None), getattr(conn, "port", None)
+    where = f"{host}:{port}" if host and port else host or "the server"
+    return f"cannot reach {where}: {detail}"
+
+
 def transport_error(exc: BaseException, what: str) -> SourceError:
     """An exception from sending a request or reading a body, as the package's error: network
     and protocol failures are transient, a TLS failure (a wrong certificate) is not."""
+    unreachable = connection_failure(exc)
+    if unreachable is not None:
+        return TransientSourceError(f"{what}: {unreachable}", hint=NETWORK_HINT)
     if isinstance(exc, urllib3.exceptions.SSLError):
         return SourceError(f"{what}: TLS error: {exc}")
     if isinstance(exc, urllib3.exceptions.ProxyError):

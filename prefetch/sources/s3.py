@@ -40,10 +40,12 @@ from prefetch.errors import (
 from prefetch.retry import AdaptiveRate, RetryPolicy, call_with_retries
 from prefetch.snapshot import Checksum, RemoteFile, Snapshot, listing_digest
 from prefetch.sources._http import (
+    NETWORK_HINT,
     BodyReader,
     HttpClient,
     Response,
     check_range_answer,
+    connection_failure,
     error_class,
     parse_retry_after,
     range_body_reader,
@@ -314,7 +316,9 @@ def translate(exc: Exception, what: str) -> Exception:
             hint="set AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or use IRSA",
         )
     if isinstance(exc, bce.EndpointConnectionError | bce.ConnectTimeoutError):
-        return TransientSourceError(f"{what}: cannot connect to the S3 endpoint: {exc}")
+        return TransientSourceError(
+            f"{what}: cannot connect to the S3 endpoint: {exc}", hint=NETWORK_HINT
+        )
     if isinstance(
         exc,
         bce.ReadTimeoutError
@@ -334,7 +338,7 @@ def translate(exc: Exception, what: str) -> Exception:
 def _transport_or_other(exc: Exception, what: str) -> SourceError:
     """A failure that is not botocore's: urllib3's and http.client's (and socket errors) are
     transient, anything else a SourceError naming it."""
-    if isinstance(exc, urllib3.exceptions.ProxyError):
+    if isinstance(exc, urllib3.exceptions.ProxyError) or connection_failure(exc) is not None:
         return transport_error(exc, what)
     if isinstance(
         exc,
