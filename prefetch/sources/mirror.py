@@ -63,14 +63,19 @@ class MirrorSource:
     """The commits mirrored under ``s3://bucket/prefix`` (one Hub repo per prefix)."""
 
     def __init__(
-        self, client: S3Client | LazyS3Client, uri: SourceURI, *, retry: RetryPolicy | None = None
+        self,
+        client: S3Client | LazyS3Client,
+        uri: SourceURI,
+        *,
+        retry: RetryPolicy | None = None,
+        ca_bundle: str | None = None,
     ) -> None:
         if uri.scheme != "s3":
             raise ValueError(f"not an S3 URI: {uri}")
         self._client = client
         self._uri = uri
         self._retry = retry or RetryPolicy()
-        self._objects = S3Source(client, uri, retry=self._retry)
+        self._objects = S3Source(client, uri, retry=self._retry, ca_bundle=ca_bundle)
         #: blob key -> the ETag describe saw, so reads stay pinned to that object (the file's
         #: ``version`` is its Hub id, which is what the layout names its blob by)
         self._etags: dict[str, str] = {}
