@@ -52,11 +52,11 @@ from .tls import TEST_HOSTS, TestCA
 
 
 class TlsRelay:
-    """Accepts TLS on 127.0.0.1 (``context``: the certificate it presents) and relays the bytes
-    to a plain server's port; ``accepted`` counts the connections it took (a retry loop shows
-    there)."""
+    """Accepts TLS on 127.0.0.1 (``context``: the certificate it presents; None: no TLS, a plain
+    port) and relays the bytes to a plain server's port; ``accepted`` counts the connections it
+    took (a retry loop shows there)."""
 
-    def __init__(self, backend_port: int, context: ssl.SSLContext) -> None:
+    def __init__(self, backend_port: int, context: ssl.SSLContext | None) -> None:
         self._backend = ("127.0.0.1", backend_port)
         self._context = context
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -81,7 +81,9 @@ class TlsRelay:
     def _serve(self, conn: socket.socket) -> None:
         conn.settimeout(30)
         try:
-            tls = self._context.wrap_socket(conn, server_side=True)
+            tls = (
+                conn if self._context is None else self._context.wrap_socket(conn, server_side=True)
+            )
         except (ssl.SSLError, OSError):
             conn.close()  # the client refused the certificate: what refusal tests provoke
             return
@@ -124,11 +126,11 @@ def _context(cert: Path, key: Path) -> ssl.SSLContext:
 
 
 @pytest.fixture
-def relays() -> Iterator[Callable[[int, ssl.SSLContext], TlsRelay]]:
+def relays() -> Iterator[Callable[[int, ssl.SSLContext | None], TlsRelay]]:
     """Starts relays for one test and stops them after it."""
     started: list[TlsRelay] = []
 
-    def start(port: int, context: ssl.SSLContext) -> TlsRelay:
+    def start(port: int, context: ssl.SSLContext | None) -> TlsRelay:
         relay = TlsRelay(port, context)
         started.append(relay)
         return relay
@@ -184,7 +186,7 @@ def _ok(proc: subprocess.CompletedProcess[str]) -> None:
 
 @pytest.fixture
 def hub_tls(
-    hub: HubServer, test_ca: TestCA, relays: Callable[[int, ssl.SSLContext], TlsRelay]
+    hub: HubServer, test_ca: TestCA, relays: Callable[[int, ssl.SSLContext | None], TlsRelay]
 ) -> tuple[HubServer, TlsRelay, TlsRelay]:
     """The Hub fake behind TLS as ``hub.prefetch.test``, its CDN as ``cdn.prefetch.test``: the
     Hub's redirects name the https CDN, another host."""
@@ -234,7 +236,7 @@ def test_the_ca_bundle_flag_alone_is_enough_and_a_bad_one_is_one_line(
 
 @pytest.fixture
 def s3_tls(
-    s3_server: SeaweedS3, test_ca: TestCA, relays: Callable[[int, ssl.SSLContext], TlsRelay]
+    s3_server: SeaweedS3, test_ca: TestCA, relays: Callable[[int, ssl.SSLContext | None], TlsRelay]
 ) -> str:
     """The suite's SeaweedFS behind TLS: ``https://s3.prefetch.test:PORT``."""
     relay = relays(_port(s3_server.endpoint), test_ca.server_context())
@@ -323,7 +325,7 @@ def registry_front(registry: Registry) -> Iterator[RegistryProxy]:
 
 def test_oci_over_https_token_flow_redirects_and_a_registry_mirror(
     registry: Registry, registry_front: RegistryProxy, test_ca: TestCA,
-    relays: Callable[[int, ssl.SSLContext], TlsRelay], tmp_path: Path,
+    relays: Callable[[int, ssl.SSLContext | None], TlsRelay], tmp_path: Path,
 ) -> None:  # fmt: skip
     files = {"config.json": b"{}", "model.safetensors": os.urandom(1 << 20)}
     Pusher(registry.url).modelpack("org/tls", "v1", files)
@@ -430,8 +432,12 @@ def test_the_agent_syncs_over_https_with_the_configs_ca_bundle(
 REFUSALS = ("other-ca", "other-name", "expired", "plain-http")
 
 
-def _refused_context(test_ca: TestCA, case: str) -> ssl.SSLContext:
+def _refused_context(test_ca: TestCA, case: str) -> ssl.SSLContext | None:
+    """The TLS a refused server speaks: a certificate of another CA, for another name, expired,
+    or none at all (plain HTTP)."""
     hosts = [*TEST_HOSTS, "127.0.0.1"]
+    if case == "plain-http":
+        return None
     if case == "other-ca":
         cert, key = test_ca.issue("other-ca", hosts, ca=trustme.CA())
     elif case == "other-name":
@@ -451,19 +457,17 @@ _REASONS = {
 
 
 def _refusal_target(
-    case: str, plain_port: int, test_ca: TestCA, relays: Callable[[int, ssl.SSLContext], TlsRelay]
-) -> tuple[int, TlsRelay | None]:
-    """The port a refused pull goes to: a relay with the refused certificate, or the plain
-    server itself for the handshake case."""
-    if case == "plain-http":
-        return plain_port, None
+    case: str, plain_port: int, test_ca: TestCA,
+    relays: Callable[[int, ssl.SSLContext | None], TlsRelay],
+) -> tuple[int, TlsRelay]:  # fmt: skip
+    """The relay a refused pull goes to, in front of the plain server (the port, the relay)."""
     relay = relays(plain_port, _refused_context(test_ca, case))
     return relay.port, relay
 
 
 def _check_refusal(
     proc: subprocess.CompletedProcess[str], case: str, host: str, dest: Path,
-    relay: TlsRelay | None, seconds: float,
+    relay: TlsRelay, seconds: float,
 ) -> None:  # fmt: skip
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr, proc.stderr
@@ -473,15 +477,14 @@ def _check_refusal(
     assert error.startswith("Error: ") and host in error and _REASONS[case] in error, error
     assert hint.startswith("Hint: ") and "--ca-bundle" in hint, hint
     assert _files_under(dest) == {} if dest.exists() else True
-    if relay is not None:  # one connection (two at most: a pool's own), no retry loop
-        assert relay.accepted <= 2, relay.accepted
-    assert seconds < 30  # a retry loop with the default 6 attempts would back off for longer
+    assert 1 <= relay.accepted <= 2, relay.accepted  # no retry loop (default: 6 attempts)
+    assert seconds < 30  # generous: it fails in about a second
 
 
 @pytest.mark.parametrize("case", REFUSALS)
 def test_a_refused_hub_certificate_is_one_line_and_no_retry(
     case: str, hub: HubServer, test_ca: TestCA,
-    relays: Callable[[int, ssl.SSLContext], TlsRelay], tmp_path: Path,
+    relays: Callable[[int, ssl.SSLContext | None], TlsRelay], tmp_path: Path,
 ) -> None:  # fmt: skip
     port, relay = _refusal_target(case, _port(hub.endpoint), test_ca, relays)
     endpoint = test_ca.url(port, "hub")
@@ -495,7 +498,7 @@ def test_a_refused_hub_certificate_is_one_line_and_no_retry(
 @pytest.mark.parametrize("case", REFUSALS)
 def test_a_refused_s3_certificate_is_one_line_and_no_retry(
     case: str, s3_server: SeaweedS3, s3_client: Any, bucket: str, test_ca: TestCA,
-    relays: Callable[[int, ssl.SSLContext], TlsRelay], tmp_path: Path,
+    relays: Callable[[int, ssl.SSLContext | None], TlsRelay], tmp_path: Path,
 ) -> None:  # fmt: skip
     _model(s3_client, bucket, "m/")
     port, relay = _refusal_target(case, _port(s3_server.endpoint), test_ca, relays)
@@ -510,7 +513,7 @@ def test_a_refused_s3_certificate_is_one_line_and_no_retry(
 @pytest.mark.parametrize("case", REFUSALS)
 def test_a_refused_registry_certificate_is_one_line_and_no_retry(
     case: str, registry: Registry, test_ca: TestCA,
-    relays: Callable[[int, ssl.SSLContext], TlsRelay], tmp_path: Path,
+    relays: Callable[[int, ssl.SSLContext | None], TlsRelay], tmp_path: Path,
 ) -> None:  # fmt: skip
     if test_ca.host == "127.0.0.1":
         pytest.skip("the prefetch.test names do not resolve here (127.0.0.1 is plain HTTP)")
@@ -525,7 +528,7 @@ def test_a_refused_registry_certificate_is_one_line_and_no_retry(
 
 
 def test_the_agent_reports_a_refused_certificate_as_its_own_reason(
-    hub: HubServer, test_ca: TestCA, relays: Callable[[int, ssl.SSLContext], TlsRelay],
+    hub: HubServer, test_ca: TestCA, relays: Callable[[int, ssl.SSLContext | None], TlsRelay],
     tmp_path: Path,
 ) -> None:  # fmt: skip
     relay = relays(_port(hub.endpoint), _refused_context(test_ca, "other-ca"))
