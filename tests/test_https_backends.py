@@ -164,6 +164,25 @@ def _s3_env(server: SeaweedS3, work: Path, endpoint: str, **extra: str) -> dict[
     return _env(work, **keys)
 
 
+def _profile_env(server: SeaweedS3, work: Path, endpoint: str, test_ca: TestCA) -> dict[str, str]:
+    """Credentials, endpoint and CA bundle from an AWS profile only: botocore's chain lists."""
+    keys = server.aws_env(work)
+    config = work / "aws-config"
+    config.write_text(
+        f"[profile tls]\nregion = {keys['AWS_DEFAULT_REGION']}\n"
+        f"ca_bundle = {test_ca.ca_file}\nendpoint_url = {endpoint}\n"
+    )
+    credentials = work / "aws-credentials"
+    credentials.write_text(
+        f"[tls]\naws_access_key_id = {keys['AWS_ACCESS_KEY_ID']}\n"
+        f"aws_secret_access_key = {keys['AWS_SECRET_ACCESS_KEY']}\n"
+    )
+    return _env(
+        work, AWS_PROFILE="tls", AWS_CONFIG_FILE=str(config),
+        AWS_SHARED_CREDENTIALS_FILE=str(credentials),
+    )  # fmt: skip
+
+
 def _files_under(root: Path) -> dict[str, bytes]:
     """Every regular file under ``root`` (followed links included) by relative path, without
     the tool's own state."""
@@ -266,21 +285,7 @@ def test_s3_through_a_profile_and_its_ca_bundle_goes_through_botocores_chain(
     tmp_path: Path,
 ) -> None:  # fmt: skip
     files = _model(s3_client, bucket, "m/")
-    keys = s3_server.aws_env(tmp_path)
-    config = tmp_path / "aws-config"
-    config.write_text(
-        f"[profile tls]\nregion = {keys['AWS_DEFAULT_REGION']}\n"
-        f"ca_bundle = {test_ca.ca_file}\nendpoint_url = {s3_tls}\n"
-    )
-    credentials = tmp_path / "aws-credentials"
-    credentials.write_text(
-        f"[tls]\naws_access_key_id = {keys['AWS_ACCESS_KEY_ID']}\n"
-        f"aws_secret_access_key = {keys['AWS_SECRET_ACCESS_KEY']}\n"
-    )
-    env = _env(
-        tmp_path, AWS_PROFILE="tls", AWS_CONFIG_FILE=str(config),
-        AWS_SHARED_CREDENTIALS_FILE=str(credentials),
-    )  # fmt: skip
+    env = _profile_env(s3_server, tmp_path, s3_tls, test_ca)
     dest = tmp_path / "out"
     _ok(run_cli("pull", f"s3://{bucket}/m/", str(dest), "--attempts", "1", env=env))
     assert _files_under(dest) == files
@@ -508,6 +513,20 @@ def test_a_refused_s3_certificate_is_one_line_and_no_retry(
     t0 = time.monotonic()
     proc = run_cli("pull", f"s3://{bucket}/m/", str(dest), env=env)
     _check_refusal(proc, case, endpoint.split("//")[1], dest, relay, time.monotonic() - t0)
+
+
+def test_a_refused_certificate_through_botocores_chain_is_one_line_too(
+    s3_server: SeaweedS3, s3_client: Any, bucket: str, test_ca: TestCA,
+    relays: Callable[[int, ssl.SSLContext | None], TlsRelay], tmp_path: Path,
+) -> None:  # fmt: skip
+    _model(s3_client, bucket, "m/")
+    port, relay = _refusal_target("other-ca", _port(s3_server.endpoint), test_ca, relays)
+    endpoint = test_ca.url(port, "s3")
+    env = _profile_env(s3_server, tmp_path, endpoint, test_ca)
+    dest = tmp_path / "out"
+    t0 = time.monotonic()
+    proc = run_cli("pull", f"s3://{bucket}/m/", str(dest), env=env)
+    _check_refusal(proc, "other-ca", endpoint.split("//")[1], dest, relay, time.monotonic() - t0)
 
 
 @pytest.mark.parametrize("case", REFUSALS)

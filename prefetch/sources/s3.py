@@ -34,6 +34,7 @@ from prefetch.errors import (
     PrefetchError,
     SourceChangedError,
     SourceError,
+    TlsError,
     TransientSourceError,
 )
 from prefetch.retry import RetryPolicy, call_with_retries
@@ -44,9 +45,9 @@ from prefetch.sources._http import (
     Response,
     check_range_answer,
     error_class,
+    origin_of,
     parse_retry_after,
     range_body_reader,
-    redact_url,
     shared_http_pool,
     tls_error,
     transport_error,
@@ -299,7 +300,8 @@ def translate(exc: Exception, what: str) -> Exception:
 
     if isinstance(exc, bce.SSLError):
         url = str(exc.kwargs.get("endpoint_url") or "")
-        refused = tls_error(exc, f"{what}: {redact_url(url)}" if url else what)
+        scheme, host, port = origin_of(url)
+        refused = tls_error(exc, f"{what}: {scheme}://{host}:{port}" if host else what)
         if refused is not None:
             return refused
     if isinstance(exc, bce.ClientError):
@@ -496,6 +498,8 @@ class S3Source:
         def attempt() -> T:
             try:
                 return fn(**kwargs)
+            except TlsError as exc:
+                raise transport_error(exc, what) from exc  # the seam's, named with what failed
             except PrefetchError:
                 raise  # already one of ours (e.g. a stalled small-object GET)
             except Exception as exc:
