@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import click
 
@@ -103,7 +103,7 @@ def json_even_on_failure(new_record: Callable[[dict[str, Any]], Any]) -> Callabl
                     click.echo(failure_json(exc, record.to_json()))
                 raise
 
-        return wrapper  # type: ignore[return-value]
+        return cast("F", wrapper)  # functools.wraps keeps fn's signature; mypy cannot see it
 
     return decorate
 
