@@ -571,3 +571,56 @@ def test_the_agent_reports_a_refused_certificate_as_its_own_reason(
         assert "certificate verify failed" in json.dumps(doc)
     finally:
         agent.stop()
+
+
+# ---- the trust rule and its config keys -------------------------------------------------------
+
+
+def test_the_ca_bundle_order_is_flag_then_variables_then_profile_then_system(
+    test_ca: TestCA, tmp_path: Path
+) -> None:
+    from prefetch.settings import ca_bundle
+
+    pems = {}
+    for name in ("flag", "requests", "ssl", "aws", "profile"):
+        pems[name] = tmp_path / f"{name}.pem"
+        pems[name].write_bytes(test_ca.ca_file.read_bytes())
+    config = tmp_path / "aws-config"
+    config.write_text(f"[profile p]\nca_bundle = {pems['profile']}\n")
+    env = {
+        "REQUESTS_CA_BUNDLE": str(pems["requests"]),
+        "SSL_CERT_FILE": str(pems["ssl"]),
+        "AWS_CA_BUNDLE": str(pems["aws"]),
+        "AWS_CONFIG_FILE": str(config),
+        "AWS_PROFILE": "p",
+    }
+    chosen = ca_bundle(str(pems["flag"]), origin="--ca-bundle", environ=env)
+    assert (chosen.path, chosen.origin) == (str(pems["flag"]), "--ca-bundle")
+    for name, variable in (
+        ("requests", "REQUESTS_CA_BUNDLE"), ("ssl", "SSL_CERT_FILE"), ("aws", "AWS_CA_BUNDLE")
+    ):  # fmt: skip
+        assert ca_bundle(environ=env).path == str(pems[name])
+        del env[variable]
+    assert ca_bundle(environ=env).path == str(pems["profile"])
+    del env["AWS_PROFILE"]
+    assert ca_bundle(environ=env).path is None  # the system's store
+
+
+def test_the_agents_ca_bundle_keys_are_checked_when_the_config_loads(
+    test_ca: TestCA, tmp_path: Path
+) -> None:
+    from prefetch.agent.config import parse_config
+    from prefetch.errors import ConfigError
+
+    ca = str(test_ca.ca_file)
+    model = {"name": "tiny", "source": f"hf://{HUB_REPO}"}
+    text = config_text(tmp_path, [model, {**model, "name": "own", "source": "hf://o/n",
+                                          "caBundle": ca}], caBundle=ca)  # fmt: skip
+    config = parse_config(text)
+    assert config.ca_bundle == ca
+    assert [m.ca_bundle for m in config.models] == [None, ca]  # the top-level one: the opener's
+    missing = tmp_path / "missing.pem"
+    with pytest.raises(ConfigError, match=r"^models\[0\]\.caBundle: the CA bundle .*missing\.pem"):
+        parse_config(config_text(tmp_path, [{**model, "caBundle": str(missing)}]))
+    with pytest.raises(ConfigError, match=r"^caBundle: the CA bundle .*missing\.pem"):
+        parse_config(config_text(tmp_path, [model], caBundle=str(missing)))
