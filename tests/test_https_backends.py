@@ -269,12 +269,14 @@ def _model(s3_client: Any, bucket: str, prefix: str) -> dict[str, bytes]:
     return files
 
 
+@pytest.mark.parametrize("variable", ["SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "AWS_CA_BUNDLE"])
 def test_s3_with_static_keys_over_https_on_the_seam(
-    s3_server: SeaweedS3, s3_client: Any, bucket: str, s3_tls: str, test_ca: TestCA,
-    tmp_path: Path,
+    variable: str, s3_server: SeaweedS3, s3_client: Any, bucket: str, s3_tls: str,
+    test_ca: TestCA, tmp_path: Path,
 ) -> None:  # fmt: skip
+    """Each variable alone is trusted by the listing and the GETs (on the seam: no botocore)."""
     files = _model(s3_client, bucket, "m/")
-    env = _s3_env(s3_server, tmp_path, s3_tls, SSL_CERT_FILE=str(test_ca.ca_file))
+    env = _s3_env(s3_server, tmp_path, s3_tls, **{variable: str(test_ca.ca_file)})
     dest = tmp_path / "out"
     _ok(run_cli("pull", f"s3://{bucket}/m/", str(dest), "--attempts", "3", env=env))
     assert _files_under(dest) == files
