@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from prefetch.cli import ca_bundle_option
 from prefetch.clihelp import HelpGroup
 from prefetch.compile_cache import DEFAULT_LEASE, DEFAULT_SETTLE, CacheKey, push
 
@@ -78,6 +79,7 @@ def key_cmd(
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.argument("uri")
 @click.option("--endpoint-url", envvar="AWS_ENDPOINT_URL", help="S3 endpoint (default: AWS).")
+@ca_bundle_option
 @click.option(
     "--settle",
     default=DEFAULT_SETTLE,
@@ -94,14 +96,20 @@ def key_cmd(
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON result on stdout.")
 def push_cmd(
-    directory: Path, uri: str, endpoint_url: str | None, settle: float, lease: float, as_json: bool
+    directory: Path,
+    uri: str,
+    endpoint_url: str | None,
+    ca_bundle: str | None,
+    settle: float,
+    lease: float,
+    as_json: bool,
 ) -> None:
     """Publish the finished compile cache DIRECTORY at URI (s3://bucket/prefix/<key>), unless
     one is there already: the first writer wins, nothing is overwritten. A claim left by a
     push that died is taken over once its lease ends; a published cache never is."""
     from prefetch.sources.s3 import make_s3_client
 
-    client = make_s3_client(endpoint_url=endpoint_url)
+    client = make_s3_client(endpoint_url=endpoint_url, ca_bundle=ca_bundle)
     result = push(client, directory, uri, settle=settle, lease=lease)
     if as_json:
         click.echo(json.dumps(result.to_json(), sort_keys=True))

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import click
 
@@ -105,7 +105,7 @@ def json_even_on_failure(new_record: Callable[[dict[str, Any]], Any]) -> Callabl
                     click.echo(failure_json(exc, record.to_json()))
                 raise
 
-        return wrapper  # type: ignore[return-value]
+        return cast("F", wrapper)  # functools.wraps keeps fn's signature; mypy cannot see it
 
     return decorate
 
@@ -403,6 +403,23 @@ def proxy_option(fn: F) -> F:
     )(fn)  # fmt: skip
 
 
+def _checked_ca_bundle(_ctx: click.Context, _param: click.Parameter, value: str | None) -> Any:
+    """The flag's file, checked now (a one-line error naming --ca-bundle)."""
+    return None if not value else settings.check_ca_bundle(value, "--ca-bundle")
+
+
+def ca_bundle_option(fn: F) -> F:
+    """``--ca-bundle FILE``: the CA bundle (PEM) TLS to every remote is verified with, first in
+    :func:`prefetch.settings.ca_bundle`'s order (then REQUESTS_CA_BUNDLE, SSL_CERT_FILE,
+    AWS_CA_BUNDLE, the AWS profile's ca_bundle, the system's store)."""
+    return click.option(
+        "--ca-bundle", default=None, metavar="FILE", callback=_checked_ca_bundle,
+        help="PEM file of CA certificates to verify TLS with (a private CA) [default: "
+        "REQUESTS_CA_BUNDLE, SSL_CERT_FILE, AWS_CA_BUNDLE, the AWS profile's ca_bundle, then "
+        "the system's store]. Hostnames are always verified.",
+    )(fn)  # fmt: skip
+
+
 #: The pull flags that set ModelSpec fields, named in messages about combinations of them.
 _FLAG_NAMES = {
     "revision": "--revision", "hf_repo": "--hf-repo", "hf_revision": "--hf-revision",
@@ -424,6 +441,7 @@ def pull_spec(
     proxy: str | None = None,
     mirrors: tuple[str, ...] = (),
     hub_fallback: bool = True,
+    ca_bundle: str | None = None,
 ) -> tuple[ModelSpec, str]:
     """The spec and layout name (hf or plain) the pull options describe; ConfigError on a
     combination that makes no sense."""
@@ -440,6 +458,7 @@ def pull_spec(
             proxy=proxy,
             mirrors=tuple(parse_source_uri(m) for m in mirrors),
             hub_fallback=hub_fallback,
+            ca_bundle=ca_bundle,
         )
         return spec, layout_kind(spec, layout_name)
     except SpecError as exc:
@@ -511,6 +530,7 @@ def open_pull_source(
 @s3_endpoint_option
 @hub_options
 @proxy_option
+@ca_bundle_option
 @click.option(
     "--mirror",
     "mirrors",
@@ -565,6 +585,7 @@ def pull(
     hf_repo: str | None,
     hf_revision: str | None,
     proxy: str | None,
+    ca_bundle: str | None,
     mirrors: tuple[str, ...],
     hub_fallback: bool,
     delete: bool,
@@ -586,7 +607,7 @@ def pull(
     spec, _ = pull_spec(
         uri, name=name, include=include, exclude=exclude, revision=revision, hf_repo=hf_repo,
         hf_revision=hf_revision, layout_name=layout_name, proxy=proxy, mirrors=mirrors,
-        hub_fallback=hub_fallback,
+        hub_fallback=hub_fallback, ca_bundle=ca_bundle,
     )  # fmt: skip
     record.model = spec.name
     root = writable_destination(dest)
@@ -709,6 +730,7 @@ def _mirror_record(params: dict[str, Any]) -> Any:
 @hub_source_options
 @s3_endpoint_option
 @proxy_option
+@ca_bundle_option
 @concurrency_option(8, "Parts in flight; peak memory is about concurrency x part size.")
 @click.option(
     "--part-size",
@@ -732,6 +754,7 @@ def mirror(
     endpoint: str | None,
     endpoint_url: str | None,
     proxy: str | None,
+    ca_bundle: str | None,
     concurrency: int,
     part_size: str,
     attempts: int,
@@ -757,8 +780,8 @@ def mirror(
             f"not {dst!r}"
         )
     if dst.strip().startswith("oci://"):  # a registry: a ModelPack artifact, or a copy
-        _mirror_to_registry(src, dst, revision, token, endpoint, proxy, concurrency, attempts,
-                            progress, as_json, record)  # fmt: skip
+        _mirror_to_registry(src, dst, revision, token, endpoint, proxy, ca_bundle, concurrency,
+                            attempts, progress, as_json, record)  # fmt: skip
         return
     source_uri, dest_uri = parse_source_uri(src), parse_source_uri(dst)
     if source_uri.scheme == "s3" and revision:
@@ -770,8 +793,9 @@ def mirror(
     )
     config = MirrorConfig(transfer=transfer, part_size=size)
     client = make_writer_client(
-        make_s3_client, endpoint_url, max_pool_connections=pool_size(concurrency), proxy=proxy
-    )
+        make_s3_client, endpoint_url, max_pool_connections=pool_size(concurrency), proxy=proxy,
+        ca_bundle=ca_bundle,
+    )  # fmt: skip
     dest = S3Prefix(client, dest_uri.location, dest_uri.path, retry=transfer.retry)
     record.destination = dest.url(dest.prefix)
     reach = SourceSettings(
@@ -789,7 +813,9 @@ def mirror(
     t0 = time.monotonic()
     try:
         if source_uri.scheme == "hf":
-            spec = ModelSpec(source=source_uri, revision=revision or None, proxy=proxy)
+            spec = ModelSpec(
+                source=source_uri, revision=revision or None, proxy=proxy, ca_bundle=ca_bundle
+            )
             source = open_source(spec, reach).source
             result = mirror_hub(
                 spec, source, dest, config, progress=sink, stop=stop_on_sigterm(), so_far=record
@@ -797,7 +823,7 @@ def mirror(
         else:
             if (source_uri.location, source_uri.path) == (dest_uri.location, dest_uri.path):
                 raise ConfigError("the mirror source and destination are the same prefix")
-            spec = ModelSpec(source=source_uri, proxy=proxy)
+            spec = ModelSpec(source=source_uri, proxy=proxy, ca_bundle=ca_bundle)
             # the prefix read object by object (a mirror's metadata is copied as it is)
             opened = open_source(spec, reach, layout="plain")
             src_prefix = S3Prefix(
@@ -819,8 +845,8 @@ def mirror(
 
 def _mirror_to_registry(
     src: str, dst: str, revision: str | None, token: str | None, endpoint: str | None,
-    proxy: str | None, concurrency: int, attempts: int, progress: bool | None, as_json: bool,
-    record: Any,
+    proxy: str | None, ca_bundle: str | None, concurrency: int, attempts: int,
+    progress: bool | None, as_json: bool, record: Any,
 ) -> None:  # fmt: skip
     """``prefetch mirror SRC oci://...`` (see :mod:`prefetch.mirror.oci_push`)."""
     from prefetch.mirror.oci_push import mirror_command
@@ -833,7 +859,8 @@ def _mirror_to_registry(
     try:
         result = mirror_command(
             src, dst, revision=revision, hub_endpoint=endpoint or None, token=token or None,
-            proxy=proxy, concurrency=concurrency, retry=retry, progress=sink, so_far=record,
+            proxy=proxy, ca_bundle=ca_bundle, concurrency=concurrency, retry=retry,
+            progress=sink, so_far=record,
         )  # fmt: skip
     finally:
         record.seconds = round(time.monotonic() - t0, 3)

@@ -22,6 +22,8 @@ builtin where that is true, so callers can also catch them as ``FileNotFoundErro
     │   │   └── UnsafePathError              a path that could escape DEST or clash: `..`, a leading
     │   │                                    `/`, `.`/empty segments, control characters, a file
     │   │                                    and a directory of one name, the reserved `.prefetch/`
+    │   ├── TlsError                         a certificate refused (untrusted, another name,
+    │   │                                    expired) or no TLS at all: never retried
     │   └── TransientSourceError             timeouts, resets, 5xx, throttling (retried)
     ├── TransferError                        a download could not be completed
     │   ├── InsufficientSpaceError (OSError) not enough free space (before or during the pull)
@@ -108,6 +110,11 @@ class UnsafePathError(InvalidListingError):
     def __init__(self, message: str, *, path: str, hint: str | None = None) -> None:
         super().__init__(message, hint=hint)
         self.path = path
+
+
+class TlsError(SourceError):
+    """TLS to the source failed in a way no retry fixes: its certificate was refused (another
+    CA, another name, expired) or the port does not speak TLS. Never retried."""
 
 
 class TransientSourceError(SourceError):
@@ -199,6 +206,7 @@ ERROR_REASONS: tuple[tuple[type[BaseException], str], ...] = (
     (NotFoundError, "not_found"),
     (AccessDeniedError, "access_denied"),
     (SourceChangedError, "source_changed"),
+    (TlsError, "tls"),
     (TransientSourceError, "transient"),
     (SourceError, "source_error"),
     (InsufficientSpaceError, "insufficient_space"),

@@ -218,10 +218,104 @@ def proxies(environ: Mapping[str, str] | None = None, *, override: str | None = 
     return Proxies(by_scheme=found, no_proxy=no_proxy)
 
 
+# ---- trust: the CA bundle TLS is verified with -------------------------------------------------
+
+#: The variables naming a CA bundle, in the order they are asked (after a flag or config key).
+CA_BUNDLE_VARIABLES = ("REQUESTS_CA_BUNDLE", "SSL_CERT_FILE", "AWS_CA_BUNDLE")
+
+
+@dataclass(frozen=True)
+class CaBundle:
+    """The CA bundle every backend verifies TLS with: ``path`` (None: the system's default
+    store) and ``origin``, where the choice came from (a flag, a config key, a variable), for
+    messages."""
+
+    path: str | None
+    origin: str
+
+
+def ca_bundle(
+    chosen: str | None = None,
+    *,
+    origin: str = "--ca-bundle",
+    environ: Mapping[str, str] | None = None,
+    aws_profile: str | None = None,
+) -> CaBundle:
+    """THE trust rule, the same for every backend (Hub, S3, OCI, mirrors, pushes): in order
+    ``chosen`` (``--ca-bundle`` or a ``caBundle`` config key, named by ``origin``), then
+    ``REQUESTS_CA_BUNDLE``, ``SSL_CERT_FILE``, ``AWS_CA_BUNDLE``, then the ``ca_bundle`` of the
+    AWS profile (``aws_profile``, else ``AWS_PROFILE``), else the system's default store.
+    A bundle that is missing or not PEM is a ConfigError naming the file and its origin.
+    Hostname verification is never affected: there is no way to turn verification off."""
+    env = _environ(environ)
+    found: tuple[str, str] | None = (chosen, origin) if chosen else None
+    for name in CA_BUNDLE_VARIABLES:
+        if found is None and env.get(name, "").strip():
+            found = (env[name].strip(), name)
+    if found is None:
+        section = aws_profile_section({**env, "AWS_PROFILE": aws_profile} if aws_profile else env)
+        if section and section.get("ca_bundle"):
+            found = (section["ca_bundle"], "the AWS profile's ca_bundle")
+    if found is None:
+        return CaBundle(None, "the system's default store")
+    path, where = found
+    return CaBundle(check_ca_bundle(path, where), where)
+
+
+def check_ca_bundle(path: str, origin: str) -> str:
+    """``path`` (``~`` expanded) when it is a readable PEM bundle of CA certificates; else a
+    one-line ConfigError naming the file and ``origin``."""
+    import ssl  # only when a bundle is named (the CLI's startup)
+
+    full = os.path.expanduser(path)
+    if not os.path.isfile(full):
+        raise ConfigError(
+            f"{origin}: the CA bundle {path} does not exist (or is not a file)",
+            hint="name a PEM file of CA certificates",
+        )
+    try:
+        ssl.create_default_context(cafile=full)
+    except (ssl.SSLError, OSError, UnicodeError, ValueError) as exc:
+        raise ConfigError(
+            f"{origin}: the CA bundle {path} is not a PEM file of CA certificates ({exc})",
+            hint="name a PEM file of CA certificates (-----BEGIN CERTIFICATE----- blocks)",
+        ) from exc
+    return full
+
+
+def aws_profile_section(environ: Mapping[str, str] | None = None) -> dict[str, str] | None:
+    """The AWS config file's section of the active profile (``AWS_CONFIG_FILE``, else
+    ``~/.aws/config``; ``AWS_DEFAULT_PROFILE``, else ``AWS_PROFILE``, else ``default``): {} when
+    there is no file, or no such section for the default profile; None when botocore would fail
+    or must decide (a named profile that is not there, a file that does not parse)."""
+    import configparser  # only when a profile is read (a no-op pull's startup)
+
+    env = _environ(environ)
+    name = env.get("AWS_DEFAULT_PROFILE") or env.get("AWS_PROFILE") or "default"
+    path = os.path.expanduser(env.get("AWS_CONFIG_FILE") or "~/.aws/config")
+    parser = configparser.RawConfigParser()
+    try:
+        with open(path, encoding="utf-8") as f:
+            parser.read_file(f)
+    except FileNotFoundError:
+        return {} if name == "default" else None
+    except (OSError, UnicodeError, configparser.Error):
+        return None
+    section = "default" if name == "default" else f"profile {name}"
+    if not parser.has_section(section):
+        return {} if name == "default" else None
+    return {k.strip(): v.strip() for k, v in parser.items(section)}
+
+
 __all__ = [
+    "CA_BUNDLE_VARIABLES",
     "DIRECT_WORDS",
+    "CaBundle",
     "Proxies",
     "aws_endpoint_url",
+    "aws_profile_section",
+    "ca_bundle",
+    "check_ca_bundle",
     "debug",
     "hf_endpoint",
     "hf_oidc_resource",

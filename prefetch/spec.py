@@ -252,6 +252,9 @@ class ModelSpec:
     #: http(s) proxy URL for every request to it, "" for direct (the config's "none"), None for
     #: the environment's HTTP(S)_PROXY. NO_PROXY applies either way (settings.proxies).
     proxy: str | None = None
+    #: How to reach the source too: the CA bundle chosen for it (``--ca-bundle``, a config's
+    #: ``caBundle``), first in :func:`prefetch.settings.ca_bundle`'s order; None: the rest of it.
+    ca_bundle: str | None = None
     #: hf:// sources: S3 mirrors (see prefetch.mirror_format) tried in order before the Hub; the
     #: model's identity (repo id, revision, layout) stays the hf:// source.
     mirrors: tuple[SourceURI, ...] = ()
@@ -399,9 +402,9 @@ class ModelSpec:
     @property
     def fetch_route(self) -> tuple[object, ...]:
         """Where the bytes come from, as opposed to what they are: the mirrors in order, the
-        Hub fallback and the proxy. Changing it changes no content, so a cached copy stays
-        valid; the agent confirms it with the new route at once."""
-        return (tuple(str(m) for m in self.mirrors), self.hub_fallback, self.proxy)
+        Hub fallback, the proxy and the CA bundle. Changing it changes no content, so a cached
+        copy stays valid; the agent confirms it with the new route at once."""
+        return (tuple(str(m) for m in self.mirrors), self.hub_fallback, self.proxy, self.ca_bundle)
 
     @property
     def repo_id(self) -> str | None:

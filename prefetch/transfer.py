@@ -415,7 +415,9 @@ class Transfer:
         journal (resuming what an earlier run finished) and queue its missing chunks."""
         file = job.file
         self._open_job(job)
-        todo = [i for i in range(len(job.chunks)) if i not in job.journal.done]  # type: ignore[union-attr]
+        journal = job.journal
+        assert journal is not None  # _open_job opened it
+        todo = [i for i in range(len(job.chunks)) if i not in journal.done]
         resumed = sum(e - s for i, (s, e) in enumerate(job.chunks) if i not in todo)
         if resumed:
             self.stats.resumed_bytes += resumed

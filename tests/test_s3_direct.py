@@ -336,8 +336,6 @@ _ENV = {"AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "b", "AWS_CONFIG_FILE
     [
         ("arn:aws:s3:us-east-1:123456789012:accesspoint/ap", None, {}),
         ("bucket--use1-az4--x-s3", None, {}),
-        ("bkt", None, {"AWS_CA_BUNDLE": "/etc/ca.pem"}),
-        ("bkt", "https://minio.example:9000", {"AWS_CA_BUNDLE": "/etc/ca.pem"}),
         ("bkt", None, {"AWS_USE_FIPS_ENDPOINT": "true"}),
         ("bkt", None, {"AWS_PROFILE": "not-in-the-config-file"}),
         ("bkt", None, {"AWS_ACCESS_KEY_ID": ""}),

@@ -21,6 +21,8 @@
     warmMemoryShare: 0.5                  # a warm-up fills at most this share of free memory
     warmReadRate: 2GB                     # bytes/s bound for warm-up reads (0: unbounded)
     s3: {endpointUrl: null}               # default: AWS_ENDPOINT_URL, else AWS
+    caBundle: /etc/ssl/private-ca.pem     # CA bundle (PEM) for TLS to every source (default:
+                                          # REQUESTS_CA_BUNDLE, SSL_CERT_FILE, AWS_CA_BUNDLE...)
     models:
       - name: llama-3-70b-awq             # DNS label; used in node labels
         source: hf://org/name             # or s3://bucket/prefix
@@ -32,6 +34,7 @@
         pin: false                        # never evicted, even after leaving the config
         proxy: http://proxy:3128          # this model's sources through this proxy ("none":
                                           # direct); default HTTP(S)_PROXY; NO_PROXY applies
+        caBundle: /etc/ssl/hub-ca.pem     # this model's CA bundle (wins over the top-level one)
         mirrors: [s3://bucket/hf/org/name/]   # hf only: `prefetch mirror` prefixes tried first,
         hubFallback: true                 # in order; then the Hub unless this is false
         syncDeadline: 2h                  # this model's attempts (default: the top-level one)
@@ -59,6 +62,7 @@ from typing import Any, ClassVar, TypeVar
 
 import yaml
 
+from prefetch import settings
 from prefetch.compile_cache import EXTRA_DIRS, CacheKey
 from prefetch.constants import DEFAULT_LABEL_PREFIX, DEFAULT_LISTEN, DEFAULT_STARTUP_TAINT_KEY
 from prefetch.errors import ConfigError, PrefetchError
@@ -100,12 +104,13 @@ _TOP_KEYS = (
     "warmMemoryShare",
     "warmReadRate",
     "s3",
+    "caBundle",
     "models",
     "compileCaches",
 )
 _MODEL_KEYS = (
     "name", "source", "revision", "include", "exclude", "required", "hfRepo", "pin", "proxy",
-    "mirrors", "hubFallback", "syncDeadline", "warmPageCache", "gateOnWarm",
+    "mirrors", "hubFallback", "syncDeadline", "warmPageCache", "gateOnWarm", "caBundle",
 )  # fmt: skip
 _COMPILE_CACHE_KEYS = (
     "name", "source", "target", "vllm", "model", "revision", "tensorParallelSize", "gpuProduct",
@@ -237,6 +242,9 @@ class AgentConfig:
     model_deadlines: Mapping[str, SyncDeadline] = field(default_factory=dict)
     min_free_space: int = 1 * GiB
     s3_endpoint_url: str | None = None
+    #: ``caBundle``: the CA bundle of every model without its own (``ModelSpec.ca_bundle``) and
+    #: of compile-cache pushes; first in :func:`prefetch.settings.ca_bundle`'s order.
+    ca_bundle: str | None = None
     models: tuple[ModelSpec, ...] = ()
     #: Models whose files are read into the page cache once published (``warmPageCache``), and
     #: those of them whose readiness waits for that warm-up (``gateOnWarm``): by model name.
@@ -631,6 +639,7 @@ def _model(value: Any, where: str) -> ModelSpec:
             hf_repo=hf_repo,
             hf_revision=hf_revision,
             proxy=_get(m, "proxy", where, _proxy, None),
+            ca_bundle=_get(m, "caBundle", where, _ca_bundle, None),
             mirrors=_get(m, "mirrors", where, _mirrors, ()),
             hub_fallback=_get(m, "hubFallback", where, _bool, True),
         )
@@ -650,6 +659,13 @@ def _proxy(value: Any, path: str) -> str | None:
     if not isinstance(value, str):
         raise ConfigError(f"{path}: expected a proxy URL or none, got {_kind(value)}")
     return value
+
+
+def _ca_bundle(value: Any, path: str) -> str | None:
+    """A ``caBundle``: a PEM file of CA certificates that exists (checked now); null: none."""
+    if value is None:
+        return None
+    return settings.check_ca_bundle(_str(value, path), path)
 
 
 def _mirrors(value: Any, path: str) -> tuple[SourceURI, ...]:
@@ -717,6 +733,7 @@ def _parse_fields(doc: Any) -> AgentConfig:
         model_deadlines=_get(m, "models", "", _model_deadlines, {}) if models else {},
         min_free_space=_get(m, "minFreeSpace", "", _size, d.min_free_space),
         s3_endpoint_url=_get(m, "s3", "", _s3, None),
+        ca_bundle=_get(m, "caBundle", "", _ca_bundle, None),
         models=models,
         compile_cache_entries=caches,
         warm_page_cache=frozenset(_flagged(m, ("warmPageCache", "gateOnWarm"))),

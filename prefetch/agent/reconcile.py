@@ -545,7 +545,8 @@ class Agent:
             from prefetch.sources.s3 import make_s3_client
 
             self._push_client = make_s3_client(
-                endpoint_url=config.s3_endpoint_url or settings.aws_endpoint_url()
+                endpoint_url=config.s3_endpoint_url or settings.aws_endpoint_url(),
+                ca_bundle=config.ca_bundle,
             )
         return self._push_client
 

@@ -4,6 +4,7 @@ parallel syncs reuse connections instead of each building its own."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from prefetch import settings
@@ -36,7 +37,9 @@ class SourceOpener:
         """What :func:`~prefetch.sources.open_source` opens for ``spec``; an S3 mirror prefix
         is published in the Hub's layout only under the repo id the config names (its
         ``hfRepo``), as ``prefetch gc`` and eviction find the model's copy from the config
-        alone."""
+        alone. A model without its own ``caBundle`` gets the config's top-level one."""
+        if spec.ca_bundle is None and config.ca_bundle is not None:
+            spec = replace(spec, ca_bundle=config.ca_bundle)
         reach = SourceSettings(
             s3_endpoint=config.s3_endpoint_url or settings.aws_endpoint_url(),
             concurrency=config.concurrency,

@@ -21,6 +21,7 @@ from watchdog.events import (
     FileSystemEventHandler,
 )
 from watchdog.observers import Observer
+from watchdog.observers.api import BaseObserver
 
 log = logging.getLogger(__name__)
 _IGNORED = frozenset({EVENT_TYPE_OPENED, EVENT_TYPE_CLOSED_NO_WRITE})
@@ -43,7 +44,7 @@ class ConfigWatcher:
         # abspath, not resolve: the symlink's own directory is the one the kubelet swaps in.
         self.directory = Path(os.path.abspath(path)).parent
         self._on_change = on_change
-        self._observer: Observer | None = None  # type: ignore[valid-type]
+        self._observer: BaseObserver | None = None
 
     def start(self) -> bool:
         """Start watching; False (and one warning) when it cannot, e.g. out of inotify watches."""

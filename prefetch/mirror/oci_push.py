@@ -421,9 +421,11 @@ def mirror_command(
     retry: RetryPolicy,
     progress: ProgressSink,
     so_far: MirrorResult,
+    ca_bundle: str | None = None,
 ) -> MirrorResult:
     """``prefetch mirror SRC oci://...``: SRC is ``hf://org/name[@rev]`` (pushed as ModelPack)
-    or ``oci://...`` (copied by digest); ``proxy`` is for the source only."""
+    or ``oci://...`` (copied by digest); ``proxy`` is for the source only, ``ca_bundle``
+    (``--ca-bundle``) for both ends (:func:`prefetch.settings.ca_bundle`)."""
     from prefetch import settings
     from prefetch.sources import SourceSettings, open_source, pool_size
     from prefetch.sources._http import shared_http_pool
@@ -438,10 +440,12 @@ def mirror_command(
     reach = SourceSettings(
         hub_endpoint=hub_endpoint, token=token, concurrency=concurrency, retry=retry
     )
-    spec = ModelSpec(source=source_uri, revision=revision or None, proxy=proxy)
+    spec = ModelSpec(source=source_uri, revision=revision or None, proxy=proxy, ca_bundle=ca_bundle)
     source = open_source(spec, reach).source
     snapshot = source.resolve(spec) if source_uri.scheme == "hf" else None
-    http = shared_http_pool(pool_size(concurrency), settings.proxies())
+    http = shared_http_pool(
+        pool_size(concurrency), settings.proxies(), ca_certs=settings.ca_bundle(ca_bundle).path
+    )
     return mirror_to_oci(
         source, snapshot, dst, http=http, retry=retry, concurrency=concurrency,
         progress=progress, so_far=so_far,

@@ -45,13 +45,14 @@ def pool_size(concurrency: int, streams: int = 1) -> int:
 
 class S3Clients:
     """S3 clients shared between the models of a long-running process (the agent): one per
-    (endpoint, pool size, proxy), so parallel syncs reuse connections instead of each building
-    its own, and a model with its own proxy never shares a client with one going direct.
+    (endpoint, pool size, proxy, CA bundle), so parallel syncs reuse connections instead of
+    each building its own, and a model with its own proxy never shares a client with one going
+    direct.
     ``make`` is :func:`prefetch.sources.s3.make_s3_client` unless a test passes another."""
 
     def __init__(self, make: Callable[..., Any] | None = None) -> None:
         self._make = make
-        self._clients: dict[tuple[str | None, int, str | None], Any] = {}
+        self._clients: dict[tuple[str | None, int, str | None, str | None], Any] = {}
         self._paces: dict[str | None, AdaptiveRate] = {}
         self._lock = threading.Lock()
 
@@ -61,12 +62,17 @@ class S3Clients:
         with self._lock:
             return self._paces.setdefault(endpoint, AdaptiveRate())
 
-    def get(self, endpoint: str | None, pool: int, proxy: str | None) -> Any:
-        key = (endpoint, pool, proxy)
+    def get(
+        self, endpoint: str | None, pool: int, proxy: str | None, ca_bundle: str | None = None
+    ) -> Any:
+        key = (endpoint, pool, proxy, ca_bundle)
         with self._lock:
             client = self._clients.get(key)
             if client is None:
-                client = self._new(endpoint_url=endpoint, max_pool_connections=pool, proxy=proxy)
+                client = self._new(
+                    endpoint_url=endpoint, max_pool_connections=pool, proxy=proxy,
+                    **({"ca_bundle": ca_bundle} if ca_bundle else {}),
+                )  # fmt: skip
                 self._clients[key] = client
             return client
 
@@ -162,13 +168,14 @@ def _s3_client(spec: ModelSpec, settings: SourceSettings, *, lazy: bool) -> Any:
     if settings.s3_client is not None:
         return settings.s3_client
     if settings.clients is not None:
-        return settings.clients.get(settings.s3_endpoint, settings.pool, spec.proxy)
+        return settings.clients.get(settings.s3_endpoint, settings.pool, spec.proxy, spec.ca_bundle)
     from prefetch.sources.s3 import lazy_s3_client, make_s3_client
 
     make = lazy_s3_client if lazy else make_s3_client
     return make(
-        endpoint_url=settings.s3_endpoint, max_pool_connections=settings.pool, proxy=spec.proxy
-    )
+        endpoint_url=settings.s3_endpoint, max_pool_connections=settings.pool, proxy=spec.proxy,
+        ca_bundle=spec.ca_bundle,
+    )  # fmt: skip
 
 
 def _pace(settings: SourceSettings) -> AdaptiveRate | None:
@@ -187,7 +194,13 @@ def _open_s3(spec: ModelSpec, settings: SourceSettings, *, probe: bool, kind: st
     if probe:
         from prefetch.sources.mirror import MirrorSource
 
-        mirror = MirrorSource(client, spec.source, retry=settings.retry, pace=_pace(settings))
+        mirror = MirrorSource(
+            client,
+            spec.source,
+            retry=settings.retry,
+            pace=_pace(settings),
+            ca_bundle=spec.ca_bundle,
+        )
         if mirror.is_mirror():
             snapshot = mirror.resolve(spec)
             if spec.hf_repo is None:
@@ -201,7 +214,9 @@ def _open_s3(spec: ModelSpec, settings: SourceSettings, *, probe: bool, kind: st
                     )
                 spec = replace(spec, hf_repo=snapshot.repo_id)
             return OpenedSource(mirror, spec, "hf", snapshot, s3_client=client)
-    source = S3Source(client, spec.source, retry=settings.retry, pace=_pace(settings))
+    source = S3Source(
+        client, spec.source, retry=settings.retry, pace=_pace(settings), ca_bundle=spec.ca_bundle
+    )
     return OpenedSource(source, spec, kind, s3_client=client)
 
 
@@ -237,7 +252,11 @@ def _ordered(spec: ModelSpec, settings: SourceSettings, client: Any) -> Source:
 
     retry = settings.retry if settings.hub is None else settings.hub.retry
     candidates: list[tuple[str, Source]] = [
-        (str(m), MirrorSource(client, m, retry=retry, pace=_pace(settings))) for m in spec.mirrors
+        (
+            str(m),
+            MirrorSource(client, m, retry=retry, pace=_pace(settings), ca_bundle=spec.ca_bundle),
+        )
+        for m in spec.mirrors
     ]
     if spec.hub_fallback:
         candidates.append((f"hf://{spec.source.location}", _hub(spec, settings)))

@@ -20,6 +20,7 @@ import contextlib
 import email.utils
 import http.client
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -37,6 +38,7 @@ from prefetch.errors import (
     RevisionNotFoundError,
     SourceChangedError,
     SourceError,
+    TlsError,
     TransientSourceError,
 )
 from prefetch.redact import redact
@@ -333,14 +335,60 @@ def connection_failure(exc: BaseException) -> str | None:
     return f"cannot reach {where}: {detail}"
 
 
+#: Said with every TLS refusal: how to trust a private CA (verification cannot be turned off).
+TLS_HINT = (
+    "if the server's certificate is signed by a private CA, trust it with --ca-bundle FILE "
+    "(agent: caBundle), or REQUESTS_CA_BUNDLE / SSL_CERT_FILE / AWS_CA_BUNDLE"
+)
+#: OpenSSL's reasons for a handshake with a peer that does not speak TLS (a plain-HTTP port).
+_NOT_TLS = frozenset(
+    {"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "HTTP_REQUEST",
+     "UNKNOWN_PROTOCOL"}
+)  # fmt: skip
+
+
+def _ssl_error_in(exc: BaseException) -> ssl.SSLError | None:
+    """The ``ssl`` error under a library's wrapping (urllib3 and botocore keep it as an argument,
+    a cause or a context), or None."""
+    seen: set[int] = set()
+    todo: list[object] = [exc]
+    while todo:
+        item = todo.pop()
+        if not isinstance(item, BaseException) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, ssl.SSLError):
+            return item
+        todo.extend([item.__cause__, item.__context__, *item.args])
+    return None
+
+
+def tls_error(exc: BaseException, where: str) -> TlsError | None:
+    """``exc`` as a :class:`TlsError` when it is a refused certificate or a handshake with a
+    peer that does not speak TLS (``where``: the message's start, naming the host); None for
+    any other failure (a reset in the middle of a TLS stream stays transient)."""
+    if isinstance(exc, TlsError):
+        return TlsError(f"{where}: {exc}", hint=exc.hint)
+    err = _ssl_error_in(exc)
+    if isinstance(err, ssl.SSLCertVerificationError):
+        reason = f"certificate verify failed: {err.verify_message or err.reason}"
+    elif err is not None and err.reason in _NOT_TLS:
+        words = str(err.reason).lower().replace("_", " ")
+        reason = f"TLS handshake failed: {words} (does the port speak plain HTTP?)"
+    else:
+        return None
+    return TlsError(f"{where}: {reason}", hint=TLS_HINT)
+
+
 def transport_error(exc: BaseException, what: str) -> SourceError:
     """An exception from sending a request or reading a body, as the package's error: network
-    and protocol failures are transient, a TLS failure (a wrong certificate) is not."""
+    and protocol failures are transient, a refused certificate (:func:`tls_error`) is not."""
+    refused = tls_error(exc, what)
+    if refused is not None:
+        return refused
     unreachable = connection_failure(exc)
     if unreachable is not None:
         return TransientSourceError(f"{what}: {unreachable}", hint=NETWORK_HINT)
-    if isinstance(exc, urllib3.exceptions.SSLError):
-        return SourceError(f"{what}: TLS error: {exc}")
     if isinstance(exc, urllib3.exceptions.ProxyError):
         from prefetch.sources.proxy_auth import proxy_failure  # a proxy's refusal: rare
 
@@ -525,7 +573,8 @@ def send(
     credentials_origin: str | None = None,
 ) -> Sent:
     """Send one request on the pool: no redirects, no urllib3 retries (the callers do both), the
-    body left unread. Transport failures raise urllib3's errors (see :func:`transport_error`);
+    body left unread. Transport failures raise urllib3's errors (see :func:`transport_error`),
+    but a refused certificate raises :class:`TlsError` naming the URL's host;
     the wait for the headers is interrupted by the calling thread's watch (see above).
 
     ``credentials`` (headers such as Authorization) go only to ``credentials_origin``'s scheme,
@@ -545,7 +594,14 @@ def send(
     }
     if timeout is not None:
         kwargs["timeout"] = timeout
-    resp = http.request(method, url, **kwargs)
+    try:
+        resp = http.request(method, url, **kwargs)
+    except urllib3.exceptions.SSLError as exc:
+        scheme, host, port = origin_of(url)
+        refused = tls_error(exc, f"{scheme}://{host}:{port}")
+        if refused is None:
+            raise
+        raise refused from exc
     return Sent(resp)
 
 
@@ -620,6 +676,7 @@ __all__ = [
     "send",
     "shared_http_pool",
     "status_error",
+    "tls_error",
     "transport_error",
     "watched_pools",
 ]

@@ -123,7 +123,9 @@ def open_hub_source(spec: ModelSpec, hub: HubOptions | None = None) -> HubSource
     options = hub or HubOptions()
     endpoint = (options.endpoint or settings.hf_endpoint() or DEFAULT_ENDPOINT).rstrip("/")
     proxies = settings.proxies(override=spec.proxy)
-    http = options.http or shared_http_pool(options.pool_size, proxies)
+    http = options.http or shared_http_pool(
+        options.pool_size, proxies, ca_certs=settings.ca_bundle(spec.ca_bundle).path
+    )
     return HubSource(
         spec.source,
         endpoint=endpoint,

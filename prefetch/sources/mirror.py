@@ -69,13 +69,16 @@ class MirrorSource:
         *,
         retry: RetryPolicy | None = None,
         pace: AdaptiveRate | None = None,
+        ca_bundle: str | None = None,
     ) -> None:
         if uri.scheme != "s3":
             raise ValueError(f"not an S3 URI: {uri}")
         self._client = client
         self._uri = uri
         self._retry = retry or RetryPolicy()
-        self._objects = S3Source(client, uri, retry=self._retry, pace=pace)
+        self._objects = S3Source(
+            client, uri, retry=self._retry, pace=pace, ca_bundle=ca_bundle
+        )
         #: blob key -> the ETag describe saw, so reads stay pinned to that object (the file's
         #: ``version`` is its Hub id, which is what the layout names its blob by)
         self._etags: dict[str, str] = {}

@@ -504,7 +504,11 @@ def open_oci_source(
     """The OciSource for ``spec`` (an ``oci://`` URI), on the shared pool unless given one."""
     from prefetch import settings
 
-    client = http or shared_http_pool(pool_size, settings.proxies(override=spec.proxy))
+    client = http or shared_http_pool(
+        pool_size,
+        settings.proxies(override=spec.proxy),
+        ca_certs=settings.ca_bundle(spec.ca_bundle).path,
+    )
 
     def source(uri: SourceURI, namespace: str | None = None) -> OciSource:
         auth = RegistryAuth(uri.location, client, timeout=token_timeout)

@@ -25,10 +25,13 @@ import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Protocol, cast
+from typing import IO, TYPE_CHECKING, Protocol, cast
 
 from prefetch.errors import ChecksumMismatchError, SourceError, UnsafePathError
 from prefetch.paths import path_problem
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 _PIECE = 1024 * 1024
 
@@ -58,15 +61,16 @@ class _HashingReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buf: memoryview | bytearray) -> int:  # type: ignore[override]
-        data = self._body.read(len(buf))
+    def readinto(self, buf: WriteableBuffer, /) -> int:
+        view = memoryview(buf).cast("B")
+        data = self._body.read(len(view))
         if not data:
             return 0
         self.count += len(data)
         if self.count > self._size:
             raise SourceError(f"{self._what}: the blob is longer than its descriptor's size")
         self.hasher.update(data)
-        buf[: len(data)] = data
+        view[: len(data)] = data
         return len(data)
 
     def drain(self) -> None:

@@ -35,6 +35,7 @@ from prefetch.errors import (
     SourceChangedError,
     SourceError,
     ThrottledError,
+    TlsError,
     TransientSourceError,
 )
 from prefetch.retry import AdaptiveRate, RetryPolicy, call_with_retries
@@ -47,9 +48,11 @@ from prefetch.sources._http import (
     check_range_answer,
     connection_failure,
     error_class,
+    origin_of,
     parse_retry_after,
     range_body_reader,
     shared_http_pool,
+    tls_error,
     transport_error,
 )
 from prefetch.sources.base import shutdown_socket_of
@@ -57,7 +60,6 @@ from prefetch.sources.s3_direct import (
     S3Bucket,
     StaticCredentials,
     direct_settings,
-    profile_section,
     sends_as_signed,
 )
 from prefetch.sources.s3_xml import ListingPages, listed_objects
@@ -140,6 +142,7 @@ def make_s3_client(
     profile: str | None = None,
     proxy: str | None = None,
     sign_payloads: bool | None = None,
+    ca_bundle: str | None = None,
 ) -> Any:  # boto3's client: boto3 publishes no types (see S3Client for what the source calls)
     """A boto3 S3 client tuned for many parallel ranged GETs, with boto3's retries off.
 
@@ -148,7 +151,11 @@ def make_s3_client(
     UNSIGNED-PAYLOAD instead of SHA256-hashing each one into the signature (botocore does hash
     them, even over HTTPS, when the caller supplies the body's checksum itself); only for
     callers whose every body carries a checksum S3 verifies. None: botocore's rule (and the
-    AWS config file's ``payload_signing_enabled``)."""
+    AWS config file's ``payload_signing_enabled``). ``ca_bundle``: the CA bundle a flag or
+    config key chose; TLS is verified with the one :func:`prefetch.settings.ca_bundle` decides
+    from it and the environment (botocore alone ignores ``SSL_CERT_FILE`` and
+    ``REQUESTS_CA_BUNDLE``, so it is always told)."""
+    trust = settings.ca_bundle(ca_bundle, aws_profile=profile)
     import boto3
     from botocore.config import Config
 
@@ -166,6 +173,8 @@ def make_s3_client(
         s3=None if sign_payloads is None else {"payload_signing_enabled": sign_payloads},
     )
     kwargs: dict[str, object] = {"config": config}
+    if trust.path is not None:
+        kwargs["verify"] = trust.path
     if endpoint_url:
         kwargs["endpoint_url"] = endpoint_url
     if access_key and secret_key:
@@ -189,6 +198,7 @@ class S3ClientSettings(TypedDict, total=False):
     profile: str | None
     proxy: str | None
     sign_payloads: bool | None
+    ca_bundle: str | None
 
 
 class LazyS3Client:
@@ -231,11 +241,18 @@ class LazyS3Client:
             return self._direct_buckets[bucket]
 
     def http(self) -> HttpClient:
-        """The seam's pool for this client's settings (size, proxy)."""
+        """The seam's pool for this client's settings (size, proxy, CA bundle)."""
         opts = self.settings
         return shared_http_pool(
-            int(opts.get("max_pool_connections", 32)), settings.proxies(override=opts.get("proxy"))
+            int(opts.get("max_pool_connections", 32)),
+            settings.proxies(override=opts.get("proxy")),
+            ca_certs=self.ca_certs(),
         )
+
+    def ca_certs(self) -> str | None:
+        """The CA bundle botocore's client verifies TLS with (None: the system's)."""
+        opts = self.settings
+        return settings.ca_bundle(opts.get("ca_bundle"), aws_profile=opts.get("profile")).path
 
     def timeout(self) -> urllib3.Timeout:
         opts = self.settings
@@ -292,6 +309,12 @@ def translate(exc: Exception, what: str) -> Exception:
         return _transport_or_other(exc, what)
     import botocore.exceptions as bce
 
+    if isinstance(exc, bce.SSLError):
+        url = str(exc.kwargs.get("endpoint_url") or "")
+        scheme, host, port = origin_of(url)
+        refused = tls_error(exc, f"{what}: {scheme}://{host}:{port}" if host else what)
+        if refused is not None:
+            return refused
     if isinstance(exc, bce.ClientError):
         err = exc.response.get("Error", {})
         code = str(err.get("Code", ""))
@@ -338,6 +361,9 @@ def translate(exc: Exception, what: str) -> Exception:
 def _transport_or_other(exc: Exception, what: str) -> SourceError:
     """A failure that is not botocore's: urllib3's and http.client's (and socket errors) are
     transient, anything else a SourceError naming it."""
+    refused = tls_error(exc, what)
+    if refused is not None:
+        return refused
     if isinstance(exc, urllib3.exceptions.ProxyError) or connection_failure(exc) is not None:
         return transport_error(exc, what)
     if isinstance(
@@ -469,6 +495,7 @@ class S3Source:
         *,
         retry: RetryPolicy | None = None,
         pace: AdaptiveRate | None = None,
+        ca_bundle: str | None = None,
     ) -> None:
         if uri.scheme != "s3":
             raise ValueError(f"not an S3 URI: {uri}")
@@ -480,6 +507,9 @@ class S3Source:
         if pace is None:
             pace = client.pace if isinstance(client, LazyS3Client) else AdaptiveRate()
         self.pace = pace
+        #: the CA bundle a flag or config key chose for a client that is not lazy (a lazy
+        #: client's settings carry their own), see _ca_bundle
+        self._ca_choice = ca_bundle
         self._small: dict[tuple[str, str], bytes] = {}  # (key, etag) -> body, see SMALL_OBJECT
         self._small_reserved = 0
         self._small_lock = threading.Lock()
@@ -507,6 +537,9 @@ class S3Source:
             ticket = self.pace.acquire(SCOPE.raise_if_aborted)
             try:
                 result = fn(**kwargs)
+            except TlsError as exc:
+                self._paced(ticket, exc)
+                raise transport_error(exc, what) from exc  # the seam's, named with what failed
             except PrefetchError as exc:  # already one of ours (e.g. a stalled small GET)
                 self._paced(ticket, exc)
                 raise
@@ -567,12 +600,11 @@ class S3Source:
             page = self._call(
                 what, self._client.list_objects_v2, bounded=True, Bucket=bucket, **kwargs
             )
-        ca_certs = self._ca_bundle() if self.signed_requests and self._bucket is None else False
-        if ca_certs is not False and ca_certs is not True:
+        if self.signed_requests and self._bucket is None:
             found = botocore_signed_endpoint(sent)
             if found is not None:
                 endpoint, signer = found
-                http, timeout = self._seam_pool(ca_certs)
+                http, timeout = self._seam_pool(self._ca_bundle())
                 self._bucket = S3Bucket(
                     bucket, base_url=lambda _region: endpoint.base_url, region=endpoint.region,
                     signer=signer, http=http, timeout=timeout,
@@ -580,18 +612,13 @@ class S3Source:
                 )  # fmt: skip
         return page
 
-    def _ca_bundle(self) -> str | bool | None:
-        """The CA bundle botocore verifies TLS with (``AWS_CA_BUNDLE``, a profile's
-        ``ca_bundle``): None for the system's, False when the configuration cannot be read
-        (then botocore's client sends every request)."""
-        env = settings.aws_environ()
-        if env.get("AWS_CA_BUNDLE"):
-            return env["AWS_CA_BUNDLE"]
-        profile = getattr(self._client, "settings", {}).get("profile")
-        section = profile_section({**env, "AWS_PROFILE": profile} if profile else env)
-        if section is None:
-            return False
-        return section.get("ca_bundle") or None
+    def _ca_bundle(self) -> str | None:
+        """The CA bundle botocore's client verifies TLS with, so the seam verifies with the
+        same (:func:`prefetch.settings.ca_bundle`): a lazy client's own choice, else the
+        source's; None for the system's store."""
+        if isinstance(self._client, LazyS3Client):
+            return self._client.ca_certs()
+        return settings.ca_bundle(self._ca_choice).path
 
     def _seam_pool(self, ca_certs: str | None) -> tuple[HttpClient, urllib3.Timeout]:
         """The seam's pool and timeouts for requests botocore's signer signs: the lazy

@@ -7,11 +7,12 @@ plain static keys of the environment or of the client's settings (``AWS_ACCESS_K
 ``AWS_SECRET_ACCESS_KEY`` [/ ``AWS_SESSION_TOKEN``]: botocore's first provider, which wins over
 every other), ListObjectsV2 and the object GETs and HEADs are signed here (SigV4,
 ``hashlib``/``hmac``), sent on the shared urllib3 pool (with the source's proxy), and the
-listing's XML parsed by ``s3_xml``. Anything else (a profile, IRSA, IMDS, a CA bundle,
-FIPS or dual-stack endpoints, an access point ARN...) leaves :func:`direct_settings` returning
-None, and botocore lists (and signs the object requests: :mod:`prefetch.sources.s3_botocore`).
-The botocore client is only created when something needs it,
-see ``LazyS3Client`` in s3.py.
+listing's XML parsed by ``s3_xml`` (TLS verified with the bundle
+:func:`prefetch.settings.ca_bundle` decides, as botocore's client is). Anything else (a profile,
+IRSA, IMDS, FIPS or dual-stack endpoints, an access point ARN...) leaves
+:func:`direct_settings` returning None, and botocore lists (and signs the object requests:
+:mod:`prefetch.sources.s3_botocore`). The botocore client is only created when something needs
+it, see ``LazyS3Client`` in s3.py.
 
 Addressing is the one botocore uses for the same settings where it matters: a custom endpoint
 (``AWS_ENDPOINT_URL``, ``--endpoint-url``) path-style (``endpoint/bucket``), AWS itself
@@ -25,7 +26,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import hmac
-import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -341,7 +341,7 @@ def direct_settings(
     credentials = credentials or env_credentials(env)
     if credentials is None:
         return None
-    profile = profile_section(env)
+    profile = settings.aws_profile_section(env)
     if profile is None:
         return None
     if any(key in profile for key in _BOTOCORE_ONLY_PROFILE_KEYS):
@@ -350,29 +350,4 @@ def direct_settings(
     if not _REGION.match(chosen):
         return None
     endpoint = endpoint_url or env.get("AWS_ENDPOINT_URL") or None
-    plain_http = endpoint is not None and endpoint.lower().startswith("http://")
-    if not plain_http and (env.get("AWS_CA_BUNDLE") or profile.get("ca_bundle")):
-        return None  # TLS with a CA bundle of its own: botocore's pool is configured for it
     return DirectSettings(credentials, chosen, endpoint)
-
-
-def profile_section(env: Mapping[str, str]) -> dict[str, str] | None:
-    """The config file's section of the active profile ({} when there is no file, or no such
-    section for the default profile); None when botocore would fail or must decide (a named
-    profile that is not there, a file that does not parse)."""
-    import configparser
-
-    name = env.get("AWS_DEFAULT_PROFILE") or env.get("AWS_PROFILE") or "default"
-    path = os.path.expanduser(env.get("AWS_CONFIG_FILE") or "~/.aws/config")
-    parser = configparser.RawConfigParser()
-    try:
-        with open(path, encoding="utf-8") as f:
-            parser.read_file(f)
-    except FileNotFoundError:
-        return {} if name == "default" else None
-    except (OSError, UnicodeError, configparser.Error):
-        return None
-    section = "default" if name == "default" else f"profile {name}"
-    if not parser.has_section(section):
-        return {} if name == "default" else None
-    return {k.strip(): v.strip() for k, v in parser.items(section)}
