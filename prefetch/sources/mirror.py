@@ -76,9 +76,7 @@ class MirrorSource:
         self._client = client
         self._uri = uri
         self._retry = retry or RetryPolicy()
-        self._objects = S3Source(
-            client, uri, retry=self._retry, pace=pace, ca_bundle=ca_bundle
-        )
+        self._objects = S3Source(client, uri, retry=self._retry, pace=pace, ca_bundle=ca_bundle)
         #: blob key -> the ETag describe saw, so reads stay pinned to that object (the file's
         #: ``version`` is its Hub id, which is what the layout names its blob by)
         self._etags: dict[str, str] = {}
