@@ -56,9 +56,13 @@ class TlsRelay:
     port) and relays the bytes to a plain server's port; ``accepted`` counts the connections it
     took (a retry loop shows there)."""
 
-    def __init__(self, backend_port: int, context: ssl.SSLContext | None) -> None:
+    def __init__(
+        self, backend_port: int, context: ssl.SSLContext | None, trust: ssl.SSLContext
+    ) -> None:
         self._backend = ("127.0.0.1", backend_port)
         self._context = context
+        #: the suite's servers speak TLS themselves (tests/tls.py): the relay then does too
+        self._upstream = trust if _speaks_tls(self._backend, trust) else None
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(0.2)
         self.port = int(self._listener.getsockname()[1])
@@ -89,7 +93,9 @@ class TlsRelay:
             return
         try:
             up = socket.create_connection(self._backend, timeout=30)
-        except OSError:
+            if self._upstream is not None:
+                up = self._upstream.wrap_socket(up, server_hostname=self._backend[0])
+        except (ssl.SSLError, OSError):
             tls.close()
             return
         done = threading.Event()
@@ -104,6 +110,19 @@ class TlsRelay:
         self._stop.set()
         self._thread.join(5)
         self._listener.close()
+
+
+def _speaks_tls(backend: tuple[str, int], trust: ssl.SSLContext) -> bool:
+    """Does the server at ``backend`` answer a TLS handshake (with a certificate ``trust``
+    accepts for its address)?"""
+    try:
+        with (
+            socket.create_connection(backend, timeout=10) as sock,
+            trust.wrap_socket(sock, server_hostname=backend[0]),
+        ):
+            return True
+    except (ssl.SSLError, OSError):
+        return False
 
 
 def _pump(src: socket.socket, dst: socket.socket, done: threading.Event) -> None:
@@ -126,12 +145,12 @@ def _context(cert: Path, key: Path) -> ssl.SSLContext:
 
 
 @pytest.fixture
-def relays() -> Iterator[Callable[[int, ssl.SSLContext | None], TlsRelay]]:
+def relays(test_ca: TestCA) -> Iterator[Callable[[int, ssl.SSLContext | None], TlsRelay]]:
     """Starts relays for one test and stops them after it."""
     started: list[TlsRelay] = []
 
     def start(port: int, context: ssl.SSLContext | None) -> TlsRelay:
-        relay = TlsRelay(port, context)
+        relay = TlsRelay(port, context, test_ca.client_context())
         started.append(relay)
         return relay
 
