@@ -26,6 +26,12 @@ _OCI_REPO = re.compile(
 )
 _OCI_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 _OCI_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+#: The schemes of a model's ``source`` (each has its branch in :func:`parse_source_uri`); the
+#: chart's schema and the config reference are generated from this.
+SOURCE_SCHEMES = ("hf", "s3", "oci")
+#: Where a mirror lives: a model's ``mirrors`` (S3 prefixes for hf://, registries for oci://)
+#: and ``prefetch mirror``'s destinations.
+MIRROR_SCHEMES = ("s3", "oci")
 #: The sidecar checksum file an S3 prefix may carry (sha256sum format), see README.
 SIDECAR_MANIFEST = "SHA256SUMS"
 #: The ModelSpec fields, and the layout asked for, that a rule's message may name (as
@@ -198,7 +204,7 @@ def default_model_name(uri: SourceURI) -> str:
 
 
 def validate_name(name: str, *, field_name: str = "name") -> str:
-    if not _DNS_LABEL.match(name):
+    if not _DNS_LABEL.fullmatch(name):
         raise SpecError(
             field_name,
             f"{_literal(name)} is not a DNS label "

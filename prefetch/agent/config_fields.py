@@ -1,0 +1,525 @@
+"""The agent's config file, field by field: one table from which come the parser's per-key
+checks (and their messages), the JSON Schema of the chart's ``config`` values
+(:mod:`prefetch.agent.config_schema`) and the field reference in docs/config.md.
+
+Why a table of our own rather than pydantic or msgspec: the agent imports this at start-up,
+and a pydantic model of the file made ``import prefetch.agent.config`` cost 161 ms instead of
+94 ms; msgspec cost nothing but reports only the first error, with its path inside the
+message. A :class:`Kind` holds a parser and the schema of exactly what it accepts, both
+written from the same constants (the unit tables of :mod:`prefetch.units`, the URI schemes of
+:mod:`prefetch.spec`); tests/test_config_schema.py checks, key by key, that they agree.
+
+Adding a key is one :class:`Field` line in its :class:`Table` (and reading it where it is
+used). Rules about several fields at once (a duplicate model name, ``hfRepo`` only for S3 and
+OCI sources) stay in :mod:`prefetch.agent.config` and :class:`~prefetch.spec.ModelSpec`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from prefetch.errors import ConfigError
+from prefetch.spec import MIRROR_SCHEMES, SOURCE_SCHEMES, parse_source_uri, validate_name
+from prefetch.units import (
+    DURATION_PATTERN,
+    POSITIVE_DURATION_PATTERN,
+    SIZE_PATTERN,
+    parse_duration,
+    parse_size,
+)
+
+Parse = Callable[[Any, str], Any]
+Schema = dict[str, Any]
+
+#: A character Python's ``str.strip`` keeps, in a JSON Schema pattern (built by the generator,
+#: :func:`prefetch.agent.config_schema.python_space_class`); ``{NONSPACE}`` in a pattern below.
+NONSPACE = "{NONSPACE}"
+SPACE = "{SPACE}"
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
+_DNS_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+_LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+_PORT = r"0*(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[0-9]{1,4})"
+LISTEN_PATTERN = r"\[([0-9A-Fa-f:.]+)\]:([0-9]+)|([^:\[\]]*):([0-9]+)"
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What a key holds: its parser, the JSON Schema of exactly the values that parser
+    accepts (built only when asked for), and how the field reference names it."""
+
+    parse: Parse
+    schema: Callable[[], Schema]
+    doc: str
+
+
+@dataclass(frozen=True)
+class Field:
+    """One key: its ``kind``, its default as the docs show it, and what it does. ``missing``:
+    the key is required, and this is said when it is left out."""
+
+    key: str
+    kind: Kind
+    default: str
+    doc: str
+    missing: str | None = None
+
+
+@dataclass(frozen=True)
+class Table:
+    """The keys of one mapping of the file (the top level, a model, ...)."""
+
+    fields: tuple[Field, ...]
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(f.key for f in self.fields)
+
+    def field(self, key: str) -> Field:
+        return next(f for f in self.fields if f.key == key)
+
+    def check(self, value: Any, where: str) -> Mapping[str, Any]:
+        """``value`` as a mapping with none of its keys unknown and every required key there."""
+        m = mapping(value, where)
+        check_keys(m, self.keys, where)
+        for f in self.fields:
+            if f.missing is not None and f.key not in m:
+                raise ConfigError(f"{where}.{f.key}: missing{f.missing}")
+        return m
+
+    def get(self, value: Mapping[str, Any], key: str, where: str, default: Any) -> Any:
+        """``value[key]`` parsed by its kind (``default`` when it is not there)."""
+        return get(value, key, where, self.field(key).kind.parse, default)
+
+    def schema(self) -> Schema:
+        out: Schema = {"type": "object", "additionalProperties": False}
+        required = [f.key for f in self.fields if f.missing is not None]
+        if required:
+            out["required"] = required
+        out["properties"] = {f.key: {**f.kind.schema(), "description": f.doc} for f in self.fields}
+        return out
+
+
+# -- the parser's building blocks ----------------------------------------------------------------
+
+
+def kind_of(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "a mapping",
+    }.get(type(value), type(value).__name__)
+
+
+def mapping(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where or 'the file'}: expected a mapping, got {kind_of(value)}")
+    return value
+
+
+def check_keys(value: Mapping[str, Any], known: tuple[str, ...], where: str) -> None:
+    for key in value:
+        if key not in known:
+            path = f"{where}.{key}" if where else str(key)
+            raise ConfigError(f"{path}: unknown key (known keys: {', '.join(known)})")
+
+
+def get(value: Mapping[str, Any], key: str, where: str, convert: Parse, default: Any) -> Any:
+    """``convert(value[key])``, its errors prefixed with the field's path; else ``default``."""
+    path = f"{where}.{key}" if where else key
+    if key not in value:
+        return default
+    try:
+        return convert(value[key], path)
+    except ConfigError as exc:
+        msg = str(exc)
+        if not msg.startswith(path):
+            msg = f"{path}: {msg}"
+        raise ConfigError(msg, hint=exc.hint) from exc
+
+
+def text(value: Any, path: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{path}: expected a non-empty string, got {kind_of(value)}")
+    return value.strip()
+
+
+def opt_text(value: Any, path: str) -> str | None:
+    return None if value is None else text(value, path)
+
+
+def boolean(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{path}: expected true or false, got {kind_of(value)} {value!r}")
+    return value
+
+
+def _whole(value: Any) -> int | None:
+    """``value`` as a whole number (a float with no fraction counts, as JSON Schema's
+    ``integer`` does); None for anything else."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value if isinstance(value, int) else None
+
+
+def int_range(lo: int, hi: int) -> Parse:
+    def convert(value: Any, path: str) -> int:
+        number = _whole(value)
+        if number is None:
+            raise ConfigError(f"{path}: expected a whole number, got {kind_of(value)} {value!r}")
+        if not lo <= number <= hi:
+            raise ConfigError(f"{path}: must be between {lo} and {hi}, got {value}")
+        return number
+
+    return convert
+
+
+def size(value: Any, path: str) -> int:
+    number = _whole(value)
+    if number is not None:
+        return parse_size(number, field=path)
+    if not isinstance(value, str):
+        raise ConfigError(f"{path}: expected a size like 1GiB, got {kind_of(value)}")
+    return parse_size(value, field=path)
+
+
+def min_size(least: int, shown: str) -> Parse:
+    def convert(value: Any, path: str) -> int:
+        found = size(value, path)
+        if found < least:
+            raise ConfigError(f"{path}: must be at least {shown}, got {value!r}")
+        return found
+
+    return convert
+
+
+def duration(value: Any, path: str) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float | str | None):
+        raise ConfigError(f"{path}: expected a duration like 10m, got {kind_of(value)}")
+    return parse_duration(value, field=path)
+
+
+def positive_duration(value: Any, path: str) -> float:
+    seconds = duration(value, path)
+    if seconds is None or seconds <= 0:
+        raise ConfigError(f"{path}: must be a positive duration like 10s, got {value!r}")
+    return seconds
+
+
+def share(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise ConfigError(f"{path}: expected a number in (0, 1], got {value!r}")
+    return float(value)
+
+
+def patterns(value: Any, path: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ConfigError(f"{path}: expected a list of glob patterns, got {kind_of(value)}")
+    for i, p in enumerate(value):
+        if not isinstance(p, str) or not p:
+            raise ConfigError(f"{path}[{i}]: expected a non-empty glob pattern, got {kind_of(p)}")
+    return tuple(value)
+
+
+def _exact(regex: str, what: str) -> Parse:
+    """A string matching ``regex`` as a whole (not stripped: the schema sees it as written)."""
+
+    def convert(value: Any, path: str) -> str:
+        if not isinstance(value, str) or not value.strip():
+            raise ConfigError(f"{path}: expected a non-empty string, got {kind_of(value)}")
+        if not re.fullmatch(regex, value):
+            raise ConfigError(f"{path}: {value!r} is not {what}")
+        return value
+
+    return convert
+
+
+def label_prefix(value: Any, path: str) -> str:
+    found: str = _exact(_DNS_SUBDOMAIN, "a DNS subdomain (lowercase a-z, 0-9, '-' and '.')")(
+        value, path
+    )
+    if len(found) > 253:
+        raise ConfigError(f"{path}: {found!r} is not a DNS subdomain (at most 253 characters)")
+    return found
+
+
+taint_key = _exact(f"(({_DNS_SUBDOMAIN})?/)?{_LABEL_NAME}", "a taint key like example.com/warming")
+
+
+def listen(value: Any, path: str) -> str:
+    found = text(value, path)
+    parse_listen(found, field_name=path)
+    return found
+
+
+def parse_listen(value: str, *, field_name: str = "listen") -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) -> (host, port)."""
+    m = re.fullmatch(LISTEN_PATTERN, value.strip())
+    if m is None:
+        raise ConfigError(f"{field_name}: {value!r} is not HOST:PORT (e.g. 0.0.0.0:8090)")
+    host = m.group(1) if m.group(1) is not None else m.group(3)
+    port = int(m.group(2) or m.group(4))
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{field_name}: port {port} is out of range")
+    return host or "0.0.0.0", port
+
+
+def dns_label(value: Any, path: str) -> str:
+    """A model's or compile cache's ``name``: a DNS label, as written."""
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{path}: expected a non-empty string, got {kind_of(value)}")
+    return validate_name(value, field_name=path)
+
+
+def uri(schemes: tuple[str, ...]) -> Parse:
+    def convert(value: Any, path: str) -> Any:
+        try:
+            found = parse_source_uri(text(value, path))
+        except ConfigError as exc:
+            message = str(exc)
+            raise ConfigError(
+                message if message.startswith(path) else f"{path}: {message}"
+            ) from exc
+        if found.scheme not in schemes:
+            listed = ", ".join(f"{s}://" for s in schemes)
+            raise ConfigError(f"{path}: {str(found)!r} is not one of {listed}")
+        return found
+
+    return convert
+
+
+def uri_list(schemes: tuple[str, ...]) -> Parse:
+    """A list of URIs (one string: a list of one; null: none)."""
+    one = uri(schemes)
+
+    def convert(value: Any, path: str) -> tuple[Any, ...]:
+        if isinstance(value, str):
+            value = [value]
+        if value is None:
+            return ()
+        if not isinstance(value, list):
+            listed = " or ".join(f"{s}://" for s in schemes)
+            raise ConfigError(f"{path}: expected a list of {listed} URIs, got {kind_of(value)}")
+        return tuple(one(v, f"{path}[{i}]") for i, v in enumerate(value))
+
+    return convert
+
+
+def choice(names: tuple[str, ...]) -> Parse:
+    def convert(value: Any, path: str) -> str:
+        if value not in names:
+            raise ConfigError(f"{path}: {value!r} is not one of {', '.join(names)}")
+        return str(value)
+
+    return convert
+
+
+def names_from(known: tuple[str, ...]) -> Parse:
+    """A list of names from ``known``, each once (``extraDirs``)."""
+
+    def convert(value: Any, path: str) -> tuple[str, ...]:
+        if not isinstance(value, list):
+            raise ConfigError(
+                f"{path}: expected a list like [{', '.join(known)}], got {kind_of(value)}"
+            )
+        for i, name in enumerate(value):
+            if name not in known:
+                raise ConfigError(f"{path}[{i}]: {name!r} is not one of {', '.join(sorted(known))}")
+        if len(set(value)) != len(value):
+            raise ConfigError(f"{path}: a directory is named twice")
+        return tuple(value)
+
+    return convert
+
+
+def endpoint_url(value: Any, path: str) -> str | None:
+    url = opt_text(value, path)
+    if url is not None and not re.match(r"^https?://[^/\s]", url):
+        raise ConfigError(f"{path}: {url!r} is not an http(s) URL")
+    return url
+
+
+def not_parsed_here(value: Any, path: str) -> Any:
+    """The parse of a mapping or list of mappings, which prefetch.agent.config does itself
+    (its rules span several fields)."""
+    raise AssertionError(f"{path}: parsed by prefetch.agent.config")
+
+
+# -- kinds ---------------------------------------------------------------------------------------
+
+_NONBLANK: Schema = {"type": "string", "pattern": NONSPACE}
+_INTEGER_MIN0: Schema = {"type": "integer", "minimum": 0}
+
+
+def _kind(parse: Parse, schema: Schema | Callable[[], Schema], doc: str) -> Kind:
+    return Kind(parse, schema if callable(schema) else (lambda: schema), doc)
+
+
+def _nullable(schema: Schema) -> Schema:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _uri_schema(schemes: tuple[str, ...]) -> Schema:
+    return {"type": "string", "pattern": f"^{SPACE}*({'|'.join(schemes)})://"}
+
+
+TEXT = _kind(text, _NONBLANK, "string")
+OPT_TEXT = _kind(opt_text, _nullable(_NONBLANK), "string or null")
+PATH = _kind(opt_text, _nullable(_NONBLANK), "file path or null")
+BOOL = _kind(boolean, {"type": "boolean"}, "true or false")
+SIZE = _kind(
+    size,
+    {"anyOf": [_INTEGER_MIN0, {"type": "string", "pattern": SIZE_PATTERN}]},
+    "size: bytes, or like 64KiB, 200MB, 1GiB",
+)
+DURATION = _kind(
+    duration,
+    {
+        "anyOf": [
+            {"type": "number", "minimum": 0},
+            {"type": "string", "pattern": DURATION_PATTERN},
+            {"type": "null"},
+        ]
+    },
+    "duration: seconds, or like 30s, 10m, 1h30m, 24h; 0, off or null: never",
+)
+POSITIVE_DURATION = _kind(
+    positive_duration,
+    {
+        "anyOf": [
+            {"type": "number", "exclusiveMinimum": 0},
+            {"type": "string", "pattern": POSITIVE_DURATION_PATTERN},
+        ]
+    },
+    "positive duration: seconds, or like 30s, 10m, 24h",
+)
+SHARE = _kind(share, {"type": "number", "exclusiveMinimum": 0, "maximum": 1}, "number in (0, 1]")
+PATTERNS = _kind(
+    patterns,
+    {
+        "anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": {"type": "string", "minLength": 1}},
+            {"type": "null"},
+        ]
+    },
+    "glob pattern, or a list of them",
+)
+DNS_LABEL = _kind(
+    dns_label,
+    {"type": "string", "pattern": f"^{_DNS_LABEL}$"},
+    "DNS label (a-z, 0-9, '-'; at most 63)",
+)
+LABEL_PREFIX = _kind(
+    label_prefix,
+    {"type": "string", "pattern": f"^{_DNS_SUBDOMAIN}$", "maxLength": 253},
+    "DNS subdomain",
+)
+TAINT_KEY = _kind(
+    taint_key,
+    {"type": "string", "pattern": f"^(({_DNS_SUBDOMAIN})?/)?{_LABEL_NAME}$"},
+    "taint key (prefix/name)",
+)
+LISTEN = _kind(
+    listen,
+    {
+        "type": "string",
+        "pattern": f"^{SPACE}*(\\[[0-9A-Fa-f:.]+\\]|[^:\\[\\]]*):{_PORT}{SPACE}*$",
+    },
+    "HOST:PORT ([v6]:PORT)",
+)
+SOURCE_URI = _kind(
+    uri(SOURCE_SCHEMES),
+    lambda: _uri_schema(SOURCE_SCHEMES),
+    "URI: " + ", ".join(f"{s}://" for s in SOURCE_SCHEMES),
+)
+S3_URI = _kind(uri(("s3",)), lambda: _uri_schema(("s3",)), "URI: s3://")
+MIRROR_URIS = _kind(
+    uri_list(MIRROR_SCHEMES),
+    lambda: {
+        "anyOf": [
+            _uri_schema(MIRROR_SCHEMES),
+            {"type": "array", "items": _uri_schema(MIRROR_SCHEMES)},
+            {"type": "null"},
+        ]
+    },
+    "URI or list: " + ", ".join(f"{s}://" for s in MIRROR_SCHEMES),
+)
+ENDPOINT_URL = _kind(
+    endpoint_url,
+    _nullable({"type": "string", "pattern": f"^{SPACE}*https?://[^/{SPACE[1:-1]}]"}),
+    "http(s) URL or null",
+)
+
+
+def int_kind(lo: int, hi: int) -> Kind:
+    return _kind(
+        int_range(lo, hi), {"type": "integer", "minimum": lo, "maximum": hi}, f"{lo} to {hi}"
+    )
+
+
+def size_at_least(least: int, shown: str) -> Kind:
+    return _kind(
+        min_size(least, shown),
+        {
+            "anyOf": [
+                {"type": "integer", "minimum": least},
+                {"type": "string", "pattern": SIZE_PATTERN},
+            ]
+        },
+        f"size, at least {shown}",
+    )
+
+
+def enum_kind(names: tuple[str, ...]) -> Kind:
+    return _kind(choice(names), {"enum": list(names)}, " or ".join(names))
+
+
+def names_kind(known: tuple[str, ...]) -> Kind:
+    return _kind(
+        names_from(known),
+        {"type": "array", "uniqueItems": True, "items": {"enum": list(known)}},
+        "list of " + ", ".join(known),
+    )
+
+
+def object_kind(table: Table, doc: str, *, nullable: bool = False) -> Kind:
+    return Kind(
+        not_parsed_here, lambda: _nullable(table.schema()) if nullable else table.schema(), doc
+    )
+
+
+def list_kind(table: Table, doc: str) -> Kind:
+    return Kind(
+        not_parsed_here,
+        lambda: _nullable({"type": "array", "items": table.schema()}),
+        doc,
+    )
+
+
+def sync_deadline_kind(parse: Parse) -> Kind:
+    return _kind(
+        parse,
+        {
+            "anyOf": [
+                {"const": "auto"},
+                {"type": "number", "minimum": 0},
+                {"type": "string", "pattern": DURATION_PATTERN},
+                {"type": "null"},
+            ]
+        },
+        "auto, a duration, or off",
+    )
