@@ -464,7 +464,7 @@ MODEL = Table((
     Field("caBundle", PATH, "the top-level one", "PEM file of the CAs this model's sources use"),
 ))  # fmt: skip
 COMPILE_CACHE = Table((
-    Field("name", DNS_LABEL, "", "the cache's name (models/<name>/)", missing=""),
+    Field("name", DNS_LABEL, "", "the cache's name (its directory under models/)", missing=""),
     Field("source", Kind(_cache_source, S3_URI.schema, S3_URI.doc), "",
           "prefix the key is appended to", missing=""),
     Field("target", Kind(_target, lambda: {"const": "vllm"}, "vllm"), "vllm", "the engine"),
@@ -482,7 +482,7 @@ COMPILE_CACHE = Table((
 ))  # fmt: skip
 TOP = Table((
     Field("cacheDir", TEXT, DEFAULT_CACHE_DIR, "the cache (= HF_HOME for vLLM)"),
-    Field("labelPrefix", LABEL_PREFIX, DEFAULT_LABEL_PREFIX, "node labels <prefix>/<model>"),
+    Field("labelPrefix", LABEL_PREFIX, DEFAULT_LABEL_PREFIX, "node labels PREFIX/MODEL=ready"),
     Field("startupTaint", TAINT_KEY, DEFAULT_STARTUP_TAINT_KEY, "key of the startup taint"),
     Field("listen", LISTEN, DEFAULT_LISTEN, "/healthz, /readyz, /metrics"),
     Field("concurrency", int_kind(1, 512), "16", "ranged requests in flight per model sync"),

@@ -34,10 +34,12 @@ from prefetch.units import (
 Parse = Callable[[Any, str], Any]
 Schema = dict[str, Any]
 
-#: A character Python's ``str.strip`` keeps, in a JSON Schema pattern (built by the generator,
-#: :func:`prefetch.agent.config_schema.python_space_class`); ``{NONSPACE}`` in a pattern below.
+#: Placeholders in the patterns below, written out by the generator
+#: (:func:`prefetch.agent.config_schema.python_space_class`): a character Python's
+#: ``str.strip`` keeps, one it removes, and the inside of a class of the latter.
 NONSPACE = "{NONSPACE}"
 SPACE = "{SPACE}"
+SPACE_CHARS = "{SPACE_CHARS}"
 _DNS_LABEL = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
 _DNS_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
 _LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
@@ -447,8 +449,9 @@ SOURCE_URI = _kind(
     "URI: " + ", ".join(f"{s}://" for s in SOURCE_SCHEMES),
 )
 S3_URI = _kind(uri(("s3",)), lambda: _uri_schema(("s3",)), "URI: s3://")
+#: Parsed as any source (ModelSpec says which scheme a model's mirrors need: its own message).
 MIRROR_URIS = _kind(
-    uri_list(MIRROR_SCHEMES),
+    uri_list(SOURCE_SCHEMES),
     lambda: {
         "anyOf": [
             _uri_schema(MIRROR_SCHEMES),
@@ -460,7 +463,7 @@ MIRROR_URIS = _kind(
 )
 ENDPOINT_URL = _kind(
     endpoint_url,
-    _nullable({"type": "string", "pattern": f"^{SPACE}*https?://[^/{SPACE[1:-1]}]"}),
+    _nullable({"type": "string", "pattern": f"^{SPACE}*https?://[^/{SPACE_CHARS}]"}),
     "http(s) URL or null",
 )
 
