@@ -363,7 +363,6 @@ def not_parsed_here(value: Any, path: str) -> Any:
 # -- kinds ---------------------------------------------------------------------------------------
 
 _NONBLANK: Schema = {"type": "string", "pattern": NONSPACE}
-_INTEGER_MIN0: Schema = {"type": "integer", "minimum": 0}
 
 
 def _kind(parse: Parse, schema: Schema | Callable[[], Schema], doc: str) -> Kind:
@@ -371,7 +370,11 @@ def _kind(parse: Parse, schema: Schema | Callable[[], Schema], doc: str) -> Kind
 
 
 def _nullable(schema: Schema) -> Schema:
-    return {"anyOf": [schema, {"type": "null"}]}
+    """``schema`` or null. Types are listed rather than ``anyOf``-ed throughout: a keyword
+    (``pattern``, ``minimum``, ``items``) applies only to its own type, and Helm's message
+    then names the one rule broken."""
+    kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+    return {**schema, "type": [*kinds, "null"]}
 
 
 def _uri_schema(schemes: tuple[str, ...]) -> Schema:
@@ -384,39 +387,26 @@ PATH = _kind(opt_text, _nullable(_NONBLANK), "file path or null")
 BOOL = _kind(boolean, {"type": "boolean"}, "true or false")
 SIZE = _kind(
     size,
-    {"anyOf": [_INTEGER_MIN0, {"type": "string", "pattern": SIZE_PATTERN}]},
+    {"type": ["integer", "string"], "minimum": 0, "pattern": SIZE_PATTERN},
     "size: bytes, or like 64KiB, 200MB, 1GiB",
 )
 DURATION = _kind(
     duration,
-    {
-        "anyOf": [
-            {"type": "number", "minimum": 0},
-            {"type": "string", "pattern": DURATION_PATTERN},
-            {"type": "null"},
-        ]
-    },
+    {"type": ["number", "string", "null"], "minimum": 0, "pattern": DURATION_PATTERN},
     "duration: seconds, or like 30s, 10m, 1h30m, 24h; 0, off or null: never",
 )
 POSITIVE_DURATION = _kind(
     positive_duration,
-    {
-        "anyOf": [
-            {"type": "number", "exclusiveMinimum": 0},
-            {"type": "string", "pattern": POSITIVE_DURATION_PATTERN},
-        ]
-    },
+    {"type": ["number", "string"], "exclusiveMinimum": 0, "pattern": POSITIVE_DURATION_PATTERN},
     "positive duration: seconds, or like 30s, 10m, 24h",
 )
 SHARE = _kind(share, {"type": "number", "exclusiveMinimum": 0, "maximum": 1}, "number in (0, 1]")
 PATTERNS = _kind(
     patterns,
     {
-        "anyOf": [
-            {"type": "string", "minLength": 1},
-            {"type": "array", "items": {"type": "string", "minLength": 1}},
-            {"type": "null"},
-        ]
+        "type": ["string", "array", "null"],
+        "minLength": 1,
+        "items": {"type": "string", "minLength": 1},
     },
     "glob pattern, or a list of them",
 )
@@ -453,11 +443,8 @@ S3_URI = _kind(uri(("s3",)), lambda: _uri_schema(("s3",)), "URI: s3://")
 MIRROR_URIS = _kind(
     uri_list(SOURCE_SCHEMES),
     lambda: {
-        "anyOf": [
-            _uri_schema(MIRROR_SCHEMES),
-            {"type": "array", "items": _uri_schema(MIRROR_SCHEMES)},
-            {"type": "null"},
-        ]
+        **_nullable({**_uri_schema(MIRROR_SCHEMES), "type": ["string", "array"]}),
+        "items": _uri_schema(MIRROR_SCHEMES),
     },
     "URI or list: " + ", ".join(f"{s}://" for s in MIRROR_SCHEMES),
 )
@@ -477,12 +464,7 @@ def int_kind(lo: int, hi: int) -> Kind:
 def size_at_least(least: int, shown: str) -> Kind:
     return _kind(
         min_size(least, shown),
-        {
-            "anyOf": [
-                {"type": "integer", "minimum": least},
-                {"type": "string", "pattern": SIZE_PATTERN},
-            ]
-        },
+        {"type": ["integer", "string"], "minimum": least, "pattern": SIZE_PATTERN},
         f"size, at least {shown}",
     )
 
@@ -508,7 +490,7 @@ def object_kind(table: Table, doc: str, *, nullable: bool = False) -> Kind:
 def list_kind(table: Table, doc: str) -> Kind:
     return Kind(
         not_parsed_here,
-        lambda: _nullable({"type": "array", "items": table.schema()}),
+        lambda: {"type": ["array", "null"], "items": table.schema()},
         doc,
     )
 
@@ -517,12 +499,9 @@ def sync_deadline_kind(parse: Parse) -> Kind:
     return _kind(
         parse,
         {
-            "anyOf": [
-                {"const": "auto"},
-                {"type": "number", "minimum": 0},
-                {"type": "string", "pattern": DURATION_PATTERN},
-                {"type": "null"},
-            ]
+            "type": ["number", "string", "null"],
+            "minimum": 0,
+            "pattern": f"^auto$|{DURATION_PATTERN}",
         },
         "auto, a duration, or off",
     )
