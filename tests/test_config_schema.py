@@ -1,0 +1,211 @@
+"""The chart's ``config`` schema and docs/config.md are generated from the agent's field table,
+and the schema accepts what the agent accepts, key by key (a property test).
+
+Patterns are checked as Helm checks them (Go's regexp, like ECMA-262: ``$`` is the end of the
+text); Python's ``re.search`` would also let ``$`` match before a final newline, a quirk no
+Helm user meets, so the validator below reads ``$`` as ``\\Z``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from prefetch.agent import config_schema
+from prefetch.agent.config import BACKOFF, COMPILE_CACHE, MODEL, S3, TOP, parse_config
+from prefetch.agent.config_fields import Table
+from prefetch.errors import ConfigError
+from prefetch.spec import MIRROR_SCHEMES, SOURCE_SCHEMES
+
+
+def _pattern(
+    validator: Any, pattern: str, instance: Any, schema: dict[str, Any]
+) -> Iterator[jsonschema.ValidationError]:
+    if isinstance(instance, str) and not re.search(
+        re.sub(r"\$(?=\||$)", r"\\Z", pattern), instance
+    ):
+        yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+GoValidator = jsonschema.validators.extend(jsonschema.Draft7Validator, {"pattern": _pattern})
+SCHEMA = config_schema.config_schema()
+VALIDATOR = GoValidator(SCHEMA)
+
+
+def schema_accepts(doc: dict[str, Any]) -> bool:
+    return bool(VALIDATOR.is_valid(doc))
+
+
+def agent_accepts(doc: dict[str, Any]) -> bool:
+    try:
+        parse_config(yaml.safe_dump(doc))
+    except ConfigError:
+        return False
+    return True
+
+
+# -- generated files -----------------------------------------------------------------------------
+
+
+def test_committed_schema_and_reference_are_the_generated_ones() -> None:
+    for path, text in config_schema.outputs().items():
+        assert path.read_text(encoding="utf-8") == text, (
+            f"{path.name} is not what the field table gives: run "
+            "python -m prefetch.agent.config_schema"
+        )
+
+
+def test_generator_check_says_which_file_differs(tmp_path: Any, monkeypatch: Any) -> None:
+    docs = tmp_path / "config.md"
+    docs.write_text("stale\n")
+    monkeypatch.setattr(config_schema, "REFERENCE", docs)
+    monkeypatch.setattr(config_schema, "REPO", tmp_path.parent)
+    assert config_schema.main(["--check"]) == 1
+    assert docs.read_text() == "stale\n"
+    assert config_schema.main([]) == 0
+    assert docs.read_text() == config_schema.reference()
+
+
+def test_every_key_is_in_the_reference_and_the_schema() -> None:
+    reference = config_schema.reference()
+    tables = [(TOP, ""), (BACKOFF, "retryBackoff."), (S3, "s3."), (MODEL, "models[]."),
+              (COMPILE_CACHE, "compileCaches[].")]  # fmt: skip
+    for table, prefix in tables:
+        for key in table.keys:
+            assert f"`{prefix}{key}`" in reference
+    model = SCHEMA["properties"]["models"]["items"]
+    assert set(model["properties"]) == set(MODEL.keys)
+    assert set(SCHEMA["properties"]) == set(TOP.keys)
+
+
+def test_source_schemes_come_from_the_spec() -> None:
+    """A scheme added to prefetch.spec.SOURCE_SCHEMES reaches the schema with no other edit."""
+    for scheme in SOURCE_SCHEMES:
+        doc = {"models": [{"name": "a", "source": f"{scheme}://x"}]}
+        assert schema_accepts(doc)
+    for scheme in MIRROR_SCHEMES:
+        assert schema_accepts({"models": [{"name": "a", "source": "hf://o/n",
+                                           "mirrors": [f"{scheme}://m"]}]})  # fmt: skip
+    assert not schema_accepts({"models": [{"name": "a", "source": "ftp://x/y"}]})
+    assert not schema_accepts({"models": [{"name": "a", "source": "hf://o/n",
+                                           "mirrors": ["hf://o/m"]}]})  # fmt: skip
+
+
+# -- the property: per key, the schema and the agent agree -----------------------------------
+
+_ALPHABET = "0123456789.-+ \t\nmsdhkKMGTibBx:/[]@_aZ"
+_INTERESTING = [
+    "auto", "off", "never", "0", "", " ", "64MiB", "64KiB", "1 gib", "30s", "1h30m", "0s",
+    "0.0m", "0.5", "10m30s", "1.5ms", "2d", "-5m", "12 GB", "hf://org/name", "s3://bucket/p/",
+    "oci://registry.example.com/repo:v1", "oci://127.0.0.1:30020", "0.0.0.0:8090", "[::1]:80",
+    ":8090", "host:65536", "model-prefetch.io", "example.com/warming", "/warming", "a/b/c",
+    "Model_Prefetch", "vllm", "sglang", "flashinfer", "deepgemm", "none", "direct",
+    "http://proxy:3128", "https://minio:9000", "minio:9000", "/etc/ssl/ca.pem", "main",
+    "llama-3", "-bad-", "a" * 64,
+]  # fmt: skip
+_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(10**6), max_value=10**12),
+    st.floats(min_value=-1e6, max_value=1e12, allow_nan=False),
+    st.text(alphabet=_ALPHABET, max_size=12),
+    st.sampled_from(_INTERESTING),
+)
+VALUES = st.one_of(
+    _SCALARS,
+    st.lists(_SCALARS, max_size=3),
+    st.dictionaries(st.sampled_from(["initial", "max", "endpointUrl", "x"]), _SCALARS, max_size=2),
+)
+
+_MODEL_BASE = {"name": "m", "source": "hf://org/name"}
+_CACHE_BASE = {"name": "c", "source": "s3://bkt/p/", "vllm": "v", "model": "o/m", "revision": "r"}
+#: Where a key's value goes, with the other keys its rules need to be met.
+_CONTEXT: dict[str, Callable[[Any], dict[str, Any]]] = {
+    "retryBackoff.initial": lambda v: {"retryBackoff": {"initial": v, "max": float("inf")}},
+    "retryBackoff.max": lambda v: {"retryBackoff": {"initial": 5e-324, "max": v}},
+    "models[].hfRepo": lambda v: {"models": [{**_MODEL_BASE, "source": "s3://bkt/p/", "hfRepo": v}]},
+    "models[].hubFallback": lambda v: {
+        "models": [{**_MODEL_BASE, "mirrors": ["s3://bkt/m/"], "hubFallback": v}]
+    },
+    "compileCaches[].push": lambda v: {
+        "compileCaches": [{**_CACHE_BASE, "push": v, "pushFrom": "/host/cache"}]
+    },
+}
+#: Keys whose rules the schema states only in part, each with what it leaves to the agent.
+#: For these the property is one way: what the agent accepts, the schema accepts.
+PARTLY: dict[str, str] = {
+    "models[].source": "the scheme only: bucket names, repo ids, registry references",
+    "compileCaches[].source": "the scheme only: bucket names",
+    "models[].mirrors": "the schemes s3:// and oci://; which one depends on the source",
+    "models[].revision": "git ref names, and per source scheme (s3: only a 40-hex commit)",
+    "models[].hfRepo": "a Hub repo id; only for s3:// and oci:// sources",
+    "models[].proxy": "an http(s) URL (prefetch.settings.parse_proxy)",
+    "chunkSize": "a size written as a string is not checked against the 64KiB least",
+}
+
+
+def _paths(table: Table, prefix: str) -> list[str]:
+    return [f"{prefix}{f.key}" for f in table.fields if f.kind.parse.__name__ != "not_parsed_here"]
+
+
+KEYS = [
+    *_paths(TOP, ""),
+    *_paths(BACKOFF, "retryBackoff."),
+    *_paths(S3, "s3."),
+    *_paths(MODEL, "models[]."),
+    *_paths(COMPILE_CACHE, "compileCaches[]."),
+]
+
+
+def placed(key: str, value: Any) -> dict[str, Any]:
+    """A config with ``value`` at ``key`` (and what the key's rules need beside it)."""
+    if key in _CONTEXT:
+        return _CONTEXT[key](value)
+    head, _, rest = key.partition(".")
+    if head == "models[]":
+        return {"models": [{**_MODEL_BASE, rest: value}]}
+    if head == "compileCaches[]":
+        return {"compileCaches": [{**_CACHE_BASE, rest: value}]}
+    return {head: {rest: value}} if rest else {head: value}
+
+
+def test_every_key_is_generated() -> None:
+    assert {"chunkSize", "stallTimeout", "models[].name", "compileCaches[].extraDirs"} <= set(KEYS)
+    assert set(PARTLY) <= set(KEYS)
+    assert len(KEYS) == sum(len(t.fields) for t in (TOP, BACKOFF, S3, MODEL, COMPILE_CACHE)) - 4
+
+
+@pytest.mark.parametrize("key", KEYS)
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(value=VALUES)
+def test_the_schema_accepts_what_the_agent_accepts_and_refuses_what_it_refuses(
+    key: str, value: Any
+) -> None:
+    doc = placed(key, value)
+    agent, schema = agent_accepts(doc), schema_accepts(doc)
+    if key in PARTLY:
+        assert schema or not agent, f"{key}: {value!r}: the agent takes it, the schema refuses"
+    else:
+        assert schema == agent, f"{key}: {value!r}: agent {agent}, schema {schema}"
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("models[].source", "ftp://host/x"),
+        ("compileCaches[].source", "hf://org/name"),
+        ("models[].mirrors", ["hf://org/other"]),
+        ("chunkSize", 1024),
+    ],
+)
+def test_what_the_schema_states_of_the_partly_stated_keys(key: str, value: Any) -> None:
+    doc = placed(key, value)
+    assert not agent_accepts(doc)
+    assert not schema_accepts(doc)
