@@ -130,7 +130,9 @@ _CACHE_BASE = {"name": "c", "source": "s3://bkt/p/", "vllm": "v", "model": "o/m"
 _CONTEXT: dict[str, Callable[[Any], dict[str, Any]]] = {
     "retryBackoff.initial": lambda v: {"retryBackoff": {"initial": v, "max": float("inf")}},
     "retryBackoff.max": lambda v: {"retryBackoff": {"initial": 5e-324, "max": v}},
-    "models[].hfRepo": lambda v: {"models": [{**_MODEL_BASE, "source": "s3://bkt/p/", "hfRepo": v}]},
+    "models[].hfRepo": lambda v: {
+        "models": [{**_MODEL_BASE, "source": "s3://bkt/p/", "hfRepo": v}]
+    },
     "models[].hubFallback": lambda v: {
         "models": [{**_MODEL_BASE, "mirrors": ["s3://bkt/m/"], "hubFallback": v}]
     },

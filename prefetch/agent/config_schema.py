@@ -70,7 +70,7 @@ def _uri_pattern(schemes: tuple[str, ...]) -> str:
 
 def chart_schema(current: Schema) -> Schema:
     """``current`` (the chart's schema) with ``config`` and the mirror jobs' URIs generated."""
-    out = json.loads(json.dumps(current))
+    out: Schema = json.loads(json.dumps(current))
     out["properties"]["config"] = config_schema()
     job = out["properties"]["mirror"]["properties"]["jobs"]["items"]["properties"]
     job["source"]["pattern"] = _uri_pattern(SOURCE_SCHEMES)
