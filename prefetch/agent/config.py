@@ -86,6 +86,7 @@ from prefetch.agent.config_fields import (
     kind_of,
     list_kind,
     mapping,
+    mirror_rules,
     names_kind,
     object_kind,
     size_at_least,
@@ -462,7 +463,7 @@ MODEL = Table((
     Field("warmPageCache", BOOL, "false", "read the files into the page cache once published"),
     Field("gateOnWarm", BOOL, "false", "ready only after that warm-up (implies warmPageCache)"),
     Field("caBundle", PATH, "the top-level one", "PEM file of the CAs this model's sources use"),
-))  # fmt: skip
+), rules=mirror_rules)  # fmt: skip
 COMPILE_CACHE = Table((
     Field("name", DNS_LABEL, "", "the cache's name (its directory under models/)", missing=""),
     Field("source", Kind(_cache_source, S3_URI.schema, S3_URI.doc), "",

@@ -22,7 +22,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefetch.errors import ConfigError
-from prefetch.spec import MIRROR_SCHEMES, SOURCE_SCHEMES, parse_source_uri, validate_name
+from prefetch.spec import (
+    MIRROR_SCHEMES,
+    MIRRORS_BY_SOURCE,
+    SOURCE_SCHEMES,
+    parse_source_uri,
+    validate_name,
+)
 from prefetch.units import (
     DURATION_PATTERN,
     POSITIVE_DURATION_PATTERN,
@@ -74,6 +80,8 @@ class Table:
     """The keys of one mapping of the file (the top level, a model, ...)."""
 
     fields: tuple[Field, ...]
+    #: Rules across this mapping's keys the schema can state (JSON Schema ``allOf``).
+    rules: Callable[[], list[Schema]] | None = None
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -101,6 +109,8 @@ class Table:
         if required:
             out["required"] = required
         out["properties"] = {f.key: {**f.kind.schema(), "description": f.doc} for f in self.fields}
+        if self.rules is not None:
+            out["allOf"] = self.rules()
         return out
 
 
@@ -377,8 +387,75 @@ def _nullable(schema: Schema) -> Schema:
     return {**schema, "type": [*kinds, "null"]}
 
 
-def _uri_schema(schemes: tuple[str, ...]) -> Schema:
-    return {"type": "string", "pattern": f"^{SPACE}*({'|'.join(schemes)})://"}
+#: Each scheme's URIs, as far as a pattern can say it without the environment: a subset of
+#: what :func:`prefetch.spec.parse_source_uri` and ModelSpec accept (odd spellings they take,
+#: like ``S3://`` or a blank inside, are refused). ``${NAME}`` in a registry host is read from
+#: the agent's environment, so the agent alone can judge it. A scheme added to
+#: SOURCE_SCHEMES without a shape here is checked by its ``scheme://`` only.
+_SEGMENT = r"[A-Za-z0-9_]+([.-][A-Za-z0-9_]+)*"
+_HF_ORG = r"[A-Za-z0-9][A-Za-z0-9_]*([.-][A-Za-z0-9_]+)*"
+_REF_PART = r"[A-Za-z0-9_][A-Za-z0-9_-]*"
+_OCI_HOST = r"([A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?|\$\{[A-Za-z_][A-Za-z0-9_]*\})(:[0-9]{1,5})?"
+_OCI_REPO = r"[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*(/[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*)*"
+_OCI_REF = r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}|@sha256:[0-9a-f]{64})"
+_SOURCE_SHAPES = {
+    "s3": r"s3://[a-z0-9][a-z0-9._-]{1,254}(/[!-~]*)?",
+    "hf": rf"hf://{_HF_ORG}(/{_SEGMENT})?(@{_REF_PART}(/{_REF_PART})*)?",
+    "oci": rf"oci://{_OCI_HOST}/{_OCI_REPO}{_OCI_REF}?",
+}
+_PATH_SEGMENT = r"[A-Za-z0-9._~!$&'()*+,;=:@%-]+"
+#: Mirrors are written as the agent spells them back but for an S3 prefix's last ``/`` (a
+#: registry host in lowercase, no ``//``, no blanks around), so ``uniqueItems`` is the agent's
+#: "listed twice" but for ``s3://b/p`` beside ``s3://b/p/``. A registry mirror names no tag or
+#: digest (the origin's is read there), maybe no repository.
+_MIRROR_SHAPES = {
+    **_SOURCE_SHAPES,
+    "s3": rf"s3://[a-z0-9][a-z0-9._-]{{1,254}}(/{_PATH_SEGMENT})*/?",
+    "oci": r"oci://([a-z0-9]([a-z0-9.-]*[a-z0-9])?|\$\{[A-Za-z_][A-Za-z0-9_]*\})(:[0-9]{1,5})?"
+    rf"(/{_OCI_REPO})?",
+}
+_BLANKS = r"[\t\n\v\f\r ]*"
+
+
+def _uri_schema(
+    schemes: tuple[str, ...], shapes: Mapping[str, str] = _SOURCE_SHAPES, blanks: str = _BLANKS
+) -> Schema:
+    alternatives = "|".join(shapes.get(s, f"{s}://[^{SPACE_CHARS}]+") for s in schemes)
+    return {"type": "string", "pattern": f"^{blanks}({alternatives}){blanks}$"}
+
+
+def mirror_rules() -> list[Schema]:
+    """A model's ``mirrors`` by its source's scheme (:data:`~prefetch.spec.MIRRORS_BY_SOURCE`),
+    and ``hubFallback: false`` only with mirrors."""
+    rules: list[Schema] = [
+        {
+            "if": {"properties": {"source": {"pattern": f"^{_BLANKS}{scheme}://"}}},
+            "then": {
+                "properties": {
+                    "mirrors": mirrors_schema(
+                        (MIRRORS_BY_SOURCE[scheme],) if scheme in MIRRORS_BY_SOURCE else ()
+                    )
+                }
+            },
+        }
+        for scheme in SOURCE_SCHEMES
+    ]
+    no_hub = {"properties": {"hubFallback": {"const": False}}, "required": ["hubFallback"]}
+    with_mirrors = {"required": ["mirrors"], "properties": {"mirrors": {"minItems": 1}}}
+    return [*rules, {"if": no_hub, "then": with_mirrors}]
+
+
+def mirrors_schema(schemes: tuple[str, ...]) -> Schema:
+    """``mirrors`` of ``schemes`` (none: empty or null)."""
+    if not schemes:
+        return {"type": ["array", "null"], "maxItems": 0}
+    one = _uri_schema(schemes, _MIRROR_SHAPES, blanks="")
+    return {
+        "type": ["string", "array", "null"],
+        "pattern": one["pattern"],
+        "items": one,
+        "uniqueItems": True,
+    }
 
 
 TEXT = _kind(text, _NONBLANK, "string")
@@ -442,10 +519,7 @@ S3_URI = _kind(uri(("s3",)), lambda: _uri_schema(("s3",)), "URI: s3://")
 #: Parsed as any source (ModelSpec says which scheme a model's mirrors need: its own message).
 MIRROR_URIS = _kind(
     uri_list(SOURCE_SCHEMES),
-    lambda: {
-        **_nullable({**_uri_schema(MIRROR_SCHEMES), "type": ["string", "array"]}),
-        "items": _uri_schema(MIRROR_SCHEMES),
-    },
+    lambda: mirrors_schema(MIRROR_SCHEMES),
     "URI or list: " + ", ".join(f"{s}://" for s in MIRROR_SCHEMES),
 )
 ENDPOINT_URL = _kind(
