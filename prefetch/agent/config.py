@@ -37,6 +37,12 @@
         syncDeadline: 2h                  # this model's attempts (default: the top-level one)
         warmPageCache: false              # read the files into the page cache once published
         gateOnWarm: false                 # ready only after that warm-up (implies warmPageCache)
+        caBundle: /etc/ssl/private-ca.pem # this model's sources' CAs (default: the top-level
+                                          # caBundle, else the system's)
+
+Every key, its values and default: docs/config.md, generated (like the chart's values.schema.json)
+from the tables at the end of this module (:class:`~prefetch.agent.config_fields.Table`): a key is
+one ``Field`` line there, its parser and its schema one :class:`~prefetch.agent.config_fields.Kind`.
 
 One model per Hub repo: two models that publish into the same ``hub/models--org--name`` (two
 ``hf://`` sources of one repo, whatever their revisions, or an S3 mirror whose ``hfRepo`` is

@@ -86,7 +86,7 @@ def _table_md(table: Table, prefix: str) -> list[str]:
     lines = ["| Key | Value | Default | What |", "| --- | --- | --- | --- |"]
     for f in table.fields:
         required = " (required)" if f.missing is not None else ""
-        default = f"`{f.default}`" if f.default else ""
+        default = f"`{f.default}`" if f.default and " " not in f.default else f.default
         key = f"`{prefix}{f.key}`{required}"
         lines.append(f"| {key} | {f.kind.doc} | {default} | {f.doc} |")
     return lines
