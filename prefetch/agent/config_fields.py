@@ -330,15 +330,6 @@ def uri_list(schemes: tuple[str, ...]) -> Parse:
     return convert
 
 
-def choice(names: tuple[str, ...]) -> Parse:
-    def convert(value: Any, path: str) -> str:
-        if value not in names:
-            raise ConfigError(f"{path}: {value!r} is not one of {', '.join(names)}")
-        return str(value)
-
-    return convert
-
-
 def names_from(known: tuple[str, ...]) -> Parse:
     """A list of names from ``known``, each once (``extraDirs``)."""
 
@@ -441,7 +432,10 @@ def mirror_rules() -> list[Schema]:
         for scheme in SOURCE_SCHEMES
     ]
     no_hub = {"properties": {"hubFallback": {"const": False}}, "required": ["hubFallback"]}
-    with_mirrors = {"required": ["mirrors"], "properties": {"mirrors": {"minItems": 1}}}
+    with_mirrors = {
+        "required": ["mirrors"],
+        "properties": {"mirrors": {"type": ["string", "array"], "minItems": 1}},
+    }
     return [*rules, {"if": no_hub, "then": with_mirrors}]
 
 
@@ -541,10 +535,6 @@ def size_at_least(least: int, shown: str) -> Kind:
         {"type": ["integer", "string"], "minimum": least, "pattern": SIZE_PATTERN},
         f"size, at least {shown}",
     )
-
-
-def enum_kind(names: tuple[str, ...]) -> Kind:
-    return _kind(choice(names), {"enum": list(names)}, " or ".join(names))
 
 
 def names_kind(known: tuple[str, ...]) -> Kind:
