@@ -499,6 +499,11 @@ REFUSED_BY_THE_AGENT = [
     ("models", [{"name": "a", "source": "ftp://host/model"}]),
     ("models", [{"name": "a", "source": "hf://org/name", "mirrors": ["hf://org/other"]}]),
     ("models", [{"name": "a", "source": "hf://org/name", "include": [""]}]),
+    ("models", [{"name": "a", "source": "hf://org/name", "mirrors": ["oci://registry.io"]}]),
+    ("models", [{"name": "a", "source": "oci://registry.io/a:v1", "mirrors": ["s3://bkt/a/"]}]),
+    ("models", [{"name": "a", "source": "s3://bkt/a/", "mirrors": ["s3://bkt/b/"]}]),
+    ("models", [{"name": "a", "source": "hf://org/name", "hubFallback": False}]),
+    ("models", [{"name": "a", "source": "oci://registry.io/a:v1", "mirrors": ["oci://m.io/a:v1"]}]),
 ]
 
 
