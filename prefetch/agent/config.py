@@ -76,6 +76,7 @@ from prefetch.agent.config_fields import (
     PATH,
     PATTERNS,
     POSITIVE_DURATION,
+    PROXY,
     S3_URI,
     SHARE,
     SIZE,
@@ -414,16 +415,6 @@ def _sync_deadline(value: Any, path: str) -> SyncDeadline:
     return SyncDeadline(off=True) if seconds is None else SyncDeadline(seconds=seconds)
 
 
-def _proxy(value: Any, path: str) -> str | None:
-    """A model's ``proxy``: a URL, or ``none``/"" for direct; null: the environment's
-    (ModelSpec reads the URL: :func:`prefetch.settings.parse_proxy`)."""
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise ConfigError(f"{path}: expected a proxy URL or none, got {kind_of(value)}")
-    return value
-
-
 def _target(value: Any, path: str) -> str:
     if text(value, path) != "vllm":
         raise ConfigError(f"{path}: only vllm is supported")
@@ -461,8 +452,8 @@ MODEL = Table((
     Field("required", BOOL, "true", "gates /readyz and the startup taint"),
     Field("hfRepo", OPT_TEXT, "", "s3/oci: publish in the Hub layout under this repo id"),
     Field("pin", BOOL, "false", "never evicted, even after leaving the config"),
-    Field("proxy", Kind(_proxy, lambda: {"type": ["string", "null"]}, "URL, none or null"), "",
-          "this model's sources through this proxy (none: direct; default HTTP(S)_PROXY)"),
+    Field("proxy", PROXY, "", "this model's sources through this proxy (none: direct; default "
+          "HTTP(S)_PROXY)"),
     Field("mirrors", MIRROR_URIS, "", "hf: S3 mirror prefixes; oci: registries; tried first"),
     Field("hubFallback", BOOL, "true", "hf with mirrors: then the Hub"),
     Field("syncDeadline", _SYNC_DEADLINE, "the top-level one", _SYNC_DEADLINE_DOC),

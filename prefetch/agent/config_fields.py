@@ -355,6 +355,16 @@ def endpoint_url(value: Any, path: str) -> str | None:
     return url
 
 
+def proxy(value: Any, path: str) -> str | None:
+    """A model's ``proxy``: a URL, or ``none``/"" for direct; null: the environment's
+    (ModelSpec reads the URL: :func:`prefetch.settings.parse_proxy`)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(f"{path}: expected a proxy URL or none, got {kind_of(value)}")
+    return value
+
+
 def not_parsed_here(value: Any, path: str) -> Any:
     """The parse of a mapping or list of mappings, which prefetch.agent.config does itself
     (its rules span several fields)."""
@@ -408,6 +418,10 @@ _MIRROR_SHAPES = {
 _BLANKS = r"[\t\n\v\f\r ]*"
 
 
+def _any_case(word: str) -> str:
+    return "".join(f"[{c.lower()}{c.upper()}]" for c in word)
+
+
 def _uri_schema(
     schemes: tuple[str, ...], shapes: Mapping[str, str] = _SOURCE_SHAPES, blanks: str = _BLANKS
 ) -> Schema:
@@ -452,7 +466,16 @@ def mirrors_schema(schemes: tuple[str, ...]) -> Schema:
     }
 
 
+_USERINFO = r"[A-Za-z0-9._~%!$&'()*+,;=:-]+@"
+#: What :func:`prefetch.settings.parse_proxy` takes (but IPv6 hosts, left to the agent).
+_PROXY_SHAPE = (
+    rf"^{_BLANKS}({_any_case('none')}|{_any_case('direct')}|{_any_case('http')}[sS]?://"
+    rf"({_USERINFO})?[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?(:{_PORT})?(/[!-~]*)?)?{_BLANKS}$"
+)
+
+
 TEXT = _kind(text, _NONBLANK, "string")
+PROXY = _kind(proxy, {"type": ["string", "null"], "pattern": _PROXY_SHAPE}, "URL, none or null")
 OPT_TEXT = _kind(opt_text, _nullable(_NONBLANK), "string or null")
 PATH = _kind(opt_text, _nullable(_NONBLANK), "file path or null")
 BOOL = _kind(boolean, {"type": "boolean"}, "true or false")
