@@ -116,7 +116,8 @@ _INTERESTING = [
     "llama-3", "-bad-", "a" * 64, "S3://bucket/p", "hf://org/name@main", "hf://org--x/y",
     "hf://org/name@a..b", "oci://reg.io/repo", "oci://reg.io", "oci://reg.io/repo@sha256:00",
     "s3://bkt/m/", "s3://bkt/m", "http://u:p@proxy:3128/", "HTTPS://p:0", "NONE", "socks5://p:1",
-    "http://p:99999", "http://:80", "http://[::1]:3128",
+    "http://p:99999", "http://:80", "http://[::1]:3128", "org/name", "org/na--me", "Org_1/a.b-c",
+    "org/", "/name", "a/b/c",
 ]  # fmt: skip
 _SCALARS = st.one_of(
     st.none(),
@@ -152,7 +153,6 @@ _CONTEXT: dict[str, Callable[[Any], dict[str, Any]]] = {
 #: for these, what the agent accepts the schema accepts (the schema never stops a good config).
 LOOSER: dict[str, str] = {
     "models[].revision": "git ref names, and per source scheme (s3: only a 40-hex commit)",
-    "models[].hfRepo": "a Hub repo id; only for s3:// and oci:// sources",
     "chunkSize": "a size written as a string is not checked against the 64KiB least",
 }
 #: Keys the schema states more strictly than the agent reads them: what the schema accepts,
@@ -162,6 +162,7 @@ LOOSER: dict[str, str] = {
 STRICTER: dict[str, str] = {
     "models[].source": "each scheme's shape (prefetch.agent.config_fields._SOURCE_SHAPES)",
     "compileCaches[].source": "an s3:// URI's shape",
+    "models[].hfRepo": "a Hub repo id of ASCII letters, digits, _ and single . or - between",
     "models[].proxy": "none, direct, or an http(s) URL with a DNS name or IPv4 host",
     "models[].mirrors": "each scheme's shape, and by the source's scheme; not two spellings of "
     "one S3 mirror (s3://b/p and s3://b/p/), which the agent refuses as listed twice",

@@ -503,6 +503,8 @@ REFUSED_BY_THE_AGENT = [
     ("models", [{"name": "a", "source": "oci://registry.io/a:v1", "mirrors": ["s3://bkt/a/"]}]),
     ("models", [{"name": "a", "source": "s3://bkt/a/", "mirrors": ["s3://bkt/b/"]}]),
     ("models", [{"name": "a", "source": "hf://org/name", "hubFallback": False}]),
+    ("models", [{"name": "a", "source": "hf://org/name", "hfRepo": "org/other"}]),
+    ("models", [{"name": "a", "source": "s3://bkt/a/", "proxy": "socks5://proxy:1080"}]),
     ("models", [{"name": "a", "source": "oci://registry.io/a:v1", "mirrors": ["oci://m.io/a:v1"]}]),
 ]
 

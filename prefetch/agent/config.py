@@ -69,6 +69,7 @@ from prefetch.agent.config_fields import (
     DNS_LABEL,
     DURATION,
     ENDPOINT_URL,
+    HF_REPO,
     LABEL_PREFIX,
     LISTEN,
     MIRROR_URIS,
@@ -450,7 +451,7 @@ MODEL = Table((
     Field("include", PATTERNS, "everything", "files to fetch (globs)"),
     Field("exclude", PATTERNS, "nothing", "files to leave out (globs)"),
     Field("required", BOOL, "true", "gates /readyz and the startup taint"),
-    Field("hfRepo", OPT_TEXT, "", "s3/oci: publish in the Hub layout under this repo id"),
+    Field("hfRepo", HF_REPO, "", "s3/oci: publish in the Hub layout under this repo id"),
     Field("pin", BOOL, "false", "never evicted, even after leaving the config"),
     Field("proxy", PROXY, "", "this model's sources through this proxy (none: direct; default "
           "HTTP(S)_PROXY)"),

@@ -431,7 +431,8 @@ def _uri_schema(
 
 def mirror_rules() -> list[Schema]:
     """A model's ``mirrors`` by its source's scheme (:data:`~prefetch.spec.MIRRORS_BY_SOURCE`),
-    and ``hubFallback: false`` only with mirrors."""
+    ``hfRepo`` not for an hf:// source (it has its own repo id), and ``hubFallback: false``
+    only with mirrors."""
     rules: list[Schema] = [
         {
             "if": {"properties": {"source": {"pattern": f"^{_BLANKS}{scheme}://"}}},
@@ -445,6 +446,8 @@ def mirror_rules() -> list[Schema]:
         }
         for scheme in SOURCE_SCHEMES
     ]
+    hub = {"properties": {"source": {"pattern": f"^{_BLANKS}hf://"}}}
+    rules.append({"if": hub, "then": {"properties": {"hfRepo": {"type": "null"}}}})
     no_hub = {"properties": {"hubFallback": {"const": False}}, "required": ["hubFallback"]}
     with_mirrors = {
         "required": ["mirrors"],
@@ -475,6 +478,9 @@ _PROXY_SHAPE = (
 
 
 TEXT = _kind(text, _NONBLANK, "string")
+HF_REPO = _kind(
+    opt_text, {"type": ["string", "null"], "pattern": f"^{_HF_ORG}/{_SEGMENT}$"}, "org/name or null"
+)
 PROXY = _kind(proxy, {"type": ["string", "null"], "pattern": _PROXY_SHAPE}, "URL, none or null")
 OPT_TEXT = _kind(opt_text, _nullable(_NONBLANK), "string or null")
 PATH = _kind(opt_text, _nullable(_NONBLANK), "file path or null")
