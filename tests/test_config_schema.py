@@ -117,7 +117,8 @@ _INTERESTING = [
     "hf://org/name@a..b", "oci://reg.io/repo", "oci://reg.io", "oci://reg.io/repo@sha256:00",
     "s3://bkt/m/", "s3://bkt/m", "http://u:p@proxy:3128/", "HTTPS://p:0", "NONE", "socks5://p:1",
     "http://p:99999", "http://:80", "http://[::1]:3128", "org/name", "org/na--me", "Org_1/a.b-c",
-    "org/", "/name", "a/b/c",
+    "org/", "/name", "a/b/c", "v1.0", "refs/pr/1", "a..b", "x.lock", ".hidden", "a@{1}",
+    "0123456789abcdef0123456789abcdef01234567",
 ]  # fmt: skip
 _SCALARS = st.one_of(
     st.none(),
@@ -145,6 +146,19 @@ _CONTEXT: dict[str, Callable[[Any], dict[str, Any]]] = {
     "models[].hubFallback": lambda v: {
         "models": [{**_MODEL_BASE, "mirrors": ["s3://bkt/m/"], "hubFallback": v}]
     },
+    # a key's rules by another key's value: each case its own entry ("key@case")
+    "models[].revision@oci": lambda v: {
+        "models": [{**_MODEL_BASE, "source": "oci://reg.io/repo", "revision": v}]
+    },
+    "models[].revision@s3": lambda v: {
+        "models": [{**_MODEL_BASE, "source": "s3://bkt/p/", "hfRepo": "o/n", "revision": v}]
+    },
+    "models[].mirrors@oci": lambda v: {
+        "models": [{**_MODEL_BASE, "source": "oci://reg.io/repo:v1", "mirrors": v}]
+    },
+    "models[].mirrors@nohub": lambda v: {
+        "models": [{**_MODEL_BASE, "mirrors": v, "hubFallback": False}]
+    },
     "compileCaches[].push": lambda v: {
         "compileCaches": [{**_CACHE_BASE, "push": v, "pushFrom": "/host/cache"}]
     },
@@ -152,7 +166,6 @@ _CONTEXT: dict[str, Callable[[Any], dict[str, Any]]] = {
 #: Keys whose rules the schema states only in part, each with what it leaves to the agent:
 #: for these, what the agent accepts the schema accepts (the schema never stops a good config).
 LOOSER: dict[str, str] = {
-    "models[].revision": "git ref names, and per source scheme (s3: only a 40-hex commit)",
     "chunkSize": "a size written as a string is not checked against the 64KiB least",
 }
 #: Keys the schema states more strictly than the agent reads them: what the schema accepts,
@@ -162,11 +175,17 @@ LOOSER: dict[str, str] = {
 STRICTER: dict[str, str] = {
     "models[].source": "each scheme's shape (prefetch.agent.config_fields._SOURCE_SHAPES)",
     "compileCaches[].source": "an s3:// URI's shape",
+    "models[].revision": "by the source's scheme; once (not also in the source, even if equal)",
     "models[].hfRepo": "a Hub repo id of ASCII letters, digits, _ and single . or - between",
     "models[].proxy": "none, direct, or an http(s) URL with a DNS name or IPv4 host",
     "models[].mirrors": "each scheme's shape, and by the source's scheme; not two spellings of "
     "one S3 mirror (s3://b/p and s3://b/p/), which the agent refuses as listed twice",
 }
+STRICTER |= {
+    f"{key}@{case}": STRICTER[key]
+    for key, case in [("models[].revision", "oci"), ("models[].revision", "s3"),
+                      ("models[].mirrors", "oci"), ("models[].mirrors", "nohub")]
+}  # fmt: skip
 PARTLY = {**LOOSER, **STRICTER}
 
 
@@ -181,6 +200,7 @@ KEYS = [
     *_paths(MODEL, "models[]."),
     *_paths(COMPILE_CACHE, "compileCaches[]."),
 ]
+CASES = [key for key in _CONTEXT if "@" in key]
 
 
 def placed(key: str, value: Any) -> dict[str, Any]:
@@ -197,13 +217,13 @@ def placed(key: str, value: Any) -> dict[str, Any]:
 
 def test_every_key_is_generated() -> None:
     assert {"chunkSize", "stallTimeout", "models[].name", "compileCaches[].extraDirs"} <= set(KEYS)
-    assert set(PARTLY) <= set(KEYS)
+    assert set(PARTLY) <= set(KEYS + CASES)
     assert len(KEYS) == sum(len(t.fields) for t in (TOP, BACKOFF, S3, MODEL, COMPILE_CACHE)) - 4
 
 
 def key_schema(key: str) -> dict[str, Any]:
     node: dict[str, Any] = SCHEMA
-    for part in key.split("."):
+    for part in key.partition("@")[0].split("."):
         node = node["properties"]
         node = node[part[:-2]]["items"] if part.endswith("[]") else node[part]
     return node
@@ -226,7 +246,7 @@ def values_for(key: str) -> st.SearchStrategy[Any]:
     return st.one_of(VALUES, *drawn, st.lists(st.one_of(*drawn), max_size=2)) if drawn else VALUES
 
 
-@pytest.mark.parametrize("key", KEYS)
+@pytest.mark.parametrize("key", KEYS + CASES)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_the_schema_accepts_what_the_agent_accepts_and_refuses_what_it_refuses(
@@ -236,7 +256,7 @@ def test_the_schema_accepts_what_the_agent_accepts_and_refuses_what_it_refuses(
     if key in STRICTER:
         # ${NAME} in a registry host: the agent's environment decides (the schema takes any)
         assume("${" not in str(value))
-    if key == "models[].mirrors" and isinstance(value, list):
+    if key.startswith("models[].mirrors") and isinstance(value, list):
         # one S3 mirror with and without its last "/": the agent's duplicate, not the schema's
         spelled = [v.rstrip("/") if isinstance(v, str) else v for v in value]
         assume(len({repr(v) for v in spelled}) == len(spelled))

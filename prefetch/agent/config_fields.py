@@ -448,12 +448,48 @@ def mirror_rules() -> list[Schema]:
     ]
     hub = {"properties": {"source": {"pattern": f"^{_BLANKS}hf://"}}}
     rules.append({"if": hub, "then": {"properties": {"hfRepo": {"type": "null"}}}})
+    rules += revision_rules()
     no_hub = {"properties": {"hubFallback": {"const": False}}, "required": ["hubFallback"]}
     with_mirrors = {
         "required": ["mirrors"],
         "properties": {"mirrors": {"type": ["string", "array"], "minItems": 1}},
     }
     return [*rules, {"if": no_hub, "then": with_mirrors}]
+
+
+#: A git ref name as :func:`prefetch.paths.ref_name_problem` allows it: no blank, control
+#: character or any of ``~^:?*[\\``, and none of the shapes of :data:`_BAD_REF`.
+_REF = r"^[^\x00-\x20\x7f-\x9f~^:?*\[\\]+$"
+_BAD_REF = r"\.\.|@\{|^@$|^[/-]|[/.]$|//|(^|/)\.|\.lock(/|$)"
+_NULL: Schema = {"properties": {"revision": {"type": "null"}}}
+
+
+def _source_is(pattern: str) -> Schema:
+    return {"properties": {"source": {"pattern": f"^{_BLANKS}{pattern}"}}}
+
+
+def revision_rules() -> list[Schema]:
+    """A model's ``revision`` by its source: hf://, a git ref; oci://, a tag or digest; s3://,
+    none but the 40-hex commit of a mirror published under ``hfRepo``. Given twice (in the
+    source's ``@``/``:`` too), the agent wants them equal: the schema wants it once."""
+    ref = {
+        "type": ["string", "null"],
+        "pattern": _REF,
+        "not": {"type": "string", "pattern": _BAD_REF},
+    }
+    tag = {"type": ["string", "null"], "pattern": f"^({_OCI_REF[2:-1].replace('|@', '|')})$"}
+    commit = {"type": "string", "pattern": "^[0-9a-f]{40}$"}
+    mirror = {
+        "required": ["hfRepo"],
+        "properties": {"hfRepo": {"type": "string"}, "revision": commit},
+    }
+    return [
+        {"if": _source_is("hf://[^@]*$"), "then": {"properties": {"revision": ref}}},
+        {"if": _source_is("hf://.*@"), "then": _NULL},
+        {"if": _source_is("oci://[^/]*/[^:@]*$"), "then": {"properties": {"revision": tag}}},
+        {"if": _source_is("oci://[^/]*/.*[:@]"), "then": _NULL},
+        {"if": _source_is("s3://"), "then": {"anyOf": [_NULL, mirror]}},
+    ]
 
 
 def mirrors_schema(schemes: tuple[str, ...]) -> Schema:
