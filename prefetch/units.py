@@ -36,6 +36,32 @@ DURATION_PATTERN = rf"^({_WS}({_STEP})+{_WS}|0|off|never)?$"
 #: A duration string of more than zero seconds.
 POSITIVE_DURATION_PATTERN = rf"^{_WS}({_STEP})*{_NONZERO_STEP}({_STEP})*{_WS}$"
 _SIZE_RE = re.compile(SIZE_PATTERN)
+
+
+def _integers_from(n: int) -> str:
+    """A regex of the whole numbers >= ``n`` (no leading zeros)."""
+    digits = str(n)
+    alternatives = [f"[1-9][0-9]{{{len(digits)},}}"]  # more digits than n
+    for i, d in enumerate(digits):
+        rest = len(digits) - i - 1
+        if rest == 0:
+            alternatives.append(f"{digits[:i]}[{d}-9]")
+        elif d != "9":
+            alternatives.append(f"{digits[:i]}[{int(d) + 1}-9][0-9]{{{rest}}}")
+    return "|".join(alternatives)
+
+
+def size_pattern_at_least(least: int) -> str:
+    """The size strings of at least ``least`` bytes whose whole part says so alone (``64KiB``,
+    ``1MB``; not ``0.5MiB``, which a schema then refuses though it is larger): a subset of
+    :data:`SIZE_PATTERN`, with no arithmetic a regex cannot do."""
+    by_unit = []
+    for unit, factor in _SIZE_UNITS.items():
+        whole = _integers_from(max(1, -(-least // factor)))
+        by_unit.append(rf"0*({whole})(\.[0-9]+)?{_WS}{_any_case(unit)}")
+    return rf"^{_WS}({'|'.join(by_unit)}){_WS}$"
+
+
 _DURATION_RE = re.compile(DURATION_PATTERN)
 _STEP_RE = re.compile(rf"([0-9]+(?:\.[0-9]+)?)({_DURATION_UNIT})")
 

@@ -35,6 +35,7 @@ from prefetch.units import (
     SIZE_PATTERN,
     parse_duration,
     parse_size,
+    size_pattern_at_least,
 )
 
 Parse = Callable[[Any, str], Any]
@@ -597,7 +598,7 @@ def int_kind(lo: int, hi: int) -> Kind:
 def size_at_least(least: int, shown: str) -> Kind:
     return _kind(
         min_size(least, shown),
-        {"type": ["integer", "string"], "minimum": least, "pattern": SIZE_PATTERN},
+        {"type": ["integer", "string"], "minimum": least, "pattern": size_pattern_at_least(least)},
         f"size, at least {shown}",
     )
 
