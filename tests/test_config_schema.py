@@ -1,5 +1,7 @@
 """The chart's ``config`` schema and docs/config.md are generated from the agent's field table,
-and the schema accepts what the agent accepts, key by key (a property test).
+and, key by key (a property test on values drawn at random and from the key's own patterns),
+what the schema accepts the agent accepts; for all but the keys of STRICTER, what the agent
+accepts the schema accepts too.
 
 Patterns are checked as Helm checks them (Go's regexp, like ECMA-262: ``$`` is the end of the
 text); Python's ``re.search`` would also let ``$`` match before a final newline, a quirk no
