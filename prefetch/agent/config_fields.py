@@ -1,6 +1,7 @@
 """The agent's config file, field by field: one table from which come the parser's per-key
 checks (and their messages), the JSON Schema of the chart's ``config`` values
-(:mod:`prefetch.agent.config_schema`) and the field reference in docs/config.md.
+(:mod:`prefetch.agent.config_schema`) and the field reference in docs/config.md. (Named tuples,
+not dataclasses: three frozen dataclasses cost the agent's start-up a few milliseconds.)
 
 Why a table of our own rather than pydantic or msgspec: the agent imports this at start-up,
 and a pydantic model of the file made ``import prefetch.agent.config`` cost 161 ms instead of
@@ -18,8 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from prefetch.errors import ConfigError
 from prefetch.spec import (
@@ -54,8 +54,7 @@ _PORT = r"0*(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4
 LISTEN_PATTERN = r"\[([0-9A-Fa-f:.]+)\]:([0-9]+)|([^:\[\]]*):([0-9]+)"
 
 
-@dataclass(frozen=True)
-class Kind:
+class Kind(NamedTuple):
     """What a key holds: its parser, the JSON Schema of exactly the values that parser
     accepts (built only when asked for), and how the field reference names it."""
 
@@ -64,8 +63,7 @@ class Kind:
     doc: str
 
 
-@dataclass(frozen=True)
-class Field:
+class Field(NamedTuple):
     """One key: its ``kind``, its default as the docs show it, and what it does. ``missing``:
     the key is required, and this is said when it is left out."""
 
@@ -76,8 +74,7 @@ class Field:
     missing: str | None = None
 
 
-@dataclass(frozen=True)
-class Table:
+class Table(NamedTuple):
     """The keys of one mapping of the file (the top level, a model, ...)."""
 
     fields: tuple[Field, ...]
