@@ -26,6 +26,14 @@ _OCI_REPO = re.compile(
 )
 _OCI_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 _OCI_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+#: The schemes of a model's ``source`` (each has its branch in :func:`parse_source_uri`); the
+#: chart's schema and the config reference are generated from this.
+SOURCE_SCHEMES = ("hf", "s3", "oci")
+#: Where a mirror lives: a model's ``mirrors`` (S3 prefixes for hf://, registries for oci://)
+#: and ``prefetch mirror``'s destinations.
+MIRROR_SCHEMES = ("s3", "oci")
+#: The scheme of a model's ``mirrors``, by its source's scheme (none: it takes no mirrors).
+MIRRORS_BY_SOURCE = {"hf": "s3", "oci": "oci"}
 #: The sidecar checksum file an S3 prefix may carry (sha256sum format), see docs/pulling.md.
 SIDECAR_MANIFEST = "SHA256SUMS"
 #: The ModelSpec fields, and the layout asked for, that a rule's message may name (as
@@ -205,7 +213,7 @@ def default_model_name(uri: SourceURI) -> str:
 
 
 def validate_name(name: str, *, field_name: str = "name") -> str:
-    if not _DNS_LABEL.match(name):
+    if not _DNS_LABEL.fullmatch(name):
         raise SpecError(
             field_name,
             f"{_literal(name)} is not a DNS label "
@@ -303,7 +311,7 @@ class ModelSpec:
     def _check_mirrors(self) -> None:
         """Mirrors are S3 prefixes in front of a Hub model, each listed once; without the Hub
         to fall back to, at least one mirror must be given."""
-        if self.mirrors and self.source.scheme not in ("hf", "oci"):
+        if self.mirrors and self.source.scheme not in MIRRORS_BY_SOURCE:
             raise SpecError(
                 "mirrors",
                 "only for hf:// models and oci:// models (a mirror holds a Hub repo's commits, "
@@ -312,7 +320,7 @@ class ModelSpec:
             )
         seen: set[str] = set()
         # an oci:// model's mirrors are registries (a pull-through cache, Spegel, Harbor)
-        kind = "oci" if self.source.scheme == "oci" else "s3"
+        kind = MIRRORS_BY_SOURCE.get(self.source.scheme, "s3")
         for mirror in self.mirrors:
             if not isinstance(mirror, SourceURI) or mirror.scheme != kind:
                 raise SpecError("mirrors", f"{_literal(str(mirror))} is not an {kind}:// URI")

@@ -17,6 +17,8 @@ from prefetch.agent.config import (
 from prefetch.constants import DEFAULT_LABEL_PREFIX, DEFAULT_LISTEN, DEFAULT_STARTUP_TAINT_KEY
 from prefetch.errors import ConfigError
 
+from .tls import TestCA
+
 FULL = """
 cacheDir: /var/cache/model-prefetch
 labelPrefix: model-prefetch.io
@@ -235,3 +237,45 @@ def test_a_spec_rule_reads_the_same_from_the_cli_and_the_config_file() -> None:
     reason = "'v2' conflicts with @v1 in the source (two revisions given)"
     assert str(from_cli.value) == f"--revision: {reason}"
     assert str(from_file.value) == f"models[0].revision: {reason}"
+
+
+def test_ca_bundle_top_level_and_per_model_which_wins(test_ca: TestCA, tmp_path: Path) -> None:
+    own = tmp_path / "a.pem"
+    own.write_bytes(test_ca.ca_file.read_bytes())
+    cfg = parse_config(
+        f"caBundle: {test_ca.ca_file}\n"
+        "models:\n"
+        f"  - {{name: a, source: s3://bkt/a/, caBundle: {own}}}\n"
+        "  - {name: b, source: s3://bkt/b/}\n"
+    )
+    assert cfg.ca_bundle_for("a") == str(own)
+    assert cfg.ca_bundle_for("b") == str(test_ca.ca_file)
+    assert parse_config("models: []").ca_bundle_for("a") is None
+    with pytest.raises(ConfigError, match=r"^models\[0\]\.caBundle: expected a non-empty string"):
+        parse_config("models:\n  - {name: a, source: s3://bkt/a/, caBundle: 3}")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # "$" of a Python regex also matches before a final newline: a name that is not a label
+        ('models:\n  - {name: "abc\\n", source: s3://bkt/p}', "models[0].name: 'abc\\n'"),
+        # Python's \d takes any digit, float() reads them: not what the chart's schema reads
+        ('chunkSize: "\u0661\u0662\u0668MiB"', "chunkSize: not a size"),
+        ('stallTimeout: "\u0663\u0660s"', "stallTimeout: not a duration"),
+        ('labelPrefix: "example.com\\n"', "labelPrefix: 'example.com\\n' is not a DNS subdomain"),
+    ],
+)
+def test_spellings_the_charts_schema_refuses_the_agent_refuses(text: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(text)
+    assert str(caught.value).startswith(expected), str(caught.value)
+
+
+def test_whole_numbers_written_as_floats_are_whole_numbers() -> None:
+    """JSON Schema's ``integer`` (the chart's) takes 16.0: so does the agent."""
+    cfg = parse_config("concurrency: 16.0\nchunkSize: 1048576.0")
+    assert (cfg.concurrency, cfg.chunk_size) == (16, 1048576)
+    assert isinstance(cfg.concurrency, int)
+    with pytest.raises(ConfigError, match="concurrency: expected a whole number"):
+        parse_config("concurrency: 16.5")

@@ -414,6 +414,155 @@ def test_schema_rejects_a_bad_values_file_with_helms_message(
     assert any(message.removeprefix("- ") in e for e in report["errors"]), report
 
 
+def schema_refusal(values: dict[str, Any]) -> str:
+    """Helm's message refusing ``values`` (the test fails if they render)."""
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError) as caught:
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    return str(caught.value)
+
+
+#: Every scheme a model's source takes, a registry mirror, and a mirror Job pushing to one.
+EVERY_SCHEME: dict[str, Any] = {
+    "config": {
+        "models": [
+            {
+                "name": "llama",
+                "source": "oci://registry.example.com/models/llama:v1",
+                "hfRepo": "org/llama",
+                "mirrors": ["oci://127.0.0.1:30020"],
+            },
+            {
+                "name": "qwen",
+                "source": "hf://Qwen/Qwen2.5-0.5B",
+                "mirrors": "s3://mirror/hf/Qwen/Qwen2.5-0.5B/",
+            },
+            {"name": "plain", "source": "s3://bucket/models/plain/"},
+        ]
+    },
+    "mirror": {
+        "enabled": True,
+        "jobs": [
+            {
+                "name": "push-qwen",
+                "source": "hf://Qwen/Qwen2.5-0.5B@main",
+                "destination": "oci://registry.example.com/models/qwen:main",
+            },
+            {
+                "name": "copy-llama",
+                "source": "oci://registry.example.com/models/llama:v1",
+                "destination": "s3://mirror/llama/",
+            },
+        ],
+    },
+}
+
+
+def test_every_source_scheme_and_registry_mirror_renders_and_is_read_by_the_agent() -> None:
+    """Before: the schema allowed only hf:// and s3:// sources and s3:// mirrors."""
+    from prefetch.agent.config import parse_config
+
+    [cm] = [
+        d for d in render(EVERY_SCHEME) if d["kind"] == "ConfigMap" and "models.yaml" in d["data"]
+    ]
+    config = parse_config(cm["data"]["models.yaml"])
+    assert [m.source.scheme for m in config.models] == ["oci", "hf", "s3"]
+    assert [str(m) for m in config.models[0].mirrors] == ["oci://127.0.0.1:30020"]
+
+
+#: Values the agent refuses at start (every node would crash-loop): the chart must refuse them.
+REFUSED_BY_THE_AGENT = [
+    *[
+        (key, value)
+        for key in ("chunkSize", "minRate", "verifyReadRate", "minFreeSpace", "warmReadRate")
+        for value in (-1, "50 gigs", "1.5 GB/s", "")
+    ],
+    *[
+        (key, value)
+        for key in (
+            "stallTimeout",
+            "syncDeadline",
+            "verifyInterval",
+            "resolveInterval",
+            "supersededGrace",
+            "retryBackoff.initial",
+            "retryBackoff.max",
+        )
+        for value in (-30, "30 secs", "-5m", "10m 30s")
+    ],
+    *[(key, value) for key in ("stallTimeout", "retryBackoff.initial") for value in (0, "0s")],
+    ("chunkSize", 1024),
+    ("labelPrefix", "Model_Prefetch"),
+    ("startupTaint", "a/b/c"),
+    ("listen", "0.0.0.0:99999"),
+    ("concurrency", 0),
+    ("warmMemoryShare", 0),
+    ("s3", {"endpointUrl": "minio:9000"}),
+    ("models", [{"name": "a", "source": "ftp://host/model"}]),
+    ("models", [{"name": "a", "source": "hf://org/name", "mirrors": ["hf://org/other"]}]),
+    ("models", [{"name": "a", "source": "hf://org/name", "include": [""]}]),
+    ("models", [{"name": "a", "source": "hf://org/name", "mirrors": ["oci://registry.io"]}]),
+    ("models", [{"name": "a", "source": "oci://registry.io/a:v1", "mirrors": ["s3://bkt/a/"]}]),
+    ("models", [{"name": "a", "source": "s3://bkt/a/", "mirrors": ["s3://bkt/b/"]}]),
+    ("models", [{"name": "a", "source": "hf://org/name", "hubFallback": False}]),
+    ("models", [{"name": "a", "source": "hf://org/name", "hfRepo": "org/other"}]),
+    ("models", [{"name": "a", "source": "s3://bkt/a/", "proxy": "socks5://proxy:1080"}]),
+    ("models", [{"name": "a", "source": "oci://registry.io/a:v1", "mirrors": ["oci://m.io/a:v1"]}]),
+]
+
+
+def _nested(key: str, value: Any) -> dict[str, Any]:
+    head, _, rest = key.partition(".")
+    return {head: _nested(rest, value) if rest else value}
+
+
+@pytest.mark.parametrize(("key", "value"), REFUSED_BY_THE_AGENT)
+def test_the_chart_refuses_what_the_agent_refuses(key: str, value: Any) -> None:
+    """Before: eleven keys took any string or number, and the agent exited 1 on every node."""
+    from prefetch.agent.config import parse_config
+    from prefetch.errors import ConfigError
+
+    config = _nested(key, value)
+    with pytest.raises(ConfigError):
+        parse_config(yaml.safe_dump(config))
+    text = schema_refusal({"config": config})
+    assert text.startswith(SCHEMA_ERROR) and f"at '/config/{key.split('.')[0]}" in text, text
+
+
+@pytest.mark.parametrize(
+    ("values", "at"),
+    [
+        ({"resources": {"limits": {"memory": "768 MB"}}}, "/resources/limits/memory"),
+        ({"resources": {"requests": {"cpu": "0.5 cores"}}}, "/resources/requests/cpu"),
+        ({"mirror": {"resources": {"limits": {"memory": "2GB"}}}}, "/mirror/resources/limits"),
+        ({"tolerations": [{"key": "gpu", "operator": "Exist"}]}, "/tolerations/0/operator"),
+        ({"tolerations": [{"key": "gpu", "efect": "NoSchedule"}]}, "/tolerations/0"),
+        ({"image": {"repository": "ghcr.io/x/y", "tag": "v1 latest"}}, "/image/tag"),
+        ({"imagePullSecrets": ["registry"]}, "/imagePullSecrets/0"),
+        ({"monitoring": {"podMonitor": {"interval": "15 s"}}}, "/monitoring/podMonitor/interval"),
+    ],
+    ids=[
+        "memory",
+        "cpu",
+        "mirror-memory",
+        "operator",
+        "toleration-key",
+        "tag",
+        "secret",
+        "interval",
+    ],
+)
+def test_the_charts_own_values_are_checked(values: dict[str, Any], at: str) -> None:
+    """Before: a memory of "768 MB" rendered, and only the API server would have refused it."""
+    text = schema_refusal(values)
+    assert f"at '{at}" in text, text
+
+
+def test_kubernetes_quantities_render() -> None:
+    quantities = ["768Mi", "1Gi", "500m", "0.5", 2, 1.5, "1e3", "+1k", ".5Gi", "129M"]
+    for quantity in quantities:
+        render({"resources": {"requests": {"cpu": quantity, "memory": quantity}}})
+
+
 def test_schema_lists_exactly_the_agents_config_keys() -> None:
     """A key the agent gains or loses must be added to or removed from values.schema.json."""
     from prefetch.agent import config as agent_config
@@ -440,16 +589,31 @@ def test_default_config_is_daemonsets_models_yaml() -> None:
 def test_other_release_and_namespace_keep_the_events_role_in_default() -> None:
     docs = by_key(render(release="gpu", namespace="ml"))
     agent = "gpu-model-prefetch-agent"
+    shared = f"{agent}-ml"  # outside the release's namespace: the namespace is in the name
     daemonset = docs[("DaemonSet", "ml", agent)]
     assert mu.pod_spec(daemonset)["serviceAccountName"] == agent
     subject = {"kind": "ServiceAccount", "name": agent, "namespace": "ml"}
-    assert docs[("RoleBinding", "default", f"{agent}-events")]["subjects"] == [subject]
-    assert docs[("ClusterRoleBinding", "", agent)]["subjects"] == [subject]
-    assert docs[("Role", "default", f"{agent}-events")]["rules"] == [
+    binding = docs[("RoleBinding", "default", f"{shared}-events")]
+    assert binding["subjects"] == [subject]
+    assert binding["roleRef"]["name"] == f"{shared}-events"
+    cluster_binding = docs[("ClusterRoleBinding", "", shared)]
+    assert cluster_binding["subjects"] == [subject]
+    assert cluster_binding["roleRef"]["name"] == shared
+    assert ("ClusterRole", "", shared) in docs
+    assert docs[("Role", "default", f"{shared}-events")]["rules"] == [
         {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]}
     ]
     selector = daemonset["spec"]["selector"]["matchLabels"]
     assert selector["app.kubernetes.io/instance"] == "gpu", "two releases must not share pods"
+
+
+def test_two_releases_of_one_name_in_two_namespaces_share_no_object() -> None:
+    """The events Role and RoleBinding in ``default`` and the cluster-scoped ClusterRole and its
+    binding: one release would take the other's (Helm refuses the second install)."""
+    values = {"namespace": {"create": True}, "mirror": EVERYTHING["mirror"]}
+    first = {key(d) for d in render(values, release="gpu", namespace="ml")}
+    second = {key(d) for d in render(values, release="gpu", namespace="ml-2")}
+    assert not first & second, sorted(first & second)
 
 
 def test_everything_values_reach_the_objects() -> None:

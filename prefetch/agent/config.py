@@ -34,12 +34,17 @@
         pin: false                        # never evicted, even after leaving the config
         proxy: http://proxy:3128          # this model's sources through this proxy ("none":
                                           # direct); default HTTP(S)_PROXY; NO_PROXY applies
-        caBundle: /etc/ssl/hub-ca.pem     # this model's CA bundle (wins over the top-level one)
         mirrors: [s3://bucket/hf/org/name/]   # hf only: `prefetch mirror` prefixes tried first,
         hubFallback: true                 # in order; then the Hub unless this is false
         syncDeadline: 2h                  # this model's attempts (default: the top-level one)
         warmPageCache: false              # read the files into the page cache once published
         gateOnWarm: false                 # ready only after that warm-up (implies warmPageCache)
+        caBundle: /etc/ssl/private-ca.pem # this model's sources' CAs (default: the top-level
+                                          # caBundle, else the system's)
+
+Every key, its values and default: docs/config.md, generated (like the chart's values.schema.json)
+from the tables at the end of this module (:class:`~prefetch.agent.config_fields.Table`): a key is
+one ``Field`` line there, its parser and its schema one :class:`~prefetch.agent.config_fields.Kind`.
 
 One model per Hub repo: two models that publish into the same ``hub/models--org--name`` (two
 ``hf://`` sources of one repo, whatever their revisions, or an S3 mirror whose ``hfRepo`` is
@@ -54,8 +59,7 @@ field path (``models[1].source: ...``). Unknown keys and duplicate model names a
 from __future__ import annotations
 
 import hashlib
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -63,20 +67,58 @@ from typing import Any, ClassVar, TypeVar
 import yaml
 
 from prefetch import settings
+from prefetch.agent.config_fields import (
+    BOOL,
+    DNS_LABEL,
+    DURATION,
+    ENDPOINT_URL,
+    HF_REPO,
+    LABEL_PREFIX,
+    LISTEN,
+    MIRROR_URIS,
+    OPT_TEXT,
+    PATH,
+    PATTERNS,
+    POSITIVE_DURATION,
+    PROXY,
+    S3_URI,
+    SHARE,
+    SIZE,
+    SOURCE_URI,
+    TAINT_KEY,
+    TEXT,
+    Field,
+    Kind,
+    Table,
+    check_keys,
+    duration,
+    get,
+    int_kind,
+    kind_of,
+    list_kind,
+    mapping,
+    mirror_rules,
+    names_kind,
+    object_kind,
+    size_at_least,
+    sync_deadline_kind,
+    text,
+    uri,
+)
+from prefetch.agent.config_fields import parse_listen as parse_listen  # re-exported
 from prefetch.compile_cache import EXTRA_DIRS, CacheKey
 from prefetch.constants import DEFAULT_LABEL_PREFIX, DEFAULT_LISTEN, DEFAULT_STARTUP_TAINT_KEY
 from prefetch.errors import ConfigError, PrefetchError
 from prefetch.retry import RetryPolicy
 from prefetch.spec import (
+    SOURCE_SCHEMES,
     ModelSpec,
     SourceURI,
     SpecError,
     parse_source_uri,
     publish_revision,
-    validate_name,
 )
 from prefetch.transfer import TransferConfig
-from prefetch.units import parse_duration, parse_size
 from prefetch.warm import DEFAULT_MEMORY_SHARE, DEFAULT_READ_RATE, WarmLimits
 
 DEFAULT_CONFIG_PATH = "/etc/model-prefetch/models.yaml"
@@ -84,46 +126,9 @@ DEFAULT_CACHE_DIR = "/var/cache/model-prefetch"
 MiB = 1024 * 1024
 GiB = 1024 * MiB
 
-_TOP_KEYS = (
-    "cacheDir",
-    "labelPrefix",
-    "startupTaint",
-    "listen",
-    "concurrency",
-    "chunkSize",
-    "minRate",
-    "stallTimeout",
-    "parallelModels",
-    "verifyInterval",
-    "verifyReadRate",
-    "resolveInterval",
-    "supersededGrace",
-    "retryBackoff",
-    "syncDeadline",
-    "minFreeSpace",
-    "warmMemoryShare",
-    "warmReadRate",
-    "s3",
-    "caBundle",
-    "models",
-    "compileCaches",
-)
-_MODEL_KEYS = (
-    "name", "source", "revision", "include", "exclude", "required", "hfRepo", "pin", "proxy",
-    "mirrors", "hubFallback", "syncDeadline", "warmPageCache", "gateOnWarm", "caBundle",
-)  # fmt: skip
-_COMPILE_CACHE_KEYS = (
-    "name", "source", "target", "vllm", "model", "revision", "tensorParallelSize", "gpuProduct",
-    "torch", "cuda", "required", "push", "pushFrom", "extraDirs",
-)  # fmt: skip
-_BACKOFF_KEYS = ("initial", "max")
-_S3_KEYS = ("endpointUrl",)
+T = TypeVar("T")
 #: The keys of a model in the file, by the ModelSpec field each sets (the others match).
 _SPEC_KEYS = {"hf_repo": "hfRepo", "hf_revision": "revision", "hub_fallback": "hubFallback"}
-_LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-T = TypeVar("T")
-D = TypeVar("D")
 
 
 @dataclass(frozen=True)
@@ -274,6 +279,12 @@ class AgentConfig:
         """The ``syncDeadline`` of model ``name``: its own, else the top-level one."""
         return self.model_deadlines.get(name, self.sync_deadline)
 
+    def ca_bundle_for(self, name: str) -> str | None:
+        """The ``caBundle`` of model ``name``: its own, else the top-level one."""
+        spec = self.model(name)
+        own = spec.ca_bundle if spec is not None else None
+        return own or self.ca_bundle
+
     def with_gpu_product(self, gpu_product: str | None) -> AgentConfig:
         """This config with its compile cache entries keyed: those without a ``gpuProduct``
         of their own take ``gpu_product`` (the node label ``nvidia.com/gpu.product``)."""
@@ -379,18 +390,6 @@ def parse_config(data: bytes | str, *, path: Path | None = None) -> AgentConfig:
     return replace(config, path=path, digest=hashlib.sha256(raw).hexdigest())
 
 
-def parse_listen(value: str, *, field_name: str = "listen") -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) -> (host, port)."""
-    m = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d+)|([^:\[\]]*):(\d+)", value.strip())
-    if m is None:
-        raise ConfigError(f"{field_name}: {value!r} is not HOST:PORT (e.g. 0.0.0.0:8090)")
-    host = m.group(1) if m.group(1) is not None else m.group(3)
-    port = int(m.group(2) or m.group(4))
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"{field_name}: port {port} is out of range")
-    return host or "0.0.0.0", port
-
-
 def spec_digest(spec: ModelSpec) -> str:
     """What decides a model's content: a changed digest means the cached copy is not it.
 
@@ -410,159 +409,124 @@ def spec_digest(spec: ModelSpec) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-# -- the parser ----------------------------------------------------------------------------------
-
-
-def _mapping(value: Any, where: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{where or 'the file'}: expected a mapping, got {_kind(value)}")
-    return value
-
-
-def _check_keys(value: Mapping[str, Any], known: tuple[str, ...], where: str) -> None:
-    for key in value:
-        if key not in known:
-            path = f"{where}.{key}" if where else str(key)
-            raise ConfigError(f"{path}: unknown key (known keys: {', '.join(known)})")
-
-
-def _kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    return {
-        bool: "a boolean",
-        int: "a number",
-        float: "a number",
-        str: "a string",
-        list: "a list",
-        dict: "a mapping",
-    }.get(type(value), type(value).__name__)
-
-
-def _get(
-    value: Mapping[str, Any], key: str, where: str, convert: Callable[[Any, str], T], default: D
-) -> T | D:
-    path = f"{where}.{key}" if where else key
-    if key not in value:
-        return default
-    try:
-        return convert(value[key], path)
-    except ConfigError as exc:
-        msg = str(exc)
-        if not msg.startswith(path):
-            msg = f"{path}: {msg}"
-        raise ConfigError(msg, hint=exc.hint) from exc
-
-
-def _str(value: Any, path: str) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{path}: expected a non-empty string, got {_kind(value)}")
-    return value.strip()
-
-
-def _opt_str(value: Any, path: str) -> str | None:
-    return None if value is None else _str(value, path)
-
-
-def _bool(value: Any, path: str) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{path}: expected true or false, got {_kind(value)} {value!r}")
-    return value
-
-
-def _int_range(lo: int, hi: int) -> Callable[[Any, str], int]:
-    def convert(value: Any, path: str) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected a whole number, got {_kind(value)} {value!r}")
-        if not lo <= value <= hi:
-            raise ConfigError(f"{path}: must be between {lo} and {hi}, got {value}")
-        return value
-
-    return convert
-
-
-def _size(value: Any, path: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ConfigError(f"{path}: expected a size like 1GiB, got {_kind(value)}")
-    return parse_size(value, field=path)
-
-
-def _duration(value: Any, path: str) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float | str | None):
-        raise ConfigError(f"{path}: expected a duration like 10m, got {_kind(value)}")
-    return parse_duration(value, field=path)
-
-
-def _positive_duration(value: Any, path: str) -> float:
-    seconds = _duration(value, path)
-    if seconds is None or seconds <= 0:
-        raise ConfigError(f"{path}: must be a positive duration like 10s, got {value!r}")
-    return seconds
-
-
-def _patterns(value: Any, path: str) -> tuple[str, ...]:
-    if isinstance(value, str):
-        value = [value]
-    if value is None:
-        return ()
-    if not isinstance(value, list):
-        raise ConfigError(f"{path}: expected a list of glob patterns, got {_kind(value)}")
-    for i, p in enumerate(value):
-        if not isinstance(p, str) or not p:
-            raise ConfigError(f"{path}[{i}]: expected a non-empty glob pattern, got {_kind(p)}")
-    return tuple(value)
-
-
-def _label_prefix(value: Any, path: str) -> str:
-    text = _str(value, path)
-    if len(text) > 253 or not _DNS_SUBDOMAIN.match(text):
-        raise ConfigError(
-            f"{path}: {text!r} is not a DNS subdomain (lowercase a-z, 0-9, '-' and '.')"
-        )
-    return text
-
-
-def _taint_key(value: Any, path: str) -> str:
-    text = _str(value, path)
-    prefix, _, name = text.rpartition("/")
-    if (prefix and not _DNS_SUBDOMAIN.match(prefix)) or not _LABEL_NAME.match(name):
-        raise ConfigError(f"{path}: {text!r} is not a taint key like example.com/warming")
-    return text
-
-
-def _listen(value: Any, path: str) -> str:
-    text = _str(value, path)
-    parse_listen(text, field_name=path)
-    return text
-
-
-def _backoff(value: Any, path: str) -> Backoff:
-    m = _mapping(value, path)
-    _check_keys(m, _BACKOFF_KEYS, path)
-    initial = _get(m, "initial", path, _positive_duration, Backoff.initial)
-    cap = _get(m, "max", path, _positive_duration, Backoff.max)
-    if cap < initial:
-        raise ConfigError(f"{path}.max: must not be shorter than {path}.initial")
-    return Backoff(initial=initial, max=cap)
+# -- the file's keys (prefetch/agent/config_fields.py: one line a key) ---------------------------
 
 
 def _sync_deadline(value: Any, path: str) -> SyncDeadline:
     """``auto`` (scaled with the model), a positive duration, or ``off``/0 (no bound)."""
     if value == "auto":
         return SyncDeadline()
-    seconds = _duration(value, path)
+    seconds = duration(value, path)
     return SyncDeadline(off=True) if seconds is None else SyncDeadline(seconds=seconds)
 
 
-def _model_deadlines(value: Any, path: str) -> dict[str, SyncDeadline]:
-    """The models' own ``syncDeadline``s by name (the list was checked by :func:`_models`)."""
-    out: dict[str, SyncDeadline] = {}
+def _target(value: Any, path: str) -> str:
+    if text(value, path) != "vllm":
+        raise ConfigError(f"{path}: only vllm is supported")
+    return "vllm"
+
+
+def _cache_source(value: Any, path: str) -> SourceURI:
+    found: SourceURI = uri(SOURCE_SCHEMES)(value, path)
+    if found.scheme != "s3":
+        raise ConfigError(f"{path}: expected s3://bucket/prefix/")
+    return found
+
+
+_SYNC_DEADLINE = sync_deadline_kind(_sync_deadline)
+_SYNC_DEADLINE_DOC = (
+    "bound of one sync attempt: auto (10m, or the bytes to fetch at 4 MiB/s if longer), "
+    "a duration, or off"
+)
+BACKOFF = Table((
+    Field("initial", POSITIVE_DURATION, "10s", "delay after a model's first failed sync (doubles)"),
+    Field("max", POSITIVE_DURATION, "10m", "longest delay (not shorter than initial)"),
+))  # fmt: skip
+S3 = Table((
+    Field("endpointUrl", ENDPOINT_URL, "AWS_ENDPOINT_URL, else AWS", "S3 endpoint (MinIO, ...)"),
+))  # fmt: skip
+MODEL = Table((
+    Field("name", DNS_LABEL, "", "the model's name, in its node label",
+          missing=" (a DNS label, used in the node label)"),
+    Field("source", SOURCE_URI, "", "where the files come from",
+          missing=" (s3://bucket/prefix or hf://org/name)"),
+    Field("revision", OPT_TEXT, "main (hf)", "hf: branch, tag or commit; oci: tag or digest; "
+          "s3 with hfRepo: the 40-hex commit to publish under"),
+    Field("include", PATTERNS, "everything", "files to fetch (globs)"),
+    Field("exclude", PATTERNS, "nothing", "files to leave out (globs)"),
+    Field("required", BOOL, "true", "gates /readyz and the startup taint"),
+    Field("hfRepo", HF_REPO, "", "s3/oci: publish in the Hub layout under this repo id"),
+    Field("pin", BOOL, "false", "never evicted, even after leaving the config"),
+    Field("proxy", PROXY, "", "this model's sources through this proxy (none: direct; default "
+          "HTTP(S)_PROXY)"),
+    Field("mirrors", MIRROR_URIS, "", "hf: S3 mirror prefixes; oci: registries; tried first"),
+    Field("hubFallback", BOOL, "true", "hf with mirrors: then the Hub"),
+    Field("syncDeadline", _SYNC_DEADLINE, "the top-level one", _SYNC_DEADLINE_DOC),
+    Field("warmPageCache", BOOL, "false", "read the files into the page cache once published"),
+    Field("gateOnWarm", BOOL, "false", "ready only after that warm-up (implies warmPageCache)"),
+    Field("caBundle", PATH, "the top-level one", "PEM file of the CAs this model's sources use"),
+), rules=mirror_rules)  # fmt: skip
+COMPILE_CACHE = Table((
+    Field("name", DNS_LABEL, "", "the cache's name (its directory under models/)", missing=""),
+    Field("source", Kind(_cache_source, S3_URI.schema, S3_URI.doc), "",
+          "prefix the key is appended to", missing=""),
+    Field("target", Kind(_target, lambda: {"const": "vllm"}, "vllm"), "vllm", "the engine"),
+    Field("vllm", TEXT, "", "the vLLM image (digest or version)", missing=""),
+    Field("model", TEXT, "", "the model's Hub repo id", missing=""),
+    Field("revision", TEXT, "", "the model's commit", missing=""),
+    Field("tensorParallelSize", int_kind(1, 1024), "1", "vLLM's tensor parallel size"),
+    Field("gpuProduct", OPT_TEXT, "the node's nvidia.com/gpu.product", "GPU product in the key"),
+    Field("torch", OPT_TEXT, "", "torch version in the key"),
+    Field("cuda", OPT_TEXT, "", "CUDA version in the key"),
+    Field("required", BOOL, "false", "the gate waits for this pull"),
+    Field("push", BOOL, "false", "publish this cache from pushFrom once vLLM finished it"),
+    Field("pushFrom", OPT_TEXT, "", "absolute host directory vLLM writes the cache into"),
+    Field("extraDirs", names_kind(tuple(EXTRA_DIRS)), "[]", "JIT caches published with it"),
+))  # fmt: skip
+TOP = Table((
+    Field("cacheDir", TEXT, DEFAULT_CACHE_DIR, "the cache (= HF_HOME for vLLM)"),
+    Field("labelPrefix", LABEL_PREFIX, DEFAULT_LABEL_PREFIX, "node labels PREFIX/MODEL=ready"),
+    Field("startupTaint", TAINT_KEY, DEFAULT_STARTUP_TAINT_KEY, "key of the startup taint"),
+    Field("listen", LISTEN, DEFAULT_LISTEN, "/healthz, /readyz, /metrics"),
+    Field("concurrency", int_kind(1, 512), "16", "ranged requests in flight per model sync"),
+    Field("chunkSize", size_at_least(64 * 1024, "64KiB"), "64MiB", "bytes per ranged request"),
+    Field("minRate", SIZE, "64KiB", "bytes/s a request must keep over stallTimeout (0: off)"),
+    Field("stallTimeout", POSITIVE_DURATION, "30s", "window of the minRate rule"),
+    Field("parallelModels", int_kind(1, 16), "2", "models synced at the same time"),
+    Field("verifyInterval", DURATION, "off", "re-hash cached files this often"),
+    Field("verifyReadRate", SIZE, "200MB", "bytes/s bound for those reads (0: unbounded)"),
+    Field("resolveInterval", DURATION, "10m", "re-resolve branches and S3 listings this often"),
+    Field("supersededGrace", DURATION, "10m", "keep a moved branch's old snapshot this long"),
+    Field("retryBackoff", object_kind(BACKOFF, "mapping"), "", "per-model backoff after failures"),
+    Field("syncDeadline", _SYNC_DEADLINE, "auto", _SYNC_DEADLINE_DOC),
+    Field("minFreeSpace", SIZE, "1GiB", "kept free on the cache filesystem"),
+    Field("warmMemoryShare", SHARE, "0.5", "a warm-up fills at most this share of free memory"),
+    Field("warmReadRate", SIZE, "2GB", "bytes/s bound for warm-up reads (0: unbounded)"),
+    Field("caBundle", PATH, "the system's", "PEM file of the CAs the sources use"),
+    Field("s3", object_kind(S3, "mapping or null", nullable=True), "", "S3 settings"),
+    Field("models", list_kind(MODEL, "list"), "[]", "the models to have on the node"),
+    Field("compileCaches", list_kind(COMPILE_CACHE, "list"), "[]", "vLLM compile caches"),
+))  # fmt: skip
+
+
+# -- the parser ----------------------------------------------------------------------------------
+
+
+def _backoff(value: Any, path: str) -> Backoff:
+    m = BACKOFF.check(value, path)
+    initial = BACKOFF.get(m, "initial", path, Backoff.initial)
+    cap = BACKOFF.get(m, "max", path, Backoff.max)
+    if cap < initial:
+        raise ConfigError(f"{path}.max: must not be shorter than {path}.initial")
+    return Backoff(initial=initial, max=cap)
+
+
+def _per_model(value: Any, path: str, key: str, default: T) -> dict[str, T]:
+    """The models' own ``key`` by name, where set (the list was checked by :func:`_models`)."""
+    out: dict[str, T] = {}
     for i, item in enumerate(value or ()):
-        if "syncDeadline" in item:
-            where = f"{path}[{i}]"
-            out[_str(item["name"], f"{where}.name")] = _get(
-                item, "syncDeadline", where, _sync_deadline, SyncDeadline()
-            )
+        if key in item:
+            out[item["name"]] = MODEL.get(item, key, f"{path}[{i}]", default)
     return out
 
 
@@ -570,7 +534,7 @@ def _models(value: Any, path: str) -> tuple[ModelSpec, ...]:
     if value is None:
         return ()
     if not isinstance(value, list):
-        raise ConfigError(f"{path}: expected a list of models, got {_kind(value)}")
+        raise ConfigError(f"{path}: expected a list of models, got {kind_of(value)}")
     specs: list[ModelSpec] = []
     seen: dict[str, int] = {}
     for i, item in enumerate(value):
@@ -614,34 +578,27 @@ def _reject_shared_repos(specs: list[ModelSpec], path: str) -> None:
 
 
 def _model(value: Any, where: str) -> ModelSpec:
-    m = _mapping(value, where)
-    _check_keys(m, _MODEL_KEYS, where)
-    if "name" not in m:
-        raise ConfigError(f"{where}.name: missing (a DNS label, used in the node label)")
-    if "source" not in m:
-        raise ConfigError(f"{where}.source: missing (s3://bucket/prefix or hf://org/name)")
-    name = _get(m, "name", where, _str, "")
-    validate_name(name, field_name=f"{where}.name")
-    source = _get(m, "source", where, lambda v, p: parse_source_uri(_str(v, p)), None)
-    assert source is not None
-    revision = _get(m, "revision", where, _opt_str, None)
-    hf_repo = _get(m, "hfRepo", where, _opt_str, None)
+    m = MODEL.check(value, where)
+    name = MODEL.get(m, "name", where, "")
+    source = MODEL.get(m, "source", where, None)
+    revision = MODEL.get(m, "revision", where, None)
+    hf_repo = MODEL.get(m, "hfRepo", where, None)
     revision, hf_revision = publish_revision(source, hf_repo, revision)
     try:
         return ModelSpec(
             source=source,
             name=name,
             revision=revision,
-            include=_get(m, "include", where, _patterns, ()),
-            exclude=_get(m, "exclude", where, _patterns, ()),
-            required=_get(m, "required", where, _bool, True),
-            pin=_get(m, "pin", where, _bool, False),
+            include=MODEL.get(m, "include", where, ()),
+            exclude=MODEL.get(m, "exclude", where, ()),
+            required=MODEL.get(m, "required", where, True),
+            pin=MODEL.get(m, "pin", where, False),
             hf_repo=hf_repo,
             hf_revision=hf_revision,
-            proxy=_get(m, "proxy", where, _proxy, None),
-            ca_bundle=_get(m, "caBundle", where, _ca_bundle, None),
-            mirrors=_get(m, "mirrors", where, _mirrors, ()),
-            hub_fallback=_get(m, "hubFallback", where, _bool, True),
+            proxy=MODEL.get(m, "proxy", where, None),
+            ca_bundle=_ca_bundle(MODEL.get(m, "caBundle", where, None), f"{where}.caBundle"),
+            mirrors=MODEL.get(m, "mirrors", where, ()),
+            hub_fallback=MODEL.get(m, "hubFallback", where, True),
         )
     except SpecError as exc:
         raise render_spec_error(exc, f"{where}.") from exc
@@ -652,49 +609,16 @@ def render_spec_error(exc: SpecError, prefix: str) -> ConfigError:
     return ConfigError(exc.render(_SPEC_KEYS, prefix=prefix), hint=exc.hint)
 
 
-def _proxy(value: Any, path: str) -> str | None:
-    """A model's ``proxy``: a URL, or ``none``/"" for direct; null: the environment's."""
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise ConfigError(f"{path}: expected a proxy URL or none, got {_kind(value)}")
-    return value
-
-
-def _ca_bundle(value: Any, path: str) -> str | None:
-    """A ``caBundle``: a PEM file of CA certificates that exists (checked now); null: none."""
-    if value is None:
-        return None
-    return settings.check_ca_bundle(_str(value, path), path)
-
-
-def _mirrors(value: Any, path: str) -> tuple[SourceURI, ...]:
-    """A model's ``mirrors``: a list of s3:// URIs (one string: a list of one)."""
-    if isinstance(value, str):
-        value = [value]
-    if value is None:
-        return ()
-    if not isinstance(value, list):
-        raise ConfigError(f"{path}: expected a list of s3:// URIs, got {_kind(value)}")
-    return tuple(_source_uri(v, f"{path}[{i}]") for i, v in enumerate(value))
-
-
-def _source_uri(value: Any, path: str) -> SourceURI:
-    try:
-        return parse_source_uri(_str(value, path))
-    except ConfigError as exc:
-        message = str(exc)
-        raise ConfigError(message if message.startswith(path) else f"{path}: {message}") from exc
+def _ca_bundle(value: str | None, path: str) -> str | None:
+    """A ``caBundle``: a PEM file of CA certificates that exists (checked at load, so a wrong
+    path is the config's error, not every sync's); None: none."""
+    return None if not value else settings.check_ca_bundle(value, path)
 
 
 def _s3(value: Any, path: str) -> str | None:
     if value is None:
         return None
-    m = _mapping(value, path)
-    _check_keys(m, _S3_KEYS, path)
-    url = _get(m, "endpointUrl", path, _opt_str, None)
-    if url is not None and not re.match(r"^https?://[^/\s]+", url):
-        raise ConfigError(f"{path}.endpointUrl: {url!r} is not an http(s) URL")
+    url: str | None = S3.get(S3.check(value, path), "endpointUrl", path, None)
     return url
 
 
@@ -703,43 +627,49 @@ def _parse(doc: Any) -> AgentConfig:
 
 
 def _parse_fields(doc: Any) -> AgentConfig:
-    m = _mapping(doc, "")
-    _check_keys(m, _TOP_KEYS, "")
+    m = mapping(doc, "")
+    check_keys(m, TOP.keys, "")
     d = AgentConfig()
-    verify_rate = _get(m, "verifyReadRate", "", _size, d.verify_read_rate or 0)
-    warm_rate = _get(m, "warmReadRate", "", _size, d.warm_read_rate or 0)
-    models = _get(m, "models", "", _models, ())
-    caches = _get(m, "compileCaches", "", _compile_caches, ())
+
+    def top(key: str, default: Any) -> Any:
+        return TOP.get(m, key, "", default)
+
+    verify_rate = top("verifyReadRate", d.verify_read_rate or 0)
+    warm_rate = top("warmReadRate", d.warm_read_rate or 0)
+    models = get(m, "models", "", _models, ())
+    caches = get(m, "compileCaches", "", _compile_caches, ())
     taken = {spec.name for spec in models}
     for i, entry in enumerate(caches):
         if entry.name in taken:
             raise ConfigError(f"compileCaches[{i}].name: {entry.name!r} is also a model's name")
+    listed = m.get("models") if models else None
+    ca_bundle = top("caBundle", None)
     return AgentConfig(
-        cache_dir=Path(_get(m, "cacheDir", "", _str, str(d.cache_dir))),
-        label_prefix=_get(m, "labelPrefix", "", _label_prefix, d.label_prefix),
-        startup_taint=_get(m, "startupTaint", "", _taint_key, d.startup_taint),
-        listen=_get(m, "listen", "", _listen, d.listen),
-        concurrency=_get(m, "concurrency", "", _int_range(1, 512), d.concurrency),
-        chunk_size=_get(m, "chunkSize", "", _chunk_size, d.chunk_size),
-        min_rate=_get(m, "minRate", "", _size, d.min_rate),
-        stall_timeout=_get(m, "stallTimeout", "", _positive_duration, d.stall_timeout),
-        parallel_models=_get(m, "parallelModels", "", _int_range(1, 16), d.parallel_models),
-        verify_interval=_get(m, "verifyInterval", "", _duration, d.verify_interval),
+        cache_dir=Path(top("cacheDir", str(d.cache_dir))),
+        label_prefix=top("labelPrefix", d.label_prefix),
+        startup_taint=top("startupTaint", d.startup_taint),
+        listen=top("listen", d.listen),
+        concurrency=top("concurrency", d.concurrency),
+        chunk_size=top("chunkSize", d.chunk_size),
+        min_rate=top("minRate", d.min_rate),
+        stall_timeout=top("stallTimeout", d.stall_timeout),
+        parallel_models=top("parallelModels", d.parallel_models),
+        verify_interval=top("verifyInterval", d.verify_interval),
         verify_read_rate=verify_rate or None,
-        resolve_interval=_get(m, "resolveInterval", "", _duration, d.resolve_interval),
-        superseded_grace=_get(m, "supersededGrace", "", _duration, d.superseded_grace) or 0.0,
-        retry_backoff=_get(m, "retryBackoff", "", _backoff, d.retry_backoff),
-        sync_deadline=_get(m, "syncDeadline", "", _sync_deadline, d.sync_deadline),
-        model_deadlines=_get(m, "models", "", _model_deadlines, {}) if models else {},
-        min_free_space=_get(m, "minFreeSpace", "", _size, d.min_free_space),
-        s3_endpoint_url=_get(m, "s3", "", _s3, None),
-        ca_bundle=_get(m, "caBundle", "", _ca_bundle, None),
+        resolve_interval=top("resolveInterval", d.resolve_interval),
+        superseded_grace=top("supersededGrace", d.superseded_grace) or 0.0,
+        retry_backoff=get(m, "retryBackoff", "", _backoff, d.retry_backoff),
+        sync_deadline=top("syncDeadline", d.sync_deadline),
+        model_deadlines=_per_model(listed, "models", "syncDeadline", SyncDeadline()),
+        min_free_space=top("minFreeSpace", d.min_free_space),
+        s3_endpoint_url=get(m, "s3", "", _s3, None),
         models=models,
         compile_cache_entries=caches,
         warm_page_cache=frozenset(_flagged(m, ("warmPageCache", "gateOnWarm"))),
         gate_on_warm=frozenset(_flagged(m, ("gateOnWarm",))),
-        warm_memory_share=_get(m, "warmMemoryShare", "", _share, d.warm_memory_share),
+        warm_memory_share=top("warmMemoryShare", d.warm_memory_share),
         warm_read_rate=warm_rate or None,
+        ca_bundle=_ca_bundle(ca_bundle, "caBundle"),
     )
 
 
@@ -749,7 +679,7 @@ def _flagged(doc: Mapping[str, Any], keys: tuple[str, ...]) -> list[str]:
     return [
         str(e["name"])
         for i, e in enumerate(entries)
-        if any(_get(e, k, f"models[{i}]", _bool, False) for k in keys)
+        if any(MODEL.get(e, k, f"models[{i}]", False) for k in keys)
     ]
 
 
@@ -758,76 +688,49 @@ def _compile_caches(value: Any, path: str) -> tuple[CompileCacheEntry, ...]:
     if value is None:
         return ()
     if not isinstance(value, list):
-        raise ConfigError(f"{path}: expected a list of compile caches, got {_kind(value)}")
-    out: list[CompileCacheEntry] = []
-    for i, item in enumerate(value):
-        where = f"{path}[{i}]"
-        e = _mapping(item, where)
-        _check_keys(e, _COMPILE_CACHE_KEYS, where)
-        for needed in ("name", "source", "vllm", "model", "revision"):
-            if needed not in e:
-                raise ConfigError(f"{where}.{needed}: missing")
-        if _get(e, "target", where, _str, "vllm") != "vllm":
-            raise ConfigError(f"{where}.target: only vllm is supported")
-        gpu = _get(e, "gpuProduct", where, _opt_str, None)
-        try:
-            key = CacheKey(
-                vllm=_get(e, "vllm", where, _str, ""),
-                model=_get(e, "model", where, _str, ""),
-                revision=_get(e, "revision", where, _str, ""),
-                tensor_parallel=_get(e, "tensorParallelSize", where, _int_range(1, 1024), 1),
-                gpu_product=gpu or _NODE_GPU,
-                torch=_get(e, "torch", where, _opt_str, None),
-                cuda=_get(e, "cuda", where, _opt_str, None),
-            )
-        except PrefetchError as exc:
-            raise ConfigError(f"{where}: {exc}") from exc
-        source = _get(e, "source", where, _source_uri, None)
-        assert source is not None
-        if source.scheme != "s3":
-            raise ConfigError(f"{where}.source: expected s3://bucket/prefix/")
-        name = _get(e, "name", where, _str, "")
-        validate_name(name, field_name=f"{where}.name")
-        required = _get(e, "required", where, _bool, False)
-        push_from = _get(e, "pushFrom", where, _opt_str, None)
-        if not _get(e, "push", where, _bool, False):
-            push_from = None
-        elif not push_from or not push_from.startswith("/"):
-            raise ConfigError(
-                f"{where}.pushFrom: push: true needs the absolute path of the directory the "
-                "vLLM pod writes this compile cache into (its VLLM_CACHE_ROOT on the host)"
-            )
-        where_from = Path(push_from) if push_from else None
-        extra = _get(e, "extraDirs", where, _extra_dirs, ())
-        out.append(
-            CompileCacheEntry(name, str(source), key, bool(gpu), required, where_from, extra)
+        raise ConfigError(f"{path}: expected a list of compile caches, got {kind_of(value)}")
+    return tuple(_compile_cache(item, f"{path}[{i}]") for i, item in enumerate(value))
+
+
+def _compile_cache(value: Any, where: str) -> CompileCacheEntry:
+    e = COMPILE_CACHE.check(value, where)
+
+    def field_(key: str, default: Any) -> Any:
+        return COMPILE_CACHE.get(e, key, where, default)
+
+    field_("target", "vllm")
+    gpu = field_("gpuProduct", None)
+    try:
+        key = CacheKey(
+            vllm=field_("vllm", ""),
+            model=field_("model", ""),
+            revision=field_("revision", ""),
+            tensor_parallel=field_("tensorParallelSize", 1),
+            gpu_product=gpu or _NODE_GPU,
+            torch=field_("torch", None),
+            cuda=field_("cuda", None),
         )
-    return tuple(out)
-
-
-def _extra_dirs(value: Any, path: str) -> tuple[str, ...]:
-    """``extraDirs``: names from :data:`~prefetch.compile_cache.EXTRA_DIRS`, each once."""
-    if not isinstance(value, list):
+    except PrefetchError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+    source = field_("source", None)
+    name = field_("name", "")
+    required = field_("required", False)
+    push_from = field_("pushFrom", None)
+    if not field_("push", False):
+        push_from = None
+    elif not push_from or not push_from.startswith("/"):
         raise ConfigError(
-            f"{path}: expected a list like [flashinfer, deepgemm], got {_kind(value)}"
+            f"{where}.pushFrom: push: true needs the absolute path of the directory the "
+            "vLLM pod writes this compile cache into (its VLLM_CACHE_ROOT on the host)"
         )
-    for i, name in enumerate(value):
-        if name not in EXTRA_DIRS:
-            known = ", ".join(sorted(EXTRA_DIRS))
-            raise ConfigError(f"{path}[{i}]: {name!r} is not one of {known}")
-    if len(set(value)) != len(value):
-        raise ConfigError(f"{path}: a directory is named twice")
-    return tuple(value)
+    where_from = Path(push_from) if push_from else None
+    extra = field_("extraDirs", ())
+    return CompileCacheEntry(name, str(source), key, bool(gpu), required, where_from, extra)
 
 
-def _share(value: Any, path: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
-        raise ConfigError(f"{path}: expected a number in (0, 1], got {value!r}")
-    return float(value)
-
-
-def _chunk_size(value: Any, path: str) -> int:
-    size = _size(value, path)
-    if size < 64 * 1024:
-        raise ConfigError(f"{path}: must be at least 64KiB, got {value!r}")
-    return size
+#: The keys of each mapping, as the chart's test and older callers know them.
+_TOP_KEYS = TOP.keys
+_MODEL_KEYS = MODEL.keys
+_COMPILE_CACHE_KEYS = COMPILE_CACHE.keys
+_BACKOFF_KEYS = BACKOFF.keys
+_S3_KEYS = S3.keys

@@ -16,6 +16,21 @@ the same name as in daemonset/ (tests/test_helm_chart.py compares the two).
 {{- printf "%s-agent" (include "model-prefetch.fullname" .) -}}
 {{- end -}}
 
+{{/*
+Objects outside the release's namespace (the ClusterRole and its binding, the events Role and
+RoleBinding in "default") are shared by every release: their names carry the release's
+namespace, so two releases of one name in two namespaces do not take each other's. The chart's
+default namespace, model-prefetch, is left out: those names stay daemonset/'s.
+*/}}
+{{- define "model-prefetch.clusterWideName" -}}
+{{- $agent := include "model-prefetch.agentName" . -}}
+{{- if eq .Release.Namespace "model-prefetch" -}}
+{{- $agent -}}
+{{- else -}}
+{{- printf "%s-%s" $agent .Release.Namespace -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "model-prefetch.configMapName" -}}
 {{- printf "%s-config" (include "model-prefetch.fullname" .) -}}
 {{- end -}}

@@ -1,0 +1,634 @@
+"""The agent's config file, field by field: one table from which come the parser's per-key
+checks (and their messages), the JSON Schema of the chart's ``config`` values
+(:mod:`prefetch.agent.config_schema`) and the field reference in docs/config.md. (Named tuples,
+not dataclasses: three frozen dataclasses cost the agent's start-up a few milliseconds.)
+
+Why a table of our own rather than pydantic or msgspec: the agent imports this at start-up,
+and a pydantic model of the file made ``import prefetch.agent.config`` cost 161 ms instead of
+94 ms; msgspec cost nothing but reports only the first error, with its path inside the
+message. A :class:`Kind` holds a parser and the schema of exactly what it accepts, both
+written from the same constants (the unit tables of :mod:`prefetch.units`, the URI schemes of
+:mod:`prefetch.spec`); tests/test_config_schema.py checks, key by key, that they agree.
+
+Adding a key is one :class:`Field` line in its :class:`Table` (and reading it where it is
+used). Rules about several fields at once (a duplicate model name, ``hfRepo`` only for S3 and
+OCI sources) stay in :mod:`prefetch.agent.config` and :class:`~prefetch.spec.ModelSpec`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+from prefetch.errors import ConfigError
+from prefetch.spec import (
+    MIRROR_SCHEMES,
+    MIRRORS_BY_SOURCE,
+    SOURCE_SCHEMES,
+    parse_source_uri,
+    validate_name,
+)
+from prefetch.units import (
+    DURATION_PATTERN,
+    POSITIVE_DURATION_PATTERN,
+    SIZE_PATTERN,
+    parse_duration,
+    parse_size,
+    size_pattern_at_least,
+)
+
+Parse = Callable[[Any, str], Any]
+Schema = dict[str, Any]
+
+#: Placeholders in the patterns below, written out by the generator
+#: (:func:`prefetch.agent.config_schema.python_space_class`): a character Python's
+#: ``str.strip`` keeps, one it removes, and the inside of a class of the latter.
+NONSPACE = "{NONSPACE}"
+SPACE = "{SPACE}"
+SPACE_CHARS = "{SPACE_CHARS}"
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
+_DNS_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+_LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+_PORT = r"0*(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[0-9]{1,4})"
+LISTEN_PATTERN = r"\[([0-9A-Fa-f:.]+)\]:([0-9]+)|([^:\[\]]*):([0-9]+)"
+
+
+class Kind(NamedTuple):
+    """What a key holds: its parser, the JSON Schema of exactly the values that parser
+    accepts (built only when asked for), and how the field reference names it."""
+
+    parse: Parse
+    schema: Callable[[], Schema]
+    doc: str
+
+
+class Field(NamedTuple):
+    """One key: its ``kind``, its default as the docs show it, and what it does. ``missing``:
+    the key is required, and this is said when it is left out."""
+
+    key: str
+    kind: Kind
+    default: str
+    doc: str
+    missing: str | None = None
+
+
+class Table(NamedTuple):
+    """The keys of one mapping of the file (the top level, a model, ...)."""
+
+    fields: tuple[Field, ...]
+    #: Rules across this mapping's keys the schema can state (JSON Schema ``allOf``).
+    rules: Callable[[], list[Schema]] | None = None
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(f.key for f in self.fields)
+
+    def field(self, key: str) -> Field:
+        return next(f for f in self.fields if f.key == key)
+
+    def check(self, value: Any, where: str) -> Mapping[str, Any]:
+        """``value`` as a mapping with none of its keys unknown and every required key there."""
+        m = mapping(value, where)
+        check_keys(m, self.keys, where)
+        for f in self.fields:
+            if f.missing is not None and f.key not in m:
+                raise ConfigError(f"{where}.{f.key}: missing{f.missing}")
+        return m
+
+    def get(self, value: Mapping[str, Any], key: str, where: str, default: Any) -> Any:
+        """``value[key]`` parsed by its kind (``default`` when it is not there)."""
+        return get(value, key, where, self.field(key).kind.parse, default)
+
+    def schema(self) -> Schema:
+        out: Schema = {"type": "object", "additionalProperties": False}
+        required = [f.key for f in self.fields if f.missing is not None]
+        if required:
+            out["required"] = required
+        out["properties"] = {f.key: {**f.kind.schema(), "description": f.doc} for f in self.fields}
+        if self.rules is not None:
+            out["allOf"] = self.rules()
+        return out
+
+
+# -- the parser's building blocks ----------------------------------------------------------------
+
+
+def kind_of(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "a mapping",
+    }.get(type(value), type(value).__name__)
+
+
+def mapping(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where or 'the file'}: expected a mapping, got {kind_of(value)}")
+    return value
+
+
+def check_keys(value: Mapping[str, Any], known: tuple[str, ...], where: str) -> None:
+    for key in value:
+        if key not in known:
+            path = f"{where}.{key}" if where else str(key)
+            raise ConfigError(f"{path}: unknown key (known keys: {', '.join(known)})")
+
+
+def get(value: Mapping[str, Any], key: str, where: str, convert: Parse, default: Any) -> Any:
+    """``convert(value[key])``, its errors prefixed with the field's path; else ``default``."""
+    path = f"{where}.{key}" if where else key
+    if key not in value:
+        return default
+    try:
+        return convert(value[key], path)
+    except ConfigError as exc:
+        msg = str(exc)
+        if not msg.startswith(path):
+            msg = f"{path}: {msg}"
+        raise ConfigError(msg, hint=exc.hint) from exc
+
+
+def text(value: Any, path: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{path}: expected a non-empty string, got {kind_of(value)}")
+    return value.strip()
+
+
+def opt_text(value: Any, path: str) -> str | None:
+    return None if value is None else text(value, path)
+
+
+def boolean(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{path}: expected true or false, got {kind_of(value)} {value!r}")
+    return value
+
+
+def _whole(value: Any) -> int | None:
+    """``value`` as a whole number (a float with no fraction counts, as JSON Schema's
+    ``integer`` does); None for anything else."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value if isinstance(value, int) else None
+
+
+def int_range(lo: int, hi: int) -> Parse:
+    def convert(value: Any, path: str) -> int:
+        number = _whole(value)
+        if number is None:
+            raise ConfigError(f"{path}: expected a whole number, got {kind_of(value)} {value!r}")
+        if not lo <= number <= hi:
+            raise ConfigError(f"{path}: must be between {lo} and {hi}, got {value}")
+        return number
+
+    return convert
+
+
+def size(value: Any, path: str) -> int:
+    number = _whole(value)
+    if number is not None:
+        return parse_size(number, field=path)
+    if not isinstance(value, str):
+        raise ConfigError(f"{path}: expected a size like 1GiB, got {kind_of(value)}")
+    return parse_size(value, field=path)
+
+
+def min_size(least: int, shown: str) -> Parse:
+    def convert(value: Any, path: str) -> int:
+        found = size(value, path)
+        if found < least:
+            raise ConfigError(f"{path}: must be at least {shown}, got {value!r}")
+        return found
+
+    return convert
+
+
+def duration(value: Any, path: str) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float | str | None):
+        raise ConfigError(f"{path}: expected a duration like 10m, got {kind_of(value)}")
+    return parse_duration(value, field=path)
+
+
+def positive_duration(value: Any, path: str) -> float:
+    seconds = duration(value, path)
+    if seconds is None or seconds <= 0:
+        raise ConfigError(f"{path}: must be a positive duration like 10s, got {value!r}")
+    return seconds
+
+
+def share(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise ConfigError(f"{path}: expected a number in (0, 1], got {value!r}")
+    return float(value)
+
+
+def patterns(value: Any, path: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ConfigError(f"{path}: expected a list of glob patterns, got {kind_of(value)}")
+    for i, p in enumerate(value):
+        if not isinstance(p, str) or not p:
+            raise ConfigError(f"{path}[{i}]: expected a non-empty glob pattern, got {kind_of(p)}")
+    return tuple(value)
+
+
+def _exact(regex: str, what: str) -> Parse:
+    """A string matching ``regex`` as a whole (not stripped: the schema sees it as written)."""
+
+    def convert(value: Any, path: str) -> str:
+        if not isinstance(value, str) or not value.strip():
+            raise ConfigError(f"{path}: expected a non-empty string, got {kind_of(value)}")
+        if not re.fullmatch(regex, value):
+            raise ConfigError(f"{path}: {value!r} is not {what}")
+        return value
+
+    return convert
+
+
+def label_prefix(value: Any, path: str) -> str:
+    found: str = _exact(_DNS_SUBDOMAIN, "a DNS subdomain (lowercase a-z, 0-9, '-' and '.')")(
+        value, path
+    )
+    if len(found) > 253:
+        raise ConfigError(f"{path}: {found!r} is not a DNS subdomain (at most 253 characters)")
+    return found
+
+
+taint_key = _exact(f"(({_DNS_SUBDOMAIN})?/)?{_LABEL_NAME}", "a taint key like example.com/warming")
+
+
+def listen(value: Any, path: str) -> str:
+    found = text(value, path)
+    parse_listen(found, field_name=path)
+    return found
+
+
+def parse_listen(value: str, *, field_name: str = "listen") -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) -> (host, port)."""
+    m = re.fullmatch(LISTEN_PATTERN, value.strip())
+    if m is None:
+        raise ConfigError(f"{field_name}: {value!r} is not HOST:PORT (e.g. 0.0.0.0:8090)")
+    host = m.group(1) if m.group(1) is not None else m.group(3)
+    port = int(m.group(2) or m.group(4))
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{field_name}: port {port} is out of range")
+    return host or "0.0.0.0", port
+
+
+def dns_label(value: Any, path: str) -> str:
+    """A model's or compile cache's ``name``: a DNS label, as written."""
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{path}: expected a non-empty string, got {kind_of(value)}")
+    return validate_name(value, field_name=path)
+
+
+def uri(schemes: tuple[str, ...]) -> Parse:
+    def convert(value: Any, path: str) -> Any:
+        try:
+            found = parse_source_uri(text(value, path))
+        except ConfigError as exc:
+            message = str(exc)
+            raise ConfigError(
+                message if message.startswith(path) else f"{path}: {message}"
+            ) from exc
+        if found.scheme not in schemes:
+            listed = ", ".join(f"{s}://" for s in schemes)
+            raise ConfigError(f"{path}: {str(found)!r} is not one of {listed}")
+        return found
+
+    return convert
+
+
+def uri_list(schemes: tuple[str, ...]) -> Parse:
+    """A list of URIs (one string: a list of one; null: none)."""
+    one = uri(schemes)
+
+    def convert(value: Any, path: str) -> tuple[Any, ...]:
+        if isinstance(value, str):
+            value = [value]
+        if value is None:
+            return ()
+        if not isinstance(value, list):
+            listed = " or ".join(f"{s}://" for s in schemes)
+            raise ConfigError(f"{path}: expected a list of {listed} URIs, got {kind_of(value)}")
+        return tuple(one(v, f"{path}[{i}]") for i, v in enumerate(value))
+
+    return convert
+
+
+def names_from(known: tuple[str, ...]) -> Parse:
+    """A list of names from ``known``, each once (``extraDirs``)."""
+
+    def convert(value: Any, path: str) -> tuple[str, ...]:
+        if not isinstance(value, list):
+            raise ConfigError(
+                f"{path}: expected a list like [{', '.join(known)}], got {kind_of(value)}"
+            )
+        for i, name in enumerate(value):
+            if name not in known:
+                raise ConfigError(f"{path}[{i}]: {name!r} is not one of {', '.join(sorted(known))}")
+        if len(set(value)) != len(value):
+            raise ConfigError(f"{path}: a directory is named twice")
+        return tuple(value)
+
+    return convert
+
+
+def endpoint_url(value: Any, path: str) -> str | None:
+    url = opt_text(value, path)
+    if url is not None and not re.match(r"^https?://[^/\s]", url):
+        raise ConfigError(f"{path}: {url!r} is not an http(s) URL")
+    return url
+
+
+def proxy(value: Any, path: str) -> str | None:
+    """A model's ``proxy``: a URL, or ``none``/"" for direct; null: the environment's
+    (ModelSpec reads the URL: :func:`prefetch.settings.parse_proxy`)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(f"{path}: expected a proxy URL or none, got {kind_of(value)}")
+    return value
+
+
+def not_parsed_here(value: Any, path: str) -> Any:
+    """The parse of a mapping or list of mappings, which prefetch.agent.config does itself
+    (its rules span several fields)."""
+    raise AssertionError(f"{path}: parsed by prefetch.agent.config")
+
+
+# -- kinds ---------------------------------------------------------------------------------------
+
+_NONBLANK: Schema = {"type": "string", "pattern": NONSPACE}
+
+
+def _kind(parse: Parse, schema: Schema | Callable[[], Schema], doc: str) -> Kind:
+    return Kind(parse, schema if callable(schema) else (lambda: schema), doc)
+
+
+def _nullable(schema: Schema) -> Schema:
+    """``schema`` or null. Types are listed rather than ``anyOf``-ed throughout: a keyword
+    (``pattern``, ``minimum``, ``items``) applies only to its own type, and Helm's message
+    then names the one rule broken."""
+    kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+    return {**schema, "type": [*kinds, "null"]}
+
+
+#: Each scheme's URIs, as far as a pattern can say it without the environment: a subset of
+#: what :func:`prefetch.spec.parse_source_uri` and ModelSpec accept (odd spellings they take,
+#: like ``S3://`` or a blank inside, are refused). ``${NAME}`` in a registry host is read from
+#: the agent's environment, so the agent alone can judge it. A scheme added to
+#: SOURCE_SCHEMES without a shape here is checked by its ``scheme://`` only.
+_SEGMENT = r"[A-Za-z0-9_]+([.-][A-Za-z0-9_]+)*"
+_HF_ORG = r"[A-Za-z0-9][A-Za-z0-9_]*([.-][A-Za-z0-9_]+)*"
+_REF_PART = r"[A-Za-z0-9_][A-Za-z0-9_-]*"
+_OCI_HOST = r"([A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?|\$\{[A-Za-z_][A-Za-z0-9_]*\})(:[0-9]{1,5})?"
+_OCI_REPO = r"[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*(/[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*)*"
+_OCI_REF = r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}|@sha256:[0-9a-f]{64})"
+_SOURCE_SHAPES = {
+    "s3": r"s3://[a-z0-9][a-z0-9._-]{1,254}(/[!-~]*)?",
+    "hf": rf"hf://{_HF_ORG}(/{_SEGMENT})?(@{_REF_PART}(/{_REF_PART})*)?",
+    "oci": rf"oci://{_OCI_HOST}/{_OCI_REPO}{_OCI_REF}?",
+}
+_PATH_SEGMENT = r"[A-Za-z0-9._~!$&'()*+,;=:@%-]+"
+#: Mirrors are written as the agent spells them back but for an S3 prefix's last ``/`` (a
+#: registry host in lowercase, no ``//``, no blanks around), so ``uniqueItems`` is the agent's
+#: "listed twice" but for ``s3://b/p`` beside ``s3://b/p/``. A registry mirror names no tag or
+#: digest (the origin's is read there), maybe no repository.
+_MIRROR_SHAPES = {
+    **_SOURCE_SHAPES,
+    "s3": rf"s3://[a-z0-9][a-z0-9._-]{{1,254}}(/{_PATH_SEGMENT})*/?",
+    "oci": r"oci://([a-z0-9]([a-z0-9.-]*[a-z0-9])?|\$\{[A-Za-z_][A-Za-z0-9_]*\})(:[0-9]{1,5})?"
+    rf"(/{_OCI_REPO})?",
+}
+_BLANKS = r"[\t\n\v\f\r ]*"
+
+
+def _any_case(word: str) -> str:
+    return "".join(f"[{c.lower()}{c.upper()}]" for c in word)
+
+
+def _uri_schema(
+    schemes: tuple[str, ...], shapes: Mapping[str, str] = _SOURCE_SHAPES, blanks: str = _BLANKS
+) -> Schema:
+    alternatives = "|".join(shapes.get(s, f"{s}://[^{SPACE_CHARS}]+") for s in schemes)
+    return {"type": "string", "pattern": f"^{blanks}({alternatives}){blanks}$"}
+
+
+def mirror_rules() -> list[Schema]:
+    """A model's ``mirrors`` by its source's scheme (:data:`~prefetch.spec.MIRRORS_BY_SOURCE`),
+    ``hfRepo`` not for an hf:// source (it has its own repo id), and ``hubFallback: false``
+    only with mirrors."""
+    rules: list[Schema] = [
+        {
+            "if": {"properties": {"source": {"pattern": f"^{_BLANKS}{scheme}://"}}},
+            "then": {
+                "properties": {
+                    "mirrors": mirrors_schema(
+                        (MIRRORS_BY_SOURCE[scheme],) if scheme in MIRRORS_BY_SOURCE else ()
+                    )
+                }
+            },
+        }
+        for scheme in SOURCE_SCHEMES
+    ]
+    hub = {"properties": {"source": {"pattern": f"^{_BLANKS}hf://"}}}
+    rules.append({"if": hub, "then": {"properties": {"hfRepo": {"type": "null"}}}})
+    rules += revision_rules()
+    no_hub = {"properties": {"hubFallback": {"const": False}}, "required": ["hubFallback"]}
+    with_mirrors = {
+        "required": ["mirrors"],
+        "properties": {"mirrors": {"type": ["string", "array"], "minItems": 1}},
+    }
+    return [*rules, {"if": no_hub, "then": with_mirrors}]
+
+
+#: A git ref name as :func:`prefetch.paths.ref_name_problem` allows it: no blank, control
+#: character or any of ``~^:?*[\\``, and none of the shapes of :data:`_BAD_REF`.
+_REF = r"^[^\x00-\x20\x7f-\x9f~^:?*\[\\]+$"
+_BAD_REF = r"\.\.|@\{|^@$|^[/-]|[/.]$|//|(^|/)\.|\.lock(/|$)"
+_NULL: Schema = {"properties": {"revision": {"type": "null"}}}
+
+
+def _source_is(pattern: str) -> Schema:
+    return {"properties": {"source": {"pattern": f"^{_BLANKS}{pattern}"}}}
+
+
+def revision_rules() -> list[Schema]:
+    """A model's ``revision`` by its source: hf://, a git ref; oci://, a tag or digest; s3://,
+    none but the 40-hex commit of a mirror published under ``hfRepo``. Given twice (in the
+    source's ``@``/``:`` too), the agent wants them equal: the schema wants it once."""
+    ref = {
+        "type": ["string", "null"],
+        "pattern": _REF,
+        "not": {"type": "string", "pattern": _BAD_REF},
+    }
+    tag = {"type": ["string", "null"], "pattern": f"^({_OCI_REF[2:-1].replace('|@', '|')})$"}
+    commit = {"type": "string", "pattern": "^[0-9a-f]{40}$"}
+    mirror = {
+        "required": ["hfRepo"],
+        "properties": {"hfRepo": {"type": "string"}, "revision": commit},
+    }
+    return [
+        {"if": _source_is("hf://[^@]*$"), "then": {"properties": {"revision": ref}}},
+        {"if": _source_is("hf://.*@"), "then": _NULL},
+        {"if": _source_is("oci://[^/]*/[^:@]*$"), "then": {"properties": {"revision": tag}}},
+        {"if": _source_is("oci://[^/]*/.*[:@]"), "then": _NULL},
+        {"if": _source_is("s3://"), "then": {"anyOf": [_NULL, mirror]}},
+    ]
+
+
+def mirrors_schema(schemes: tuple[str, ...]) -> Schema:
+    """``mirrors`` of ``schemes`` (none: empty or null)."""
+    if not schemes:
+        return {"type": ["array", "null"], "maxItems": 0}
+    one = _uri_schema(schemes, _MIRROR_SHAPES, blanks="")
+    return {
+        "type": ["string", "array", "null"],
+        "pattern": one["pattern"],
+        "items": one,
+        "uniqueItems": True,
+    }
+
+
+_USERINFO = r"[A-Za-z0-9._~%!$&'()*+,;=:-]+@"
+#: What :func:`prefetch.settings.parse_proxy` takes (but IPv6 hosts, left to the agent).
+_PROXY_SHAPE = (
+    rf"^{_BLANKS}({_any_case('none')}|{_any_case('direct')}|{_any_case('http')}[sS]?://"
+    rf"({_USERINFO})?[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?(:{_PORT})?(/[!-~]*)?)?{_BLANKS}$"
+)
+
+
+TEXT = _kind(text, _NONBLANK, "string")
+HF_REPO = _kind(
+    opt_text, {"type": ["string", "null"], "pattern": f"^{_HF_ORG}/{_SEGMENT}$"}, "org/name or null"
+)
+PROXY = _kind(proxy, {"type": ["string", "null"], "pattern": _PROXY_SHAPE}, "URL, none or null")
+OPT_TEXT = _kind(opt_text, _nullable(_NONBLANK), "string or null")
+PATH = _kind(opt_text, _nullable(_NONBLANK), "file path or null")
+BOOL = _kind(boolean, {"type": "boolean"}, "true or false")
+SIZE = _kind(
+    size,
+    {"type": ["integer", "string"], "minimum": 0, "pattern": SIZE_PATTERN},
+    "size: bytes, or like 64KiB, 200MB, 1GiB",
+)
+DURATION = _kind(
+    duration,
+    {"type": ["number", "string", "null"], "minimum": 0, "pattern": DURATION_PATTERN},
+    "duration: seconds, or like 30s, 10m, 1h30m, 24h; 0, off or null: never",
+)
+POSITIVE_DURATION = _kind(
+    positive_duration,
+    {"type": ["number", "string"], "exclusiveMinimum": 0, "pattern": POSITIVE_DURATION_PATTERN},
+    "positive duration: seconds, or like 30s, 10m, 24h",
+)
+SHARE = _kind(share, {"type": "number", "exclusiveMinimum": 0, "maximum": 1}, "number in (0, 1]")
+PATTERNS = _kind(
+    patterns,
+    {
+        "type": ["string", "array", "null"],
+        "minLength": 1,
+        "items": {"type": "string", "minLength": 1},
+    },
+    "glob pattern, or a list of them",
+)
+DNS_LABEL = _kind(
+    dns_label,
+    {"type": "string", "pattern": f"^{_DNS_LABEL}$"},
+    "DNS label (a-z, 0-9, '-'; at most 63)",
+)
+LABEL_PREFIX = _kind(
+    label_prefix,
+    {"type": "string", "pattern": f"^{_DNS_SUBDOMAIN}$", "maxLength": 253},
+    "DNS subdomain",
+)
+TAINT_KEY = _kind(
+    taint_key,
+    {"type": "string", "pattern": f"^(({_DNS_SUBDOMAIN})?/)?{_LABEL_NAME}$"},
+    "taint key (prefix/name)",
+)
+LISTEN = _kind(
+    listen,
+    {
+        "type": "string",
+        "pattern": f"^{SPACE}*(\\[[0-9A-Fa-f:.]+\\]|[^:\\[\\]]*):{_PORT}{SPACE}*$",
+    },
+    "HOST:PORT ([v6]:PORT)",
+)
+SOURCE_URI = _kind(
+    uri(SOURCE_SCHEMES),
+    lambda: _uri_schema(SOURCE_SCHEMES),
+    "URI: " + ", ".join(f"{s}://" for s in SOURCE_SCHEMES),
+)
+S3_URI = _kind(uri(("s3",)), lambda: _uri_schema(("s3",)), "URI: s3://")
+#: Parsed as any source (ModelSpec says which scheme a model's mirrors need: its own message).
+MIRROR_URIS = _kind(
+    uri_list(SOURCE_SCHEMES),
+    lambda: mirrors_schema(MIRROR_SCHEMES),
+    "URI or list: " + ", ".join(f"{s}://" for s in MIRROR_SCHEMES),
+)
+ENDPOINT_URL = _kind(
+    endpoint_url,
+    _nullable({"type": "string", "pattern": f"^{SPACE}*https?://[^/{SPACE_CHARS}]"}),
+    "http(s) URL or null",
+)
+
+
+def int_kind(lo: int, hi: int) -> Kind:
+    return _kind(
+        int_range(lo, hi), {"type": "integer", "minimum": lo, "maximum": hi}, f"{lo} to {hi}"
+    )
+
+
+def size_at_least(least: int, shown: str) -> Kind:
+    return _kind(
+        min_size(least, shown),
+        {"type": ["integer", "string"], "minimum": least, "pattern": size_pattern_at_least(least)},
+        f"size, at least {shown}",
+    )
+
+
+def names_kind(known: tuple[str, ...]) -> Kind:
+    return _kind(
+        names_from(known),
+        {"type": "array", "uniqueItems": True, "items": {"enum": list(known)}},
+        "list of " + ", ".join(known),
+    )
+
+
+def object_kind(table: Table, doc: str, *, nullable: bool = False) -> Kind:
+    return Kind(
+        not_parsed_here, lambda: _nullable(table.schema()) if nullable else table.schema(), doc
+    )
+
+
+def list_kind(table: Table, doc: str) -> Kind:
+    return Kind(
+        not_parsed_here,
+        lambda: {"type": ["array", "null"], "items": table.schema()},
+        doc,
+    )
+
+
+def sync_deadline_kind(parse: Parse) -> Kind:
+    return _kind(
+        parse,
+        {
+            "type": ["number", "string", "null"],
+            "minimum": 0,
+            "pattern": f"^auto$|{DURATION_PATTERN}",
+        },
+        "auto, a duration, or off",
+    )
