@@ -186,6 +186,14 @@ STRICTER |= {
 }  # fmt: skip
 
 
+#: Keys the agent also checks against the node, which no schema can: a ``caBundle`` must be a
+#: PEM file there. What the agent accepts, the schema accepts.
+NODE_CHECKED: dict[str, str] = {
+    "caBundle": "the file must exist on the node and hold PEM certificates",
+    "models[].caBundle": "the file must exist on the node and hold PEM certificates",
+}
+
+
 def _paths(table: Table, prefix: str) -> list[str]:
     return [f"{prefix}{f.key}" for f in table.fields if f.kind.parse.__name__ != "not_parsed_here"]
 
@@ -261,6 +269,8 @@ def test_the_schema_accepts_what_the_agent_accepts_and_refuses_what_it_refuses(
     agent, schema = agent_accepts(doc), schema_accepts(doc)
     if key in STRICTER:
         assert agent or not schema, f"{key}: {value!r}: the schema takes it, the agent refuses"
+    elif key in NODE_CHECKED:
+        assert schema or not agent, f"{key}: {value!r}: the agent takes it, the schema refuses"
     else:
         assert schema == agent, f"{key}: {value!r}: agent {agent}, schema {schema}"
 
