@@ -11,6 +11,7 @@ point has a private copy of any stage.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -23,9 +24,10 @@ from pathlib import Path
 from typing import Any, overload
 
 from prefetch import verify
-from prefetch.deadline import stop_interrupts
+from prefetch.deadline import Alarms, call_with_deadline, stop_interrupts
 from prefetch.errors import (
     ChecksumMismatchError,
+    DeadlineExceededError,
     InsufficientSpaceError,
     LayoutError,
     PrefetchError,
@@ -383,9 +385,9 @@ def sync(
     result to fill in as the sync goes (read it after a failure); returned on success."""
     t0 = time.monotonic()
     result = so_far if so_far is not None else SyncResult(spec.name, str(spec.source))
-    if snapshot is None:  # a stop interrupts the resolve's requests too (their header waits)
-        with stop_interrupts(stop, lambda: Cancelled("stopped")):
-            snapshot = source.resolve(spec)
+    if snapshot is None:
+        snapshot = resolve_within(spec, source, config.deadline, stop=stop, flag="--deadline")
+        config = _deadline_left(config, t0)
     result.note_snapshot(snapshot, layout)  # known even if the lock is not had
     with prepare(spec, source, layout, snapshot=snapshot, lock_timeout=lock_timeout) as ready:
         ready.started = t0  # the resolve counts in the sync's seconds
@@ -399,6 +401,44 @@ def sync(
             superseded_grace=superseded_grace,
             so_far=result,
         )
+
+
+def resolve_within(
+    spec: ModelSpec,
+    source: Source,
+    seconds: float | None,
+    *,
+    stop: threading.Event | None = None,
+    flag: str,
+) -> Snapshot:
+    """``source.resolve(spec)``, interrupted by ``stop`` (its requests too: their header waits
+    and bodies, through the HTTP seam) and, when ``seconds`` is set, by the sync's deadline
+    (``flag`` names the setting in the error): a source trickling its metadata cannot hold a
+    sync past the deadline the transfer is held to."""
+    with stop_interrupts(stop, lambda: Cancelled("stopped")):
+        if seconds is None:
+            return source.resolve(spec)
+        return call_with_deadline(
+            lambda: source.resolve(spec), seconds, what=f"resolving {spec.source}",
+            alarms=Alarms(idle=1.0, name="prefetch-resolve"),
+            expired=lambda: _resolve_deadline(spec, seconds, flag),
+        )  # fmt: skip
+
+
+def _resolve_deadline(spec: ModelSpec, seconds: float, flag: str) -> DeadlineExceededError:
+    return DeadlineExceededError(
+        f"{spec.source}: resolving did not finish within the deadline of {seconds:g}s "
+        "(the source answers too slowly)",
+        hint=f"try again later, or raise {flag}",
+    )
+
+
+def _deadline_left(config: TransferConfig, started: float) -> TransferConfig:
+    """``config`` with its deadline reduced by what the resolve since ``started`` took."""
+    if config.deadline is None:
+        return config
+    left = config.deadline - (time.monotonic() - started)
+    return dataclasses.replace(config, deadline=max(left, 0.001))
 
 
 @dataclass

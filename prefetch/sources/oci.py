@@ -16,6 +16,12 @@
   against their digest and unpacked safely (:mod:`prefetch.sources.oci_tar`) into a staging
   folder (``PREFETCH_OCI_STAGING``, else the temp folder); their members are then files of the
   snapshot, each with the sha256 taken as it was unpacked, copied into place by the engine.
+* Time: each attempt at a manifest (its redirects and token answer included) must end within
+  ``metadata_timeout`` (:data:`METADATA_TIMEOUT`; a mirror's :data:`MIRROR_METADATA_TIMEOUT`,
+  so a mirror that trickles falls back to the next source as one that fails does), and an
+  archive layer unpacked at resolve within that plus its size at :data:`ARCHIVE_FLOOR_RATE`:
+  the one deadline mechanism (:func:`prefetch.deadline.call_with_deadline`) aborts the request
+  in flight, whose socket timeout a byte every few seconds would reset for ever.
 * Authentication: :mod:`prefetch.sources.oci_auth` (docker config, helpers, the token flow); a
   401 mid-pull (an expired token) fetches a new token once and sends the request again.
 
@@ -33,14 +39,16 @@ import logging
 import tempfile
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import urljoin, urlsplit
 
 import urllib3
 
 from prefetch import __version__, settings
+from prefetch.deadline import Alarms, call_with_deadline
 from prefetch.errors import (
     InvalidListingError,
     NoMatchingFilesError,
@@ -72,6 +80,7 @@ from prefetch.sources.oci_auth import RegistryAuth
 from prefetch.spec import ModelSpec, SourceURI
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 USER_AGENT = f"model-prefetch/{__version__}"
 PLAIN_HTTP_ENV = "PREFETCH_OCI_PLAIN_HTTP"
@@ -80,6 +89,14 @@ DOCKER_HUB = ("docker.io", "index.docker.io", "registry-1.docker.io")
 #: Where archive layers are unpacked before they are published (default: the temp folder).
 STAGING_ENV = "PREFETCH_OCI_STAGING"
 _REDIRECTS = (301, 302, 303, 307, 308)
+#: Seconds one attempt at a manifest may take in all (as the Hub's and S3's metadata calls).
+METADATA_TIMEOUT = 120.0
+#: The same for a registry mirror (on the node or near it: it answers in well under a second,
+#: or the next source is asked).
+MIRROR_METADATA_TIMEOUT = 20.0
+#: An archive layer unpacked at resolve may take ``metadata_timeout`` plus its size at this
+#: rate (bytes/s): a quarter of the agent's syncDeadline floor, far below any healthy link.
+ARCHIVE_FLOOR_RATE = 1 << 20
 _MAX_REDIRECTS = 5
 
 
@@ -110,6 +127,7 @@ class OciSource:
         timeout: urllib3.Timeout | None = None,
         plain_http: tuple[str, ...] = (),
         namespace: str | None = None,
+        metadata_timeout: float = METADATA_TIMEOUT,
     ) -> None:
         self._uri = uri
         hub_official = uri.location in DOCKER_HUB and "/" not in uri.path
@@ -127,6 +145,9 @@ class OciSource:
         self._staging: Path | None = None
         self._staged: dict[str, list[oci_tar.StagedMember]] = {}
         self._local: dict[str, Path] = {}
+        #: Seconds one attempt at a manifest may take in all (see the module's notes).
+        self.metadata_timeout = metadata_timeout
+        self._alarms = Alarms(name="oci-alarms")
 
     @property
     def uri(self) -> SourceURI:
@@ -196,8 +217,16 @@ class OciSource:
         and its Content-Type. Retried per the policy."""
         what = f"{self._uri.location}/{self._repo}: manifest {reference}"
         return call_with_retries(
-            lambda: self._fetch_manifest(reference, what), self._retry, what=what
+            lambda: self._bounded(lambda: self._fetch_manifest(reference, what), what),
+            self._retry,
+            what=what,
         )
+
+    def _bounded(self, fn: Callable[[], T], what: str, extra: float = 0.0) -> T:
+        """``fn()`` aborted (TransientSourceError) when ``metadata_timeout + extra`` seconds
+        pass, whatever request it waits for then."""
+        seconds = self.metadata_timeout + extra
+        return call_with_deadline(fn, seconds, what=what, alarms=self._alarms)
 
     def _fetch_manifest(self, reference: str, what: str) -> tuple[bytes, str, str | None]:
         resp, url = self._get(f"manifests/{reference}", {"Accept": om.ACCEPT}, what)
@@ -323,8 +352,13 @@ class OciSource:
             what = f"{self._uri.location}/{self._repo}: layer {layer.path}"
             try:
                 staged = call_with_retries(
-                    lambda: self._unpack(layer, root, what), self._retry, what=what
-                )
+                    lambda: self._bounded(
+                        lambda: self._unpack(layer, root, what), what,
+                        extra=layer.size / ARCHIVE_FLOOR_RATE,
+                    ),
+                    self._retry,
+                    what=what,
+                )  # fmt: skip
             except BaseException:
                 oci_tar.remove_staging(root)
                 raise
@@ -508,7 +542,10 @@ def open_oci_source(
 
     def source(uri: SourceURI, namespace: str | None = None) -> OciSource:
         auth = RegistryAuth(uri.location, client, timeout=token_timeout)
-        return OciSource(uri, http=client, auth=auth, retry=retry, namespace=namespace)
+        bound = METADATA_TIMEOUT if namespace is None else MIRROR_METADATA_TIMEOUT
+        return OciSource(
+            uri, http=client, auth=auth, retry=retry, namespace=namespace, metadata_timeout=bound
+        )
 
     origin = source(spec.source)
     if not spec.mirrors:

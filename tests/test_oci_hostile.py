@@ -1,0 +1,141 @@
+"""Issue 29: OCI registries under hostile input, scripted on loopback over HTTPS with the
+session CA (tests/fakes/scripted_registry.py).
+
+Item 1: every OCI metadata call is bounded by the one deadline mechanism: a manifest, a token
+answer or an archive layer trickled a byte at a time ends the attempt; ``--deadline`` and
+SIGTERM end a resolve; a registry mirror that trickles falls back to the next source."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from prefetch.errors import TransientSourceError
+from prefetch.layout import PlainLayout
+from prefetch.retry import RetryPolicy
+from prefetch.sources._http import HttpClient, make_http_pool
+from prefetch.sources.oci import OciMirrors, OciSource
+from prefetch.sources.oci_auth import RegistryAuth
+from prefetch.spec import ModelSpec, parse_source_uri
+from prefetch.sync import sync
+from prefetch.transfer import TransferConfig
+
+from .fakes.scripted_registry import REPO, ScriptedRegistry, digest_of, tar_of
+from .support import clean_env, run_cli, wait_for
+from .tls import TestCA
+
+WEIGHTS = os.urandom(200_000)
+CONFIG = TransferConfig(concurrency=2, retry=RetryPolicy(attempts=1, base_delay=0.01))
+
+
+@pytest.fixture(autouse=True)
+def no_docker_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "docker"))
+
+
+@pytest.fixture
+def registry(test_ca: TestCA) -> Iterator[ScriptedRegistry]:
+    with ScriptedRegistry(test_ca) as reg:
+        reg.trickle_every = 0.5
+        yield reg
+
+
+@pytest.fixture
+def http(test_ca: TestCA) -> HttpClient:
+    return make_http_pool(8, ca_certs=str(test_ca.ca_file))
+
+
+def oci_source(
+    reg: ScriptedRegistry, http: HttpClient, *, timeout: float = 1.0, namespace: str | None = None
+) -> OciSource:
+    src = OciSource(
+        parse_source_uri(f"oci://{reg.host}/{REPO}:v1"),
+        http=http,
+        auth=RegistryAuth(reg.host, http, credentials=False),
+        retry=RetryPolicy(attempts=1, base_delay=0.01),
+        namespace=namespace,
+    )
+    src.metadata_timeout = timeout
+    return src
+
+
+@pytest.mark.parametrize("trickled", ["manifest", "token", "archive"])
+def test_a_trickled_manifest_token_or_archive_layer_ends_the_attempt_in_bounded_time(
+    registry: ScriptedRegistry, http: HttpClient, trickled: str
+) -> None:
+    registry.bearer = trickled == "token"
+    archive = tar_of({"tok.json": b"{}" * 200})
+    registry.model("v1", {"w.bin": WEIGHTS}, {"tokenizer": archive})
+    registry.trickle.add(digest_of(archive) if trickled == "archive" else trickled)
+    src = oci_source(registry, http)
+    started = time.monotonic()
+    with pytest.raises(TransientSourceError, match="no answer within"):
+        src.resolve(ModelSpec(source=src.uri))
+    assert time.monotonic() - started < 15  # 1 s (+ a 1 MiB/s allowance for the archive)
+
+
+def test_a_trickling_registry_mirror_falls_back_to_the_origin(
+    test_ca: TestCA, registry: ScriptedRegistry, http: HttpClient, tmp_path: Path
+) -> None:
+    digest = registry.model("v1", {"w.bin": WEIGHTS})
+    with ScriptedRegistry(test_ca, role="mirror") as mirror:
+        mirror.model("v1", {"w.bin": WEIGHTS})
+        mirror.trickle.add("manifest")
+        mirror.trickle_every = 0.5
+        origin = oci_source(registry, http, timeout=30)
+        mirrors = OciMirrors(origin, [oci_source(mirror, http, namespace=registry.host)])
+        spec = ModelSpec(source=parse_source_uri(f"oci://{registry.host}/{REPO}@{digest}"))
+        started = time.monotonic()
+        result = sync(spec, mirrors, PlainLayout(tmp_path / "dest"), CONFIG)
+    assert (tmp_path / "dest" / "w.bin").read_bytes() == WEIGHTS
+    assert result.bytes_downloaded == len(WEIGHTS)
+    assert time.monotonic() - started < 15
+
+
+def cli_env(test_ca: TestCA, tmp_path: Path) -> dict[str, str]:
+    return clean_env(tmp_path / "home", DOCKER_CONFIG=str(tmp_path / "docker"), **test_ca.env())
+
+
+def test_deadline_ends_a_pull_whose_registry_trickles_the_manifest(
+    test_ca: TestCA, registry: ScriptedRegistry, tmp_path: Path
+) -> None:
+    registry.model("v1", {"w.bin": WEIGHTS})
+    registry.trickle.add("manifest")
+    started = time.monotonic()
+    done = run_cli(
+        "pull", f"oci://{registry.host}/{REPO}:v1", str(tmp_path / "dest"),
+        "--attempts", "1", "--deadline", "3s",
+        env=cli_env(test_ca, tmp_path), timeout=60,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert time.monotonic() - started < 20
+    assert "Traceback" not in done.stderr
+    assert "Error:" in done.stderr and "deadline of 3s" in done.stderr, done.stderr
+
+
+def test_sigterm_ends_a_pull_whose_registry_trickles_the_manifest(
+    test_ca: TestCA, registry: ScriptedRegistry, tmp_path: Path
+) -> None:
+    registry.model("v1", {"w.bin": WEIGHTS})
+    registry.trickle.add("manifest")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefetch.cli", "pull", f"oci://{registry.host}/{REPO}:v1",
+         str(tmp_path / "dest"), "--attempts", "1"],
+        env=cli_env(test_ca, tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: any("/manifests/" in p for p, _ in registry.requests), "a manifest GET")
+        time.sleep(1.0)  # well into the trickled body
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=15)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert "Traceback" not in err
