@@ -36,7 +36,7 @@ from prefetch.errors import (
 from prefetch.layout import Layout, RecordedFile, model_lock
 from prefetch.progress import NullProgress, ProgressSink
 from prefetch.snapshot import Checksum, RemoteFile, Snapshot
-from prefetch.sources.base import Source
+from prefetch.sources.base import RemembersArchives, Source
 from prefetch.spec import ModelSpec
 from prefetch.transfer import (
     Cancelled,
@@ -170,9 +170,12 @@ class SyncResult:
     #: mirrors the mirror (``s3://...``) or the Hub (``hf://org/name``) that had it.
     served_by: str = ""
     timings: SyncTimings = field(default_factory=SyncTimings)
+    #: bytes the resolve fetched (see Snapshot.fetched_bytes), in ``bytes_downloaded``
+    _resolve_bytes: int = field(default=0, repr=False)
 
     def to_json(self) -> dict[str, Any]:  # cli.py writes into its "timings"
-        return {**self.__dict__, "timings": self.timings.to_json()}
+        out = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+        return {**out, "timings": self.timings.to_json()}
 
     def note_snapshot(self, snapshot: Snapshot, layout: Layout) -> None:
         self.served_by = snapshot.source
@@ -180,9 +183,10 @@ class SyncResult:
         self.path = str(layout.model_path(snapshot))
         self.files = len(snapshot.files)
         self.bytes_total = snapshot.total_bytes
+        self._resolve_bytes = snapshot.fetched_bytes
 
     def note_transfer(self, stats: TransferStats) -> None:
-        self.bytes_downloaded = stats.bytes_downloaded
+        self.bytes_downloaded = stats.bytes_downloaded + self._resolve_bytes
         self.files_downloaded = stats.files_downloaded
         self.files_verified = stats.files_verified
         self.files_unverified = list(stats.unverified)
@@ -386,9 +390,12 @@ def sync(
     t0 = time.monotonic()
     result = so_far if so_far is not None else SyncResult(spec.name, str(spec.source))
     if snapshot is None:
-        snapshot = resolve_within(spec, source, config.deadline, stop=stop, flag="--deadline")
+        snapshot = resolve_within(
+            spec, source, config.deadline, layout=layout, stop=stop, flag="--deadline"
+        )
         config = _deadline_left(config, t0)
     result.note_snapshot(snapshot, layout)  # known even if the lock is not had
+    result.bytes_downloaded = snapshot.fetched_bytes
     with prepare(spec, source, layout, snapshot=snapshot, lock_timeout=lock_timeout) as ready:
         ready.started = t0  # the resolve counts in the sync's seconds
         ready.resolve_seconds = time.monotonic() - t0
@@ -408,21 +415,39 @@ def resolve_within(
     source: Source,
     seconds: float | None,
     *,
+    layout: Layout,
     stop: threading.Event | None = None,
     flag: str,
 ) -> Snapshot:
     """``source.resolve(spec)``, interrupted by ``stop`` (its requests too: their header waits
     and bodies, through the HTTP seam) and, when ``seconds`` is set, by the sync's deadline
     (``flag`` names the setting in the error): a source trickling its metadata cannot hold a
-    sync past the deadline the transfer is held to."""
+    sync past the deadline the transfer is held to. A source that unpacks archives at resolve
+    is told where ``layout`` keeps what it unpacked before, and what is published there; it
+    writes its records once the resolve succeeded (a failed one leaves the destination as it
+    was)."""
+    archives = source if isinstance(source, RemembersArchives) else None
+    if archives is not None:
+        archives.remember_archives(archive_records(layout), layout.is_current)
     with stop_interrupts(stop, lambda: Cancelled("stopped")):
         if seconds is None:
-            return source.resolve(spec)
-        return call_with_deadline(
-            lambda: source.resolve(spec), seconds, what=f"resolving {spec.source}",
-            alarms=Alarms(idle=1.0, name="prefetch-resolve"),
-            expired=lambda: _resolve_deadline(spec, seconds, flag),
-        )  # fmt: skip
+            snapshot = source.resolve(spec)
+        else:
+            snapshot = call_with_deadline(
+                lambda: source.resolve(spec), seconds, what=f"resolving {spec.source}",
+                alarms=Alarms(idle=1.0, name="prefetch-resolve"),
+                expired=lambda: _resolve_deadline(spec, seconds, flag),
+            )  # fmt: skip
+    if archives is not None:
+        layout.prepare()  # the state folder, refusing symbolic links below the destination
+        archives.write_archive_records()
+    return snapshot
+
+
+def archive_records(layout: Layout) -> Path:
+    """Where a source that unpacks archives records what each unpacked to (see
+    :class:`~prefetch.sources.base.RemembersArchives`): the model's state folder."""
+    return layout.lock_path().parent / "archives"
 
 
 def _resolve_deadline(spec: ModelSpec, seconds: float, flag: str) -> DeadlineExceededError:

@@ -139,3 +139,33 @@ def test_sigterm_ends_a_pull_whose_registry_trickles_the_manifest(
         proc.kill()
     assert proc.returncode != 0
     assert "Traceback" not in err
+
+
+def test_an_unchanged_archive_layer_is_neither_fetched_nor_unpacked_again(
+    registry: ScriptedRegistry, http: HttpClient, tmp_path: Path
+) -> None:
+    """Item 4: what a layer unpacked to is recorded by its digest; a resolve of an unchanged
+    layer whose members are published is a no-op, and the figures say what was fetched."""
+    members = {"tok.json": b"{}" * 5000, "sub/vocab.txt": os.urandom(30_000)}
+    archive = tar_of(members)
+    registry.model("v1", {"w.bin": WEIGHTS}, {"tokenizer": archive})
+    dest = tmp_path / "dest"
+
+    def pull():  # type: ignore[no-untyped-def]
+        src = oci_source(registry, http, timeout=30)
+        return sync(ModelSpec(source=src.uri), src, PlainLayout(dest), CONFIG)
+
+    first = pull()
+    assert (dest / "sub" / "vocab.txt").read_bytes() == members["sub/vocab.txt"]
+    assert registry.blob_requests(digest_of(archive)) == 1
+    assert first.bytes_downloaded >= len(WEIGHTS) + len(archive)
+
+    again = pull()
+    assert registry.blob_requests(digest_of(archive)) == 1  # not fetched, so not unpacked
+    assert again.up_to_date and again.bytes_downloaded == 0
+
+    (dest / "tok.json").unlink()
+    repaired = pull()
+    assert registry.blob_requests(digest_of(archive)) == 2
+    assert (dest / "tok.json").read_bytes() == members["tok.json"]
+    assert repaired.bytes_downloaded >= len(archive)

@@ -232,7 +232,7 @@ class SyncJob:
             # a stop or the attempt's deadline (before the bytes are known: its least) ends a
             # resolve whose source trickles
             snapshot = resolve_within(
-                spec, source, deadline.for_bytes(0), stop=stop, flag="syncDeadline"
+                spec, source, deadline.for_bytes(0), layout=layout, stop=stop, flag="syncDeadline"
             )
             with (
                 # an entry prepare makes only to hold its lock stays (deleting it would pull

@@ -16,6 +16,11 @@
   against their digest and unpacked safely (:mod:`prefetch.sources.oci_tar`) into a staging
   folder (``PREFETCH_OCI_STAGING``, else the temp folder); their members are then files of the
   snapshot, each with the sha256 taken as it was unpacked, copied into place by the engine.
+  What a layer unpacked to is recorded by its digest in the destination's state
+  (:meth:`OciSource.remember_archives`): at the next resolve an unchanged layer whose members
+  are all published is neither fetched nor unpacked (its members come from the record); it is
+  fetched again only when one of them must be (then at resolve, or on the engine's first read
+  of a member). Bytes fetched at resolve count in the sync's ``bytes_downloaded``.
 * Time: each attempt at a manifest (its redirects and token answer included) must end within
   ``metadata_timeout`` (:data:`METADATA_TIMEOUT`; a mirror's :data:`MIRROR_METADATA_TIMEOUT`,
   so a mirror that trickles falls back to the next source as one that fails does), and an
@@ -36,6 +41,8 @@ import contextlib
 import ipaddress
 import json
 import logging
+import os
+import re
 import tempfile
 import threading
 import weakref
@@ -48,7 +55,7 @@ from urllib.parse import urljoin, urlsplit
 import urllib3
 
 from prefetch import __version__, settings
-from prefetch.deadline import Alarms, call_with_deadline
+from prefetch.deadline import Alarms, call_with_deadline, current_watch
 from prefetch.errors import (
     InvalidListingError,
     NoMatchingFilesError,
@@ -58,6 +65,7 @@ from prefetch.errors import (
 )
 from prefetch.redact import redact
 from prefetch.retry import RetryPolicy, call_with_retries
+from prefetch.safejson import load_json
 from prefetch.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.sources import oci_manifest as om
 from prefetch.sources import oci_tar
@@ -145,6 +153,10 @@ class OciSource:
         self._staging: Path | None = None
         self._staged: dict[str, list[oci_tar.StagedMember]] = {}
         self._local: dict[str, Path] = {}
+        self._layers: dict[str, om.Layer] = {}  # archive layers by hex digest
+        self._records: Path | None = None
+        self._is_current: Callable[[RemoteFile], bool] | None = None
+        self._pending: list[tuple[om.Layer, list[oci_tar.StagedMember]]] = []
         #: Seconds one attempt at a manifest may take in all (see the module's notes).
         self.metadata_timeout = metadata_timeout
         self._alarms = Alarms(name="oci-alarms")
@@ -152,6 +164,18 @@ class OciSource:
     @property
     def uri(self) -> SourceURI:
         return self._uri
+
+    def remember_archives(self, records: Path, is_current: Callable[[RemoteFile], bool]) -> None:
+        """Record what archive layers unpack to under ``records`` (``<hex digest>.json``), and
+        skip an unchanged layer whose members ``is_current`` says are all published."""
+        self._records = records
+        self._is_current = is_current
+
+    def write_archive_records(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for layer, staged in pending:
+            self._write_record(layer, staged)
 
     def pin(self, digest: str) -> None:
         """Read the manifest ``digest`` (a mirror: the digest the origin resolved)."""
@@ -300,11 +324,12 @@ class OciSource:
         self, spec: ModelSpec, manifest: om.ModelManifest, *, requested: str | None
     ) -> Snapshot:
         files = []
+        fetched = 0
         for layer in manifest.layers:
             if layer.archive is not None:
-                files += [
-                    self._member_file(layer, m) for m in self._stage(layer) if spec.wants(m.path)
-                ]
+                members, unpacked = self._archive_members(layer, spec)
+                files += members
+                fetched += layer.size if unpacked else 0
             elif spec.wants(layer.path):
                 files.append(self.remote_file(layer))
         if not files:
@@ -321,6 +346,7 @@ class OciSource:
             files=tuple(files),
             requested_revision=requested,
             repo_id=spec.repo_id,
+            fetched_bytes=fetched,
         )
 
     @staticmethod
@@ -339,13 +365,55 @@ class OciSource:
 
     # -- archive layers --------------------------------------------------------------------------
 
-    def _stage(self, layer: om.Layer) -> list[oci_tar.StagedMember]:
+    def _archive_members(self, layer: om.Layer, spec: ModelSpec) -> tuple[list[RemoteFile], bool]:
+        """The members of an archive layer that ``spec`` wants, and whether the layer was
+        fetched for them now: from its record when they are all published already."""
+        with self._lock:
+            self._layers[layer.hex] = layer
+        recorded = self._recorded(layer)
+        if recorded is not None and self._is_current is not None:
+            files = [self._member_file(layer, *m) for m in recorded if spec.wants(m[0])]
+            if all(self._is_current(f) for f in files):
+                return files, False
+        staged, unpacked = self._stage(layer)
+        wanted = [m for m in staged if spec.wants(m.path)]
+        return [self._member_file(layer, m.path, m.size, m.sha256) for m in wanted], unpacked
+
+    def _recorded(self, layer: om.Layer) -> list[tuple[str, int, str]] | None:
+        """The members the layer's record lists, or None (no record, or one not to trust)."""
+        if self._records is None:
+            return None
+        path = self._records / f"{layer.hex}.json"
+        try:
+            data = path.read_bytes()
+            doc = load_json(data, where=str(path), max_bytes=_MAX_RECORD_BYTES)
+            return _record_members(doc, layer, str(path))
+        except (OSError, SourceError, ValueError):
+            return None  # unpacked again, and recorded anew
+
+    def _write_record(self, layer: om.Layer, staged: list[oci_tar.StagedMember]) -> None:
+        if self._records is None:
+            return
+        doc = {
+            "digest": layer.digest,
+            "members": [{"path": m.path, "size": m.size, "sha256": m.sha256} for m in staged],
+        }
+        target = self._records / f"{layer.hex}.json"
+        try:
+            self._records.mkdir(parents=True, exist_ok=True)
+            partial = target.with_name(f".{target.name}.{os.getpid()}")
+            partial.write_text(json.dumps(doc))
+            os.replace(partial, target)
+        except OSError as exc:  # the next resolve unpacks it again: slower, never wrong
+            log.debug("cannot record %s: %s", target, exc)
+
+    def _stage(self, layer: om.Layer) -> tuple[list[oci_tar.StagedMember], bool]:
         """An archive layer's members, unpacked under the staging folder (once per source:
-        a later resolve of the same layer reuses them)."""
+        a later resolve of the same layer reuses them), and whether it was unpacked now."""
         with self._lock:
             staged = self._staged.get(layer.digest)
             if staged is not None:
-                return staged
+                return staged, False
             root = self._staging_root() / layer.hex
             oci_tar.remove_staging(root)
             root.mkdir(parents=True)
@@ -365,7 +433,8 @@ class OciSource:
             self._staged[layer.digest] = staged
             for member in staged:
                 self._local[f"tar:{layer.hex}/{member.path}"] = member.staged
-            return staged
+            self._pending.append((layer, staged))  # written by write_archive_records()
+            return staged, True
 
     def _unpack(self, layer: om.Layer, root: Path, what: str) -> list[oci_tar.StagedMember]:
         for child in list(root.iterdir()):  # what a failed attempt left
@@ -382,8 +451,9 @@ class OciSource:
             raise SourceChangedError(f"{what}: the registry served blob {stated}")
         try:
             return oci_tar.unpack_layer(
-                resp.raw, kind=layer.archive or "tar", size=layer.size, digest_hex=layer.hex,
-                staging=root, what=what, max_unpacked=max(64 * layer.size, 1 << 30),
+                _Counted(resp.raw), kind=layer.archive or "tar", size=layer.size,
+                digest_hex=layer.hex, staging=root, what=what,
+                max_unpacked=max(64 * layer.size, 1 << 30),
             )  # fmt: skip
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise transport_error(exc, what) from exc
@@ -398,21 +468,36 @@ class OciSource:
         return self._staging
 
     @staticmethod
-    def _member_file(layer: om.Layer, member: oci_tar.StagedMember) -> RemoteFile:
+    def _member_file(layer: om.Layer, path: str, size: int, sha256: str) -> RemoteFile:
         return RemoteFile(
-            path=member.path,
-            size=member.size,
-            version=member.sha256,
-            checksums=(Checksum("sha256", member.sha256, origin="oci-archive"),),
-            locator=f"tar:{layer.hex}/{member.path}",
+            path=path,
+            size=size,
+            version=sha256,
+            checksums=(Checksum("sha256", sha256, origin="oci-archive"),),
+            locator=f"tar:{layer.hex}/{path}",
             described=True,
         )
+
+    def _staged_member(self, file: RemoteFile) -> Path:
+        """Where the member ``file`` is staged: its layer unpacked now when the resolve took
+        it from the record (a member published before is missing or changed on disk)."""
+        layer = self._layers.get(file.locator[4:].split("/", 1)[0])
+        if layer is None:
+            raise SourceError(f"{file.path}: not a member of any layer of this manifest")
+        self._stage(layer)
+        self.write_archive_records()  # after the resolve: the state folder is there
+        staged = self._local.get(file.locator)
+        if staged is None:
+            raise SourceChangedError(f"{file.path}: layer {layer.digest} does not hold it")
+        return staged
 
     # -- read ------------------------------------------------------------------------------------
 
     def open_range(self, file: RemoteFile, start: int, end: int) -> RangeReader:
         end = min(end, file.size)  # never past the descriptor's size (a 416 otherwise)
         staged = self._local.get(file.locator)
+        if staged is None and file.locator.startswith("tar:"):
+            staged = self._staged_member(file)
         if staged is not None:
             return oci_tar.StagedReader(staged, start, end)
         what = f"{self._uri.location}/{self._repo}/{file.path} bytes {start}-{end - 1}"
@@ -436,6 +521,48 @@ class OciSource:
                 resp.discard()
                 raise
         return range_body_reader(resp, what, end - start)
+
+
+#: A layer's record lists its members (path, size, sha256): ~150 bytes each.
+_MAX_RECORD_BYTES = 64 << 20
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def _record_members(doc: object, layer: om.Layer, where: str) -> list[tuple[str, int, str]]:
+    """The members a layer's record lists; ValueError for a record not of that layer."""
+    if not isinstance(doc, dict) or doc.get("digest") != layer.digest:
+        raise ValueError(f"{where}: not the record of {layer.digest}")
+    members = doc.get("members")
+    if not isinstance(members, list):
+        raise ValueError(f"{where}: no members")
+    out = []
+    for m in members:
+        path, size, sha = (
+            (m.get(k) for k in ("path", "size", "sha256"))
+            if isinstance(m, dict)
+            else (None, None, None)
+        )
+        if not (isinstance(path, str) and isinstance(size, int) and size >= 0):
+            raise ValueError(f"{where}: a member without a path and size")
+        if not (isinstance(sha, str) and _SHA256_HEX.fullmatch(sha)):
+            raise ValueError(f"{where}: a member without a sha256")
+        out.append((oci_tar.member_path(path, where), size, sha))
+    return out
+
+
+class _Counted:
+    """A blob's body whose bytes count as received by the operation watching this thread (the
+    engine's stall rule sees an archive unpacked for a read make progress)."""
+
+    def __init__(self, body: oci_tar.Readable) -> None:
+        self._body = body
+        self._watch = current_watch()
+
+    def read(self, n: int = -1, /) -> bytes:
+        data = self._body.read(n)
+        if self._watch is not None:
+            self._watch.received += len(data)
+        return data
 
 
 def _whole_blob(status: int, start: int, end: int, size: int, length: str | None) -> bool:
@@ -483,6 +610,14 @@ class OciMirrors:
         self._first = 0  # the source that served the manifest
         self._lacking: set[tuple[int, str]] = set()  # (source, blob) that failed
         self._lock = threading.Lock()
+
+    def remember_archives(self, records: Path, is_current: Callable[[RemoteFile], bool]) -> None:
+        for source in self._sources:
+            source.remember_archives(records, is_current)
+
+    def write_archive_records(self) -> None:
+        for source in self._sources:
+            source.write_archive_records()
 
     def resolve(self, spec: ModelSpec) -> Snapshot:
         reference = self._origin.uri.revision or "latest"
