@@ -3,7 +3,8 @@ session CA (tests/fakes/scripted_registry.py).
 
 Item 1: every OCI metadata call is bounded by the one deadline mechanism: a manifest, a token
 answer or an archive layer trickled a byte at a time ends the attempt; ``--deadline`` and
-SIGTERM end a resolve; a registry mirror that trickles falls back to the next source."""
+SIGTERM end a resolve; a registry mirror that trickles falls back to the next source. The
+other items are named in each test's docstring."""
 
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from prefetch.errors import TransientSourceError
+from prefetch.errors import SourceError, TransientSourceError
 from prefetch.layout import PlainLayout
 from prefetch.retry import RetryPolicy
 from prefetch.sources._http import HttpClient, make_http_pool
 from prefetch.sources.oci import OciMirrors, OciSource
-from prefetch.sources.oci_auth import RegistryAuth
+from prefetch.sources.oci_auth import RegistryAuth, parse_challenge
 from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.sync import sync
 from prefetch.transfer import TransferConfig
@@ -169,3 +170,33 @@ def test_an_unchanged_archive_layer_is_neither_fetched_nor_unpacked_again(
     assert registry.blob_requests(digest_of(archive)) == 2
     assert (dest / "tok.json").read_bytes() == members["tok.json"]
     assert repaired.bytes_downloaded >= len(archive)
+
+
+_CHALLENGES = {
+    "word-run": "Bearer " + "a" * 60_000,
+    "unterminated-escapes": 'Bearer realm="' + '\\"' * 30_000,
+    "keys-without-values": "Bearer " + "a=" * 30_000,
+    "open-quotes": "Bearer " + 'a="' * 20_000,
+    "spaced-words": "Bearer " + "a " * 30_000,
+}
+
+
+@pytest.mark.timeout(60)  # the quadratic parse took 30 s on the first case: fail, do not hang
+@pytest.mark.parametrize("name", sorted(_CHALLENGES))
+def test_parse_challenge_takes_linear_time(name: str) -> None:
+    """Item 3: ``parse_challenge`` reads any header in linear time."""
+    started = time.monotonic()
+    kind, _ = parse_challenge(_CHALLENGES[name])
+    assert kind == "bearer"
+    assert time.monotonic() - started < 1.0
+
+
+def test_an_oversized_challenge_is_refused_unread(
+    registry: ScriptedRegistry, http: HttpClient
+) -> None:
+    """Item 3: a 401's challenge beyond the bound is one clear error, not parsed."""
+    registry.model("v1", {"w.bin": WEIGHTS})
+    registry.challenge = "Bearer " + "a" * 60_000
+    src = oci_source(registry, http, timeout=30)
+    with pytest.raises(SourceError, match="challenge is 60007 bytes, more than the 16384"):
+        src.resolve(ModelSpec(source=src.uri))

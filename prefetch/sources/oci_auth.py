@@ -39,7 +39,17 @@ from prefetch.sources._http import HttpClient, discard, redact_url, status_error
 #: Helpers are asked at most this long (a helper that prompts or hangs must not stop a pull).
 HELPER_TIMEOUT = 20.0
 _MAX_TOKEN_BODY = 1024 * 1024
-_CHALLENGE_PARAM = re.compile(r'(\w+)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^\s,]+))')
+#: A 401's ``WWW-Authenticate`` longer than this is refused unread (real ones are ~200 bytes;
+#: urllib3 joins repeated headers, up to 100 of 64 KiB each).
+MAX_CHALLENGE = 16 * 1024
+#: One token of a challenge, read left to right: a parameter (``key=value`` or ``key="..."``),
+#: else one other character or a run of word characters. Possessive loops and a quoted string
+#: that may end at the end of the text: no alternative re-reads what it gave up, so the scan
+#: is linear (a pattern searched from every offset was quadratic: ``Bearer `` + 60,000 ``a``
+#: took 30 s).
+_CHALLENGE_TOKEN = re.compile(
+    r'(\w++)\s*+=\s*+(?:"((?:[^"\\]|\\.)*+)(?:"|\\?\Z)|([^\s,"]++))|\w++|.', re.DOTALL
+)
 #: A token without ``expires_in`` lives 60 s (the distribution spec's default).
 _DEFAULT_TOKEN_LIFE = 60.0
 
@@ -185,10 +195,11 @@ def ecr_credentials(registry: str, client: Any = None) -> Credentials | None:
 
 
 def parse_challenge(header: str) -> tuple[str, dict[str, str]]:
-    """``Bearer realm="...",service="..."`` as ("bearer", {realm:..., service:...})."""
+    """``Bearer realm="...",service="..."`` as ("bearer", {realm:..., service:...}), in time
+    linear in the header (bound its size before: :data:`MAX_CHALLENGE`)."""
     scheme, _, rest = header.strip().partition(" ")
     params = {m.group(1).lower(): m.group(2) if m.group(2) is not None else m.group(3)
-              for m in _CHALLENGE_PARAM.finditer(rest)}  # fmt: skip
+              for m in _CHALLENGE_TOKEN.finditer(rest) if m.group(1)}  # fmt: skip
     return scheme.lower(), params
 
 
@@ -238,6 +249,11 @@ class RegistryAuth:
         """A 401 came with ``challenge``: get what it asks for (raises when nothing can)."""
         if not challenge:
             raise AccessDeniedError(f"{what}: the registry refused access (401, no challenge)")
+        if len(challenge) > MAX_CHALLENGE:
+            raise SourceError(
+                f"{what}: the registry's authentication challenge is {len(challenge)} bytes, "
+                f"more than the {MAX_CHALLENGE} allowed (refused unread)"
+            )
         kind, params = parse_challenge(challenge)
         if kind == "basic":
             if self._creds() is None:
