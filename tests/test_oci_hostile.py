@@ -8,6 +8,7 @@ other items are named in each test's docstring."""
 
 from __future__ import annotations
 
+import gzip
 import os
 import signal
 import subprocess
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from prefetch.errors import SourceError, TransientSourceError
+from prefetch.errors import InsufficientSpaceError, SourceError, TransientSourceError
 from prefetch.layout import PlainLayout
 from prefetch.retry import RetryPolicy
 from prefetch.sources._http import HttpClient, make_http_pool
@@ -29,7 +30,7 @@ from prefetch.sync import sync
 from prefetch.transfer import TransferConfig
 
 from .fakes.scripted_registry import REPO, ScriptedRegistry, digest_of, tar_of
-from .support import clean_env, run_cli, wait_for
+from .support import clean_env, mounted_tmpfs, run_cli, wait_for
 from .tls import TestCA
 
 WEIGHTS = os.urandom(200_000)
@@ -200,3 +201,44 @@ def test_an_oversized_challenge_is_refused_unread(
     src = oci_source(registry, http, timeout=30)
     with pytest.raises(SourceError, match="challenge is 60007 bytes, more than the 16384"):
         src.resolve(ModelSpec(source=src.uri))
+
+
+def _bomb(kind: str) -> bytes:
+    """A tar of 64 MiB of zeros, compressed (a few KB)."""
+    archive = tar_of({"zeros.bin": bytes(64 << 20)})
+    if kind == "tar+gzip":
+        return gzip.compress(archive, compresslevel=9)
+    import zstandard
+
+    return zstandard.ZstdCompressor(level=19).compress(archive)
+
+
+@pytest.mark.parametrize("kind", ["tar+gzip", "tar+zstd"])
+def test_a_decompression_bomb_is_refused_at_64x_its_size(
+    registry: ScriptedRegistry, http: HttpClient, tmp_path: Path, kind: str
+) -> None:
+    """Item 6: the README's rule, 64x the layer's size, with no 1 GiB floor."""
+    bomb = _bomb(kind)
+    assert len(bomb) * 64 < 64 << 20
+    registry.model("v1", {"w.bin": WEIGHTS}, {"data": (bomb, kind)})
+    src = oci_source(registry, http, timeout=30)
+    with pytest.raises(SourceError, match=r"unpacks to more than .*64x the layer's size"):
+        sync(ModelSpec(source=src.uri), src, PlainLayout(tmp_path / "dest"), CONFIG)
+    assert not (tmp_path / "dest" / "zeros.bin").exists()
+
+
+def test_staging_is_bounded_by_its_free_space_checked_before_each_layer(
+    registry: ScriptedRegistry, http: HttpClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 6: the staging folder keeps 256 MiB free; a layer that does not fit in what is left
+    (the layers staged before it count) is refused before a byte of it is fetched."""
+    first = tar_of({"a.bin": os.urandom(30 << 20)})
+    second = tar_of({"b.bin": os.urandom(30 << 20)})
+    registry.model("v1", {"w.bin": WEIGHTS}, {"one": first, "two": second})
+    with mounted_tmpfs(256 + 44) as staging:
+        monkeypatch.setenv("PREFETCH_OCI_STAGING", str(staging))
+        src = oci_source(registry, http, timeout=30)
+        with pytest.raises(InsufficientSpaceError, match="staging folder"):
+            sync(ModelSpec(source=src.uri), src, PlainLayout(tmp_path / "dest"), CONFIG)
+    assert registry.blob_requests(digest_of(first)) == 1
+    assert registry.blob_requests(digest_of(second)) == 0

@@ -43,6 +43,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import tempfile
 import threading
 import weakref
@@ -57,6 +58,7 @@ import urllib3
 from prefetch import __version__, settings
 from prefetch.deadline import Alarms, call_with_deadline, current_watch
 from prefetch.errors import (
+    InsufficientSpaceError,
     InvalidListingError,
     NoMatchingFilesError,
     RevisionNotFoundError,
@@ -86,6 +88,7 @@ from prefetch.sources._http import (
 from prefetch.sources.base import RangeReader, Source
 from prefetch.sources.oci_auth import RegistryAuth
 from prefetch.spec import ModelSpec, SourceURI
+from prefetch.units import format_bytes
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -102,6 +105,13 @@ METADATA_TIMEOUT = 120.0
 #: The same for a registry mirror (on the node or near it: it answers in well under a second,
 #: or the next source is asked).
 MIRROR_METADATA_TIMEOUT = 20.0
+#: An archive layer may unpack to this many times its size (at least UNPACK_FLOOR bytes): more
+#: is a decompression bomb, refused. Real archives (tokenizers, configs, code) compress 3-10x.
+UNPACK_RATIO = 64
+UNPACK_FLOOR = 1 << 20
+#: Free space the staging folder keeps: the archives of one sync, staged together, may fill
+#: its file system up to this much (the published copies need room too).
+STAGING_RESERVE = 256 << 20
 #: An archive layer unpacked at resolve may take ``metadata_timeout`` plus its size at this
 #: rate (bytes/s): a quarter of the agent's syncDeadline floor, far below any healthy link.
 ARCHIVE_FLOOR_RATE = 1 << 20
@@ -416,12 +426,13 @@ class OciSource:
                 return staged, False
             root = self._staging_root() / layer.hex
             oci_tar.remove_staging(root)
-            root.mkdir(parents=True)
             what = f"{self._uri.location}/{self._repo}: layer {layer.path}"
+            limit = _unpack_limit(layer, root.parent, what)  # before any byte is fetched
+            root.mkdir(parents=True)
             try:
                 staged = call_with_retries(
                     lambda: self._bounded(
-                        lambda: self._unpack(layer, root, what), what,
+                        lambda: self._unpack(layer, root, what, limit), what,
                         extra=layer.size / ARCHIVE_FLOOR_RATE,
                     ),
                     self._retry,
@@ -436,7 +447,9 @@ class OciSource:
             self._pending.append((layer, staged))  # written by write_archive_records()
             return staged, True
 
-    def _unpack(self, layer: om.Layer, root: Path, what: str) -> list[oci_tar.StagedMember]:
+    def _unpack(
+        self, layer: om.Layer, root: Path, what: str, limit: tuple[int, str]
+    ) -> list[oci_tar.StagedMember]:
         for child in list(root.iterdir()):  # what a failed attempt left
             if child.is_dir():
                 oci_tar.remove_staging(child)
@@ -453,7 +466,7 @@ class OciSource:
             return oci_tar.unpack_layer(
                 _Counted(resp.raw), kind=layer.archive or "tar", size=layer.size,
                 digest_hex=layer.hex, staging=root, what=what,
-                max_unpacked=max(64 * layer.size, 1 << 30),
+                max_unpacked=limit[0], limit_reason=limit[1],
             )  # fmt: skip
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise transport_error(exc, what) from exc
@@ -521,6 +534,26 @@ class OciSource:
                 resp.discard()
                 raise
         return range_body_reader(resp, what, end - start)
+
+
+def _unpack_limit(layer: om.Layer, staging: Path, what: str) -> tuple[int, str]:
+    """The bytes ``layer`` may unpack to under ``staging`` and why that many: its size times
+    :data:`UNPACK_RATIO` (a decompression bomb beyond), or the staging folder's free space
+    less :data:`STAGING_RESERVE` when smaller (measured now, so the layers staged before count:
+    staging is bounded in total). InsufficientSpaceError when not even the layer's own size
+    fits."""
+    allowed = max(UNPACK_RATIO * layer.size, UNPACK_FLOOR)
+    free = shutil.disk_usage(staging).free - STAGING_RESERVE
+    if free < layer.size:
+        raise InsufficientSpaceError(
+            f"{what}: the staging folder {staging} has {format_bytes(max(free, 0))} free "
+            f"(keeping {format_bytes(STAGING_RESERVE)}), less than the layer's "
+            f"{format_bytes(layer.size)}",
+            hint=f"free space there, or set {STAGING_ENV} to a larger file system",
+        )
+    if free < allowed:
+        return free, f"the free space of the staging folder {staging}"
+    return allowed, f"{UNPACK_RATIO}x the layer's size of {layer.size} bytes"
 
 
 #: A layer's record lists its members (path, size, sha256): ~150 bytes each.

@@ -10,8 +10,10 @@ What is refused, before or while writing (UnsafePathError, nothing published): a
 that is absolute, has ``..`` or is the tool's state (the rules of :mod:`prefetch.paths`); a
 symbolic or hard link whose target leaves the layer (a link inside it is published as a copy
 of its target); device files and FIFOs; unpacked bytes beyond ``max_unpacked`` (a decompression
-bomb). ``tarfile``'s own extraction is not used: members are written here, one regular file at
-a time, so nothing but regular files ever reaches the disk.
+bomb, or more than the staging folder has room for: the caller says which, ``limit_reason``),
+counted from each member's header before its bytes are written, so a bomb stops at the bound.
+``tarfile``'s own extraction is not used: members are written here, one regular file at a time,
+so nothing but regular files ever reaches the disk.
 """
 
 from __future__ import annotations
@@ -124,12 +126,14 @@ def unpack_layer(
     staging: Path,
     what: str,
     max_unpacked: int,
+    limit_reason: str = "",
 ) -> list[StagedMember]:
     """Unpack the layer ``body`` (its blob's bytes) under ``staging``; see the module doc."""
     raw = _HashingReader(body, size, what)
     buffered = io.BufferedReader(raw, _PIECE)
     members: dict[str, StagedMember] = {}
     links: list[tuple[str, str]] = []
+    unpacked = 0  # member bytes so far: each member's header says its size before its bytes
     try:
         stream = _decompressed(buffered, kind, what)
         with tarfile.open(fileobj=stream, mode="r|") as archive:
@@ -145,10 +149,11 @@ def unpack_layer(
                         "or link (device files and FIFOs are refused)",
                         path=path,
                     )
-                unpacked = sum(m.size for m in members.values()) + member.size
+                unpacked += member.size
                 if unpacked > max_unpacked:
+                    why = f": {limit_reason}" if limit_reason else ""
                     raise SourceError(
-                        f"{what}: unpacks to more than {max_unpacked} bytes (refused)"
+                        f"{what}: unpacks to more than {max_unpacked} bytes{why} (refused)"
                     )
                 members[path] = _write(fileobj, staging / path, member.size, path, what)
         # the rest of the blob (tar padding) counts for its digest: hashed a piece at a time

@@ -97,22 +97,33 @@ class ScriptedRegistry:
         return digest
 
     def model(
-        self, tag: str, raw: dict[str, bytes], archives: dict[str, bytes] | None = None
+        self,
+        tag: str,
+        raw: dict[str, bytes],
+        archives: dict[str, bytes | tuple[bytes, str]] | None = None,
+        *,
+        archives_first: bool = False,
     ) -> str:
-        """A ModelPack manifest under ``tag``: a raw layer per ``raw`` file, then a tar layer
-        per ``archives`` entry (its annotation the key); its digest."""
+        """A ModelPack manifest under ``tag``: a raw layer per ``raw`` file and an archive
+        layer per ``archives`` entry (its annotation the key; a tar, or ``(blob, "tar+gzip")``
+        and the like), the raw ones first unless ``archives_first``; its digest."""
         config = self.blob(json.dumps({"config": {"format": "safetensors"}}).encode())
-        layers: list[dict[str, Any]] = []
-        for media, files in ((RAW, raw), (TAR, archives or {})):
-            for path, data in files.items():
-                layers.append(
-                    {
-                        "mediaType": media,
-                        "digest": self.blob(data),
-                        "size": len(data),
-                        "annotations": {FILEPATH: path},
-                    }
-                )
+        raw_layers = [(RAW, path, data) for path, data in raw.items()]
+        archive_layers = [
+            (f"{TAR}+{v[1][4:]}" if isinstance(v, tuple) and v[1] != "tar" else TAR, path,
+             v[0] if isinstance(v, tuple) else v)
+            for path, v in (archives or {}).items()
+        ]  # fmt: skip
+        ordered = archive_layers + raw_layers if archives_first else raw_layers + archive_layers
+        layers: list[dict[str, Any]] = [
+            {
+                "mediaType": media,
+                "digest": self.blob(data),
+                "size": len(data),
+                "annotations": {FILEPATH: path},
+            }
+            for media, path, data in ordered
+        ]
         doc = {
             "schemaVersion": 2,
             "mediaType": OCI_MANIFEST,
