@@ -242,3 +242,30 @@ def test_staging_is_bounded_by_its_free_space_checked_before_each_layer(
             sync(ModelSpec(source=src.uri), src, PlainLayout(tmp_path / "dest"), CONFIG)
     assert registry.blob_requests(digest_of(first)) == 1
     assert registry.blob_requests(digest_of(second)) == 0
+
+
+def test_a_cold_pull_through_cache_answering_200_to_a_range_is_read_from_the_next_source(
+    test_ca: TestCA, registry: ScriptedRegistry, http: HttpClient, tmp_path: Path
+) -> None:
+    """Item 7: a mirror answering a range of a blob above one chunk with 200 and the whole blob
+    lacks it for this sync: the blob comes from the origin, the pull succeeds."""
+    digest = registry.model("v1", {"w.bin": WEIGHTS})
+    with ScriptedRegistry(test_ca, role="mirror") as mirror:
+        mirror.model("v1", {"w.bin": WEIGHTS})
+        blob = next(d for d, data in mirror.blobs.items() if data == WEIGHTS)
+        mirror.whole_on_range.add(blob)
+        mirrors = OciMirrors(
+            oci_source(registry, http, timeout=30),
+            [oci_source(mirror, http, timeout=30, namespace=registry.host)],
+        )
+        spec = ModelSpec(source=parse_source_uri(f"oci://{registry.host}/{REPO}@{digest}"))
+        config = TransferConfig(
+            concurrency=2,
+            chunk_size=64 * 1024,
+            buffer_size=16 * 1024,
+            retry=RetryPolicy(attempts=1, base_delay=0.01),
+        )
+        sync(spec, mirrors, PlainLayout(tmp_path / "dest"), config)
+    assert (tmp_path / "dest" / "w.bin").read_bytes() == WEIGHTS
+    assert mirror.blob_requests(blob) >= 1
+    assert registry.blob_requests(blob) >= 4  # every chunk of it, from the origin

@@ -61,6 +61,7 @@ from prefetch.errors import (
     InsufficientSpaceError,
     InvalidListingError,
     NoMatchingFilesError,
+    RangeIgnoredError,
     RevisionNotFoundError,
     SourceChangedError,
     SourceError,
@@ -524,6 +525,12 @@ class OciSource:
             resp.discard()
             raise SourceChangedError(f"{what}: the registry served blob {stated}")
         length = h.get("Content-Length")
+        if resp.status == 200 and not (start == 0 and end == file.size):
+            resp.discard()
+            raise RangeIgnoredError(
+                f"{what}: the registry ignored the Range (200 and the whole blob, as a cold "
+                "pull-through cache answers)"
+            )
         if not _whole_blob(resp.status, start, end, file.size, length):
             # the range asked for was not the whole blob: the answer must be exactly it
             try:
@@ -627,7 +634,14 @@ class OciMirrors:
 
     Blobs are content-addressed, so each may come from any of them: a blob the source that
     served the manifest lacks (a Spegel peer set, a cache filled partly) or cannot serve now is
-    read from the next one in order, and that answer is remembered for the rest of the sync."""
+    read from the next one in order, and that answer is remembered for the rest of the sync.
+
+    A mirror that answers a range of a blob with ``200`` and the whole blob (a pull-through
+    cache that does not hold it yet: distribution with ``proxy: remoteurl``) lacks it for this
+    sync: the blob is read from the next source. Taking the whole body instead would move the
+    whole blob once per chunk (quadratic in the chunks of a large layer) or serialise the
+    layer into one stream without resume; the cache fills itself from that request anyway,
+    so the next pull reads the blob from it."""
 
     def __init__(
         self, origin: OciSource, mirrors: list[OciSource], *, origin_fallback: bool = True
@@ -679,7 +693,9 @@ class OciMirrors:
                     continue
             try:
                 return self._sources[i].open_range(file, start, end)
-            except FALLBACK_ERRORS as exc:
+            except SourceError as exc:
+                if not isinstance(exc, (*FALLBACK_ERRORS, RangeIgnoredError)):
+                    raise
                 failure = exc
                 with self._lock:
                     self._lacking.add((i, file.locator))
