@@ -19,7 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from prefetch.errors import InsufficientSpaceError, SourceError, TransientSourceError
+from prefetch.errors import (
+    InsufficientSpaceError,
+    SourceError,
+    TransientSourceError,
+    UnsafePathError,
+)
 from prefetch.layout import PlainLayout
 from prefetch.retry import RetryPolicy
 from prefetch.sources._http import HttpClient, make_http_pool
@@ -269,3 +274,16 @@ def test_a_cold_pull_through_cache_answering_200_to_a_range_is_read_from_the_nex
     assert (tmp_path / "dest" / "w.bin").read_bytes() == WEIGHTS
     assert mirror.blob_requests(blob) >= 1
     assert registry.blob_requests(blob) >= 4  # every chunk of it, from the origin
+
+
+def test_a_bad_raw_layer_path_is_refused_before_any_archive_layer_is_fetched(
+    registry: ScriptedRegistry, http: HttpClient, tmp_path: Path
+) -> None:
+    """Item 8: every path is checked before any blob: ``../evil.bin`` listed after an archive
+    layer refuses the manifest with no request for the archive."""
+    archive = tar_of({"big.bin": os.urandom(1 << 20)})
+    registry.model("v1", {"../evil.bin": b"x"}, {"weights": archive}, archives_first=True)
+    src = oci_source(registry, http, timeout=30)
+    with pytest.raises(UnsafePathError, match=r"evil\.bin"):
+        sync(ModelSpec(source=src.uri), src, PlainLayout(tmp_path / "dest"), CONFIG)
+    assert registry.blob_requests(digest_of(archive)) == 0

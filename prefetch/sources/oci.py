@@ -66,6 +66,7 @@ from prefetch.errors import (
     SourceChangedError,
     SourceError,
 )
+from prefetch.paths import check_listing
 from prefetch.redact import redact
 from prefetch.retry import RetryPolicy, call_with_retries
 from prefetch.safejson import load_json
@@ -334,6 +335,11 @@ class OciSource:
     def snapshot_of(
         self, spec: ModelSpec, manifest: om.ModelManifest, *, requested: str | None
     ) -> Snapshot:
+        # the raw layers' paths first: a bad one refuses the manifest before any archive layer
+        # is fetched and unpacked (their members' paths are checked as they are unpacked)
+        check_listing(
+            [self.remote_file(layer) for layer in manifest.layers if layer.archive is None]
+        )
         files = []
         fetched = 0
         for layer in manifest.layers:
