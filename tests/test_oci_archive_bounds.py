@@ -1,9 +1,11 @@
-"""Issue 29: archive layers with bounds. Item 5: the tar padding after the end-of-archive blocks
-is hashed in bounded buffers (read whole, 384 MiB of padding peaked at 802 MB RSS)."""
+"""Issue 29: memory bounds, measured as peak RSS in a subprocess. Item 5: the tar padding after
+the end-of-archive blocks is hashed in bounded buffers (read whole, 384 MiB of padding peaked at
+802 MB RSS). Item 9: a credential helper's answer is bounded while it is read."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -61,3 +63,38 @@ def test_tar_padding_is_hashed_in_bounded_buffers(tmp_path: Path) -> None:
     assert seen["members"] == ["config.json"]
     grew_kib = seen["peak"] - seen["before"]  # ru_maxrss is in KiB on Linux
     assert grew_kib < 64 * 1024, f"unpacking grew the peak RSS by {grew_kib} KiB"
+
+
+_HELPER_CALL = textwrap.dedent(
+    """
+    import json, resource
+    from prefetch.errors import SourceError
+    from prefetch.sources.oci_auth import helper_credentials
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        helper_credentials("big", "registry.example")
+        error = None
+    except SourceError as exc:
+        error = str(exc)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"error": error, "before": before, "peak": peak}))
+    """
+)
+
+
+def test_a_credential_helper_answer_is_bounded_while_it_is_read(tmp_path: Path) -> None:
+    """Item 9: a helper printing 200 MiB is refused after 1 MiB, not read whole (429 MB)."""
+    helper = tmp_path / "bin" / "docker-credential-big"
+    helper.parent.mkdir()
+    helper.write_text("#!/bin/sh\nhead -c 209715200 /dev/zero\n")
+    helper.chmod(0o755)
+    env = {**os.environ, "PATH": f"{helper.parent}:{os.environ['PATH']}"}
+    done = subprocess.run(
+        [sys.executable, "-c", _HELPER_CALL],
+        capture_output=True, text=True, timeout=120, check=True, env=env,
+    )  # fmt: skip
+    seen = json.loads(done.stdout)
+    grew_kib = seen["peak"] - seen["before"]
+    assert grew_kib < 64 * 1024, f"reading the helper grew the peak RSS by {grew_kib} KiB"
+    assert seen["error"] is not None and "more than 1048576 bytes" in seen["error"]
