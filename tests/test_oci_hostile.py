@@ -287,3 +287,64 @@ def test_a_bad_raw_layer_path_is_refused_before_any_archive_layer_is_fetched(
     with pytest.raises(UnsafePathError, match=r"evil\.bin"):
         sync(ModelSpec(source=src.uri), src, PlainLayout(tmp_path / "dest"), CONFIG)
     assert registry.blob_requests(digest_of(archive)) == 0
+
+
+_STAGING_PULL = """
+import sys
+from prefetch.sources._http import make_http_pool
+from prefetch.sources.oci import OciSource
+from prefetch.sources.oci_auth import RegistryAuth
+from prefetch.spec import ModelSpec, parse_source_uri
+
+uri, ca = sys.argv[1], sys.argv[2]
+http = make_http_pool(4, ca_certs=ca)
+src = OciSource(parse_source_uri(uri), http=http,
+                auth=RegistryAuth(uri.split("/")[2], http, credentials=False))
+src.resolve(ModelSpec(source=src.uri))
+"""
+
+
+def test_staging_left_by_a_killed_pull_is_reclaimed_at_the_next_pull(
+    test_ca: TestCA, registry: ScriptedRegistry, http: HttpClient, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Item 10: a pull killed while a layer is staged leaves its staging folder; the next pull
+    removes it, and never the folder of a pull still running."""
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    monkeypatch.setenv("PREFETCH_OCI_STAGING", str(staging))
+    slow = tar_of({"slow.bin": os.urandom(4096)})
+    registry.model("slow", {}, {"slow": slow})
+    registry.trickle.add(digest_of(slow))
+    registry.trickle_every = 0.2
+    env = {**os.environ, "PREFETCH_OCI_STAGING": str(staging)}
+    uri = f"oci://{registry.host}/{REPO}:slow"
+
+    def start() -> subprocess.Popen[bytes]:
+        before = set(staging.iterdir())
+        proc = subprocess.Popen([sys.executable, "-c", _STAGING_PULL, uri, str(test_ca.ca_file)],
+                                env=env)  # fmt: skip
+        wait_for(lambda: any((d / slow_hex).exists() for d in set(staging.iterdir()) - before),
+                 "a layer staged")  # fmt: skip
+        return proc
+
+    slow_hex = digest_of(slow).split(":")[1]
+    killed, running = start(), None
+    try:
+        killed_dir = next(d for d in staging.iterdir())
+        running = start()
+        running_dir = next(d for d in staging.iterdir() if d != killed_dir)
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(10)
+        assert (killed_dir / slow_hex).exists()  # what the killed pull left
+
+        registry.model("v1", {"w.bin": WEIGHTS}, {"tokenizer": tar_of({"tok.json": b"{}"})})
+        src = oci_source(registry, http, timeout=30)
+        sync(ModelSpec(source=src.uri), src, PlainLayout(tmp_path / "dest"), CONFIG)
+        assert not killed_dir.exists()
+        assert (running_dir / slow_hex).exists()
+    finally:
+        for proc in (killed, running):
+            if proc is not None:
+                proc.kill()
+                proc.wait(10)

@@ -44,7 +44,6 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 import threading
 import weakref
 from collections.abc import Callable, Mapping
@@ -481,10 +480,9 @@ class OciSource:
             resp.discard()
 
     def _staging_root(self) -> Path:
-        if self._staging is None:
-            base = settings.oci_staging()
-            self._staging = Path(tempfile.mkdtemp(prefix="prefetch-oci-", dir=base))
-            weakref.finalize(self, oci_tar.remove_staging, self._staging)
+        if self._staging is None:  # reclaiming what killed pulls left there first
+            self._staging, owner = oci_tar.new_staging(settings.oci_staging())
+            weakref.finalize(self, oci_tar.release_staging, self._staging, owner)
         return self._staging
 
     @staticmethod

@@ -18,12 +18,18 @@ so nothing but regular files ever reaches the disk.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import gzip
 import hashlib
 import io
+import os
 import posixpath
 import shutil
+import stat
 import tarfile
+import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,6 +218,67 @@ def _write(
 
 def remove_staging(staging: Path) -> None:
     shutil.rmtree(staging, ignore_errors=True)
+
+
+#: A staging folder's owner holds an exclusive ``flock`` on this file for as long as it lives:
+#: the kernel releases it when the process dies however it dies (kill -9, OOM), so a folder
+#: whose lock can be taken belongs to no one. (A pid written in a file would be wrong across
+#: pid namespaces, and after pid reuse.)
+OWNER_FILE = ".owner"
+STAGING_PREFIX = "prefetch-oci-"
+#: A folder with no owner file this old is a leftover too (written before owner files, or by a
+#: process killed between making the folder and locking it).
+_UNOWNED_AGE = 3600.0
+
+
+def new_staging(base: str | None) -> tuple[Path, int]:
+    """A new staging folder under ``base`` (None: the temp folder) and the descriptor of its
+    held owner lock (closed, the folder is anyone's to reclaim), after reclaiming the folders
+    there whose owner is gone."""
+    parent = Path(base or tempfile.gettempdir())
+    reclaim_stale_staging(parent)
+    root = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=parent))
+    fd = os.open(root / OWNER_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return root, fd
+
+
+def reclaim_stale_staging(parent: Path) -> list[Path]:
+    """Remove the staging folders under ``parent`` that this user owns and no live process
+    holds (a pull killed while a layer was staged left them); the ones removed."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(parent):
+            if entry.name.startswith(STAGING_PREFIX) and _abandoned(entry):
+                remove_staging(Path(entry.path))
+                removed.append(Path(entry.path))
+    return removed
+
+
+def _abandoned(entry: os.DirEntry[str]) -> bool:
+    try:
+        info = entry.stat(follow_symlinks=False)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            return False  # not ours to remove (another user's, or a link planted in /tmp)
+        fd = os.open(os.path.join(entry.path, OWNER_FILE), os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return time.time() - info.st_mtime > _UNOWNED_AGE
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # held: its owner lives
+    finally:
+        os.close(fd)
+    return True
+
+
+def release_staging(root: Path, fd: int) -> None:
+    """Remove a staging folder this process made, then let go of its lock."""
+    remove_staging(root)
+    with contextlib.suppress(OSError):
+        os.close(fd)
 
 
 class StagedReader:
