@@ -348,3 +348,33 @@ def test_staging_left_by_a_killed_pull_is_reclaimed_at_the_next_pull(
             if proc is not None:
                 proc.kill()
                 proc.wait(10)
+
+
+def test_the_agent_ends_a_resolve_at_its_sync_deadline_and_on_sigterm(
+    test_ca: TestCA, registry: ScriptedRegistry, tmp_path: Path
+) -> None:
+    """Item 1, the agent: a registry trickling the manifest is cut at ``syncDeadline`` (a
+    failure with reason ``deadline``), and SIGTERM during such a resolve ends the agent."""
+    from .support import AgentProcess, config_text
+
+    registry.model("v1", {"w.bin": WEIGHTS})
+    registry.trickle.add("manifest")
+    models = [{"name": "m", "source": f"oci://{registry.host}/{REPO}:v1", "syncDeadline": "3s"}]
+    config = tmp_path / "models.yaml"
+    config.write_text(config_text(tmp_path / "cache", models))
+    agent = AgentProcess(config, cli_env(test_ca, tmp_path), tmp_path / "agent.log")
+    try:
+
+        def failed_by_deadline() -> bool:
+            return agent.up() and "did not finish within the deadline of 3s" in agent.stderr()
+
+        started = time.monotonic()
+        wait_for(failed_by_deadline, "the resolve cut at syncDeadline", timeout=60,
+                 dump=agent.stderr)  # fmt: skip
+        assert time.monotonic() - started < 30
+        requests = len(registry.requests)
+        wait_for(lambda: len(registry.requests) > requests, "the next attempt's resolve")
+        agent.proc.send_signal(signal.SIGTERM)
+        assert agent.proc.wait(20) == 0, agent.stderr()
+    finally:
+        agent.stop()
