@@ -327,6 +327,9 @@ class OciSource:
         )
 
     def resolve(self, spec: ModelSpec) -> Snapshot:
+        # what pulls killed while staging left (a no-op pull stages nothing, so not only when
+        # this one stages)
+        oci_tar.reclaim_stale_staging(oci_tar.staging_parent(settings.oci_staging()))
         reference = self._uri.revision or "latest"
         manifest = self.model_manifest(reference)
         return self.snapshot_of(spec, manifest, requested=None)
@@ -480,7 +483,7 @@ class OciSource:
             resp.discard()
 
     def _staging_root(self) -> Path:
-        if self._staging is None:  # reclaiming what killed pulls left there first
+        if self._staging is None:
             self._staging, owner = oci_tar.new_staging(settings.oci_staging())
             weakref.finalize(self, oci_tar.release_staging, self._staging, owner)
         return self._staging

@@ -231,13 +231,15 @@ STAGING_PREFIX = "prefetch-oci-"
 _UNOWNED_AGE = 3600.0
 
 
+def staging_parent(base: str | None) -> Path:
+    """Where staging folders are made: ``base``, else the temp folder."""
+    return Path(base or tempfile.gettempdir())
+
+
 def new_staging(base: str | None) -> tuple[Path, int]:
     """A new staging folder under ``base`` (None: the temp folder) and the descriptor of its
-    held owner lock (closed, the folder is anyone's to reclaim), after reclaiming the folders
-    there whose owner is gone."""
-    parent = Path(base or tempfile.gettempdir())
-    reclaim_stale_staging(parent)
-    root = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=parent))
+    held owner lock (closed, the folder is anyone's to reclaim)."""
+    root = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=staging_parent(base)))
     fd = os.open(root / OWNER_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)
     return root, fd
