@@ -185,8 +185,10 @@ class SyncResult:
         self.bytes_total = snapshot.total_bytes
         self._resolve_bytes = snapshot.fetched_bytes
 
-    def note_transfer(self, stats: TransferStats) -> None:
-        self.bytes_downloaded = stats.bytes_downloaded + self._resolve_bytes
+    def note_transfer(self, stats: TransferStats, *, local: int = 0) -> None:
+        """The transfer's figures; ``local``: bytes it copied from the source's own staging
+        (unpacked archives), which were fetched at resolve, not downloaded again."""
+        self.bytes_downloaded = stats.bytes_downloaded - local + self._resolve_bytes
         self.files_downloaded = stats.files_downloaded
         self.files_verified = stats.files_verified
         self.files_unverified = list(stats.unverified)
@@ -328,12 +330,15 @@ def execute(
         progress=clock,
         stop=stop,
     )
+    archives = plan.source if isinstance(plan.source, RemembersArchives) else None
+    local_before = archives.staged_bytes_read() if archives is not None else 0
     try:
         began = time.monotonic()
         try:
             transfer.run(todo)
         finally:
-            result.note_transfer(transfer.stats)
+            local = archives.staged_bytes_read() - local_before if archives is not None else 0
+            result.note_transfer(transfer.stats, local=local)
         ended = time.monotonic()
         result.deleted = layout.commit(
             plan.snapshot, spec, delete=delete, superseded_grace=superseded_grace

@@ -29,6 +29,11 @@ class RemembersArchives(Protocol):
         parent, safely)."""
         ...
 
+    def staged_bytes_read(self) -> int:
+        """Bytes its readers served from what it unpacked (local copies, not fetched: the
+        archive's own bytes are counted once, in ``Snapshot.fetched_bytes``)."""
+        ...
+
 
 class RangeReader(Protocol):
     """An open ranged read: fill buffers until the range is exhausted (readinto returns 0).

@@ -168,6 +168,7 @@ class OciSource:
         self._records: Path | None = None
         self._is_current: Callable[[RemoteFile], bool] | None = None
         self._pending: list[tuple[om.Layer, list[oci_tar.StagedMember]]] = []
+        self._staged_read = 0
         #: Seconds one attempt at a manifest may take in all (see the module's notes).
         self.metadata_timeout = metadata_timeout
         self._alarms = Alarms(name="oci-alarms")
@@ -181,6 +182,14 @@ class OciSource:
         skip an unchanged layer whose members ``is_current`` says are all published."""
         self._records = records
         self._is_current = is_current
+
+    def staged_bytes_read(self) -> int:
+        with self._lock:
+            return self._staged_read
+
+    def _count_staged(self, n: int) -> None:
+        with self._lock:
+            self._staged_read += n
 
     def write_archive_records(self) -> None:
         with self._lock:
@@ -520,7 +529,7 @@ class OciSource:
         if staged is None and file.locator.startswith("tar:"):
             staged = self._staged_member(file)
         if staged is not None:
-            return oci_tar.StagedReader(staged, start, end)
+            return oci_tar.StagedReader(staged, start, end, self._count_staged)
         what = f"{self._uri.location}/{self._repo}/{file.path} bytes {start}-{end - 1}"
         headers = {"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
         resp, url = self._get(f"blobs/{file.locator}", headers, what)
@@ -672,6 +681,9 @@ class OciMirrors:
     def write_archive_records(self) -> None:
         for source in self._sources:
             source.write_archive_records()
+
+    def staged_bytes_read(self) -> int:
+        return sum(source.staged_bytes_read() for source in self._sources)
 
     def resolve(self, spec: ModelSpec) -> Snapshot:
         reference = self._origin.uri.revision or "latest"

@@ -30,7 +30,7 @@ import stat
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Protocol, cast
@@ -286,10 +286,13 @@ def release_staging(root: Path, fd: int) -> None:
 class StagedReader:
     """A range of a staged member, read from the local disk (see :class:`RangeReader`)."""
 
-    def __init__(self, path: Path, start: int, end: int) -> None:
+    def __init__(
+        self, path: Path, start: int, end: int, count: Callable[[int], None] = lambda n: None
+    ) -> None:
         self._file = path.open("rb")
         self._file.seek(start)
         self._left = end - start
+        self._count = count  # bytes served from the local disk, not fetched
 
     def readinto(self, buf: memoryview, /) -> int:
         if self._left <= 0:
@@ -298,6 +301,7 @@ class StagedReader:
         if not n:
             raise SourceError(f"{self._file.name}: the staged file is shorter than listed")
         self._left -= n
+        self._count(n)
         return n
 
     def close(self) -> None:
