@@ -247,18 +247,28 @@ def stop_interrupts(
         watch.close()
 
 
-def call_with_deadline(fn: Callable[[], T], seconds: float, *, what: str, alarms: Alarms) -> T:
+def call_with_deadline(
+    fn: Callable[[], T],
+    seconds: float,
+    *,
+    what: str,
+    alarms: Alarms,
+    expired: Callable[[], PrefetchError] | None = None,
+) -> T:
     """Run ``fn`` in this thread under a watch that is aborted when ``seconds`` pass: the
     request in flight (its header wait or body) is interrupted through the HTTP seam, and the
-    call raises TransientSourceError. For calls made of several requests that must end in
-    bounded time as a whole (metadata: redirects, then every page of a listing): a socket
-    timeout bounds each wait, not the sum."""
+    call raises TransientSourceError (or ``expired()``, when given). For calls made of several
+    requests that must end in bounded time as a whole (metadata: redirects, then every page of
+    a listing): a socket timeout bounds each wait, not the sum."""
     SCOPE.raise_if_aborted()  # an outer watch (a stop) already fired: do not start
     watch = Watch(what)
-    alarm = alarms.schedule(
-        seconds,
-        lambda: watch.abort(TransientSourceError(f"{what}: no answer within {seconds:g} s")),
-    )
+
+    def reason() -> PrefetchError:
+        if expired is not None:
+            return expired()
+        return TransientSourceError(f"{what}: no answer within {seconds:g} s")
+
+    alarm = alarms.schedule(seconds, lambda: watch.abort(reason()))
     try:
         with watching(watch):
             try:

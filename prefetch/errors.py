@@ -16,6 +16,7 @@ builtin where that is true, so callers can also catch them as ``FileNotFoundErro
     │   │   └── NoMatchingFilesError         include/exclude patterns matched nothing
     │   ├── AccessDeniedError (PermissionError)  401/403, bad or missing credentials / token
     │   ├── SourceChangedError               the object changed under a pinned download (ETag/412)
+    │   │   └── RangeIgnoredError            a ranged GET answered 200 and the whole object
     │   ├── InvalidListingError              a listed entry that cannot be a file (a negative
     │   │   │                                size, no blob id, a malformed LFS block): refused
     │   │   │                                before any byte is fetched
@@ -96,6 +97,11 @@ class AccessDeniedError(SourceError, PermissionError):
 
 class SourceChangedError(SourceError):
     """The remote object changed while we were downloading it (ETag no longer matches)."""
+
+
+class RangeIgnoredError(SourceChangedError):
+    """A ranged GET answered ``200`` and the whole object (a cold pull-through cache does):
+    its bytes cannot be written at the range's offset; another source may serve the range."""
 
 
 class InvalidListingError(SourceError):

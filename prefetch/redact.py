@@ -16,11 +16,29 @@ import logging
 import re
 import unicodedata
 
-#: Header, field and parameter names whose value is a secret wherever it is printed.
+#: Header, field and parameter names whose value is a secret wherever it is printed (OAuth2's
+#: tokens, a docker config's ``auth`` and ``identitytoken``, as well as the headers').
 _SECRET_NAME = (
     r"(?:proxy-)?authorization|x-amz-security-token|x-amz-signature|x-amz-credential"
-    r"|(?:aws_)?(?:secret(?:_access)?_key|session_token)|password|token|cookie"
+    r"|(?:aws_)?(?:secret(?:_access)?_key|session_token)|password|(?:access_|refresh_|id_)?token"
+    r"|identitytoken|registrytoken|client_secret|auth|cookie"
 )
+#: Query parameters whose values are never secrets (listing and paging, API versions, what a
+#: registry is asked for). The value of every other parameter of a URL is masked: a signed URL's
+#: signature may have any name (Azure's ``sig``, Cloudflare's ``verify``, CloudFront's
+#: ``Signature``, a token in ``access_token``), so the policy lists what may be shown, not
+#: vendors' secrets.
+PUBLIC_QUERY_PARAMETERS = frozenset(
+    {
+        "ns", "recursive", "expand", "revision", "cursor", "limit", "n", "last",
+        "list-type", "prefix", "delimiter", "max-keys", "start-after", "encoding-type",
+        "fetch-owner", "continuation-token", "versionid", "partnumber", "uploads", "x-id",
+        "x-amz-algorithm", "x-amz-date", "x-amz-expires", "x-amz-signedheaders",
+        "service", "scope", "digest", "mount", "from", "sv", "sr", "sp", "spr",
+    }
+)  # fmt: skip
+#: One ``name=value`` of a query string (after ``?`` or ``&``).
+_QUERY_PARAMETER = re.compile(r"([?&])([A-Za-z0-9_.~%+-]+)=([^&\s\"'#<>]+)")
 _SECRETS = (
     # botocore's SigV4 debug lines: the canonical request carries the session token and the
     # string to sign plus the signature are as good as one; nothing after the label is kept
@@ -54,10 +72,19 @@ _SECRETS = (
 
 
 def redact(text: str) -> str:
-    """``text`` with signatures, credentials and tokens (in URLs, headers, pairs) as ``***``."""
+    """``text`` with signatures, credentials and tokens (in URLs, headers, pairs) as ``***``:
+    every query parameter's value but those of :data:`PUBLIC_QUERY_PARAMETERS`, and the values
+    of secret headers and fields wherever they appear."""
+    text = _QUERY_PARAMETER.sub(_query_value, text)
     for pattern, repl in _SECRETS:
         text = pattern.sub(repl, text)
     return text
+
+
+def _query_value(match: re.Match[str]) -> str:
+    if match.group(2).lower() in PUBLIC_QUERY_PARAMETERS:
+        return match.group(0)
+    return f"{match.group(1)}{match.group(2)}=***"
 
 
 def printable(text: str) -> str:

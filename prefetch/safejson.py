@@ -6,11 +6,14 @@ The standard library's :func:`json.loads` accepts ``NaN``/``Infinity``, turns ``
 by someone else: :func:`load_json` reads them into plain values or raises one error naming the
 document (``where``) and what is wrong with it. Hand-written because no well-kept library offers
 a depth bound on the standard parser (orjson's is fixed at 1024 and it is not a dependency): the
-depth is checked by one regular-expression pass over the text before parsing it.
+depth is checked before parsing by a scan that is linear in the text for any input (strings
+removed by one pattern that matches from every quote it starts at, so it never re-scans; the
+brackets left over are summed in C by :func:`itertools.accumulate`).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -22,8 +25,14 @@ __all__ = ["MAX_DEPTH", "load_json"]
 
 #: Deeper than anything the Hub, a mirror or the agent writes (they nest 3 or 4 levels).
 MAX_DEPTH = 32
-#: Strings (with their escapes) and the brackets outside them.
-_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
+#: A string with its escapes, or an unterminated one up to the end of the text: the possessive
+#: loop stops only at a quote, a lone backslash before the end, or the end, and each of those
+#: completes the match, so a match started at a quote never fails and the text is read once.
+#: (A pattern requiring the closing quote re-read the rest of the text from every quote of an
+#: unterminated string: quadratic time.)
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*+(?:"|\\?\Z)', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
 
 
 class _Refused(ValueError):
@@ -64,15 +73,8 @@ def load_json(
 
 def _depth(text: str) -> int:
     """The deepest bracket nesting outside strings (unbalanced text is left to the parser)."""
-    depth = deepest = 0
-    for match in _TOKENS.finditer(text):
-        token = match.group()
-        if token in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif token in "]}":
-            depth -= 1
-    return deepest
+    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
+    return max(itertools.accumulate(map(_STEP.__getitem__, brackets)), default=0)
 
 
 def _constant(name: str) -> NoReturn:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import NotRequired, TypedDict, Unpack
 
 from prefetch.paths import check_listing
@@ -114,6 +114,9 @@ class Snapshot:
     files: tuple[RemoteFile, ...]
     requested_revision: str | None = None  # what the user asked for (branch/tag), if any
     repo_id: str | None = None  # the Hub repo id, when the snapshot belongs to one
+    #: bytes fetched to resolve it (an OCI archive layer streamed and unpacked at resolve),
+    #: counted in the sync's ``bytes_downloaded``
+    fetched_bytes: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
         # every source builds one: a listing that cannot be laid out safely is refused here,

@@ -11,6 +11,7 @@ point has a private copy of any stage.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -23,9 +24,10 @@ from pathlib import Path
 from typing import Any, overload
 
 from prefetch import verify
-from prefetch.deadline import stop_interrupts
+from prefetch.deadline import Alarms, call_with_deadline, stop_interrupts
 from prefetch.errors import (
     ChecksumMismatchError,
+    DeadlineExceededError,
     InsufficientSpaceError,
     LayoutError,
     PrefetchError,
@@ -34,7 +36,7 @@ from prefetch.errors import (
 from prefetch.layout import Layout, RecordedFile, model_lock
 from prefetch.progress import NullProgress, ProgressSink
 from prefetch.snapshot import Checksum, RemoteFile, Snapshot
-from prefetch.sources.base import Source
+from prefetch.sources.base import RemembersArchives, Source
 from prefetch.spec import ModelSpec
 from prefetch.transfer import (
     Cancelled,
@@ -168,9 +170,12 @@ class SyncResult:
     #: mirrors the mirror (``s3://...``) or the Hub (``hf://org/name``) that had it.
     served_by: str = ""
     timings: SyncTimings = field(default_factory=SyncTimings)
+    #: bytes the resolve fetched (see Snapshot.fetched_bytes), in ``bytes_downloaded``
+    _resolve_bytes: int = field(default=0, repr=False)
 
     def to_json(self) -> dict[str, Any]:  # cli.py writes into its "timings"
-        return {**self.__dict__, "timings": self.timings.to_json()}
+        out = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+        return {**out, "timings": self.timings.to_json()}
 
     def note_snapshot(self, snapshot: Snapshot, layout: Layout) -> None:
         self.served_by = snapshot.source
@@ -178,9 +183,12 @@ class SyncResult:
         self.path = str(layout.model_path(snapshot))
         self.files = len(snapshot.files)
         self.bytes_total = snapshot.total_bytes
+        self._resolve_bytes = snapshot.fetched_bytes
 
-    def note_transfer(self, stats: TransferStats) -> None:
-        self.bytes_downloaded = stats.bytes_downloaded
+    def note_transfer(self, stats: TransferStats, *, local: int = 0) -> None:
+        """The transfer's figures; ``local``: bytes it copied from the source's own staging
+        (unpacked archives), which were fetched at resolve, not downloaded again."""
+        self.bytes_downloaded = stats.bytes_downloaded - local + self._resolve_bytes
         self.files_downloaded = stats.files_downloaded
         self.files_verified = stats.files_verified
         self.files_unverified = list(stats.unverified)
@@ -322,12 +330,15 @@ def execute(
         progress=clock,
         stop=stop,
     )
+    archives = plan.source if isinstance(plan.source, RemembersArchives) else None
+    local_before = archives.staged_bytes_read() if archives is not None else 0
     try:
         began = time.monotonic()
         try:
             transfer.run(todo)
         finally:
-            result.note_transfer(transfer.stats)
+            local = archives.staged_bytes_read() - local_before if archives is not None else 0
+            result.note_transfer(transfer.stats, local=local)
         ended = time.monotonic()
         result.deleted = layout.commit(
             plan.snapshot, spec, delete=delete, superseded_grace=superseded_grace
@@ -383,10 +394,13 @@ def sync(
     result to fill in as the sync goes (read it after a failure); returned on success."""
     t0 = time.monotonic()
     result = so_far if so_far is not None else SyncResult(spec.name, str(spec.source))
-    if snapshot is None:  # a stop interrupts the resolve's requests too (their header waits)
-        with stop_interrupts(stop, lambda: Cancelled("stopped")):
-            snapshot = source.resolve(spec)
+    if snapshot is None:
+        snapshot = resolve_within(
+            spec, source, config.deadline, layout=layout, stop=stop, flag="--deadline"
+        )
+        config = _deadline_left(config, t0)
     result.note_snapshot(snapshot, layout)  # known even if the lock is not had
+    result.bytes_downloaded = snapshot.fetched_bytes
     with prepare(spec, source, layout, snapshot=snapshot, lock_timeout=lock_timeout) as ready:
         ready.started = t0  # the resolve counts in the sync's seconds
         ready.resolve_seconds = time.monotonic() - t0
@@ -399,6 +413,62 @@ def sync(
             superseded_grace=superseded_grace,
             so_far=result,
         )
+
+
+def resolve_within(
+    spec: ModelSpec,
+    source: Source,
+    seconds: float | None,
+    *,
+    layout: Layout,
+    stop: threading.Event | None = None,
+    flag: str,
+) -> Snapshot:
+    """``source.resolve(spec)``, interrupted by ``stop`` (its requests too: their header waits
+    and bodies, through the HTTP seam) and, when ``seconds`` is set, by the sync's deadline
+    (``flag`` names the setting in the error): a source trickling its metadata cannot hold a
+    sync past the deadline the transfer is held to. A source that unpacks archives at resolve
+    is told where ``layout`` keeps what it unpacked before, and what is published there; it
+    writes its records once the resolve succeeded (a failed one leaves the destination as it
+    was)."""
+    archives = source if isinstance(source, RemembersArchives) else None
+    if archives is not None:
+        archives.remember_archives(archive_records(layout), layout.is_current)
+    with stop_interrupts(stop, lambda: Cancelled("stopped")):
+        if seconds is None:
+            snapshot = source.resolve(spec)
+        else:
+            snapshot = call_with_deadline(
+                lambda: source.resolve(spec), seconds, what=f"resolving {spec.source}",
+                alarms=Alarms(idle=1.0, name="prefetch-resolve"),
+                expired=lambda: _resolve_deadline(spec, seconds, flag),
+            )  # fmt: skip
+    if archives is not None:
+        layout.prepare()  # the state folder, refusing symbolic links below the destination
+        archives.write_archive_records()
+    return snapshot
+
+
+def archive_records(layout: Layout) -> Path:
+    """Where a source that unpacks archives records what each unpacked to (see
+    :class:`~prefetch.sources.base.RemembersArchives`): the model's state folder."""
+    return layout.lock_path().parent / "archives"
+
+
+def _resolve_deadline(spec: ModelSpec, seconds: float, flag: str) -> DeadlineExceededError:
+    return DeadlineExceededError(
+        f"{spec.source}: resolving did not finish within the deadline of {seconds:g}s "
+        "(the source answers too slowly)",
+        hint=f"try again later, or raise {flag}",
+    )
+
+
+def _deadline_left(config: TransferConfig, started: float) -> TransferConfig:
+    """``config`` with its deadline reduced by what the resolve since ``started`` took."""
+    if config.deadline is None:
+        return config
+    left = config.deadline - (time.monotonic() - started)
+    return dataclasses.replace(config, deadline=max(left, 0.001))
 
 
 @dataclass

@@ -56,6 +56,7 @@ from prefetch.sync import (
     execute,
     forget_failures,
     prepare,
+    resolve_within,
     verify_local,
 )
 from prefetch.transfer import Cancelled, TransferConfig
@@ -227,10 +228,16 @@ class SyncJob:
         with space.busy(spec):
             layout = store.layout(spec)
             source = parts.open_source(spec, config)
+            deadline = config.deadline_for(spec.name)
+            # a stop or the attempt's deadline (before the bytes are known: its least) ends a
+            # resolve whose source trickles
+            snapshot = resolve_within(
+                spec, source, deadline.for_bytes(0), layout=layout, stop=stop, flag="syncDeadline"
+            )
             with (
                 # an entry prepare makes only to hold its lock stays (deleting it would pull
                 # the lock from under a waiting pull): the Store does not count an empty entry
-                prepare(spec, source, layout, lock_timeout=LOCK_TIMEOUT) as plan,
+                prepare(spec, source, layout, snapshot=snapshot, lock_timeout=LOCK_TIMEOUT) as plan,
                 contextlib.ExitStack() as room,
             ):
                 parts.warming.planned(spec.name, plan.snapshot.total_bytes, plan.bytes_to_fetch)
@@ -252,7 +259,6 @@ class SyncJob:
                     )
                 )
                 # nothing to fetch (a refresh that finds the copy current): nothing to bound
-                deadline = config.deadline_for(spec.name)
                 bound = deadline.for_bytes(plan.bytes_to_fetch) if plan.files else None
                 try:
                     result = execute(

@@ -6,7 +6,10 @@
   Hub commit in the manifest's annotations. Each file is read from the Hub by ranges, checked
   against the Hub's id (sha256 or git blob sha1) as it streams, and uploaded in chunks (POST,
   PATCH, PUT with the digest): a file whose bytes do not match is never committed. A blob the
-  registry already has (HEAD by the Hub's sha256) is not sent again.
+  registry already has (HEAD by the Hub's sha256) is not sent again; a small file the Hub
+  knows only by its git blob id (not in LFS) is read and hashed first for that HEAD (up to
+  :data:`HASH_FIRST` bytes: the Hub keeps larger files in LFS), so a second run uploads nothing
+  already there.
 * From a registry (``oci://...``): a copy by digest: the model manifest's bytes as they are (its
   digest stays), its config and layers copied blob by blob, each checked against its digest.
 
@@ -62,6 +65,9 @@ _CODE = (".py", ".sh", ".ipynb", ".jinja")
 _DOC_NAMES = ("license", "notice", "readme", "copying")
 #: Bytes per PATCH of an upload (and per ranged read of the source).
 PIECE = 16 * 1024 * 1024
+#: A file without a sha256 (git-tracked, not LFS) up to this size is read and hashed before it
+#: is uploaded, to ask the registry for it by digest first; held in memory meanwhile.
+HASH_FIRST = 16 * 1024 * 1024
 
 
 def layer_media_type(path: str) -> str:
@@ -229,6 +235,10 @@ class Pusher:
     def _push(self, source: Source, blob: _Blob) -> str:
         file = blob.file
         what = f"{self.writer.uri.location}/{self.writer.uri.path}: {file.path}"
+        if blob.digest is None and file.size <= HASH_FIRST:
+            data = call_with_retries(lambda: _read_checked(source, file), self.retry, what=what)
+            blob = _Blob(file, "sha256:" + hashlib.sha256(data).hexdigest())
+            source = _BytesFile(data)
         if blob.digest is not None and self.writer.has_blob(blob.digest, file.size):
             with self._lock:
                 self.result.blobs_skipped += 1
@@ -265,6 +275,18 @@ class Pusher:
             self.result.blobs_uploaded += 1
             self.result.bytes_uploaded += file.size
         return digest
+
+
+def _read_checked(source: Source, file: RemoteFile) -> bytes:
+    """``file``'s bytes, checked against the checksum the source gives (ChecksumMismatchError)."""
+    check = file.checksum
+    hasher = new_hasher(check.algorithm, size=file.size) if check is not None else None
+    data = b"".join(_pieces(source, file, hasher.update if hasher else lambda piece: None))
+    if check is not None and hasher is not None:
+        actual = encode(hasher.digest(), check.encoding)
+        if actual != normalize(check.value, check.encoding):
+            raise ChecksumMismatchError(file.path, check.algorithm, check.value, actual)
+    return data
 
 
 def modelpack_manifest(

@@ -5,10 +5,34 @@ from __future__ import annotations
 import contextlib
 import http.client
 import socket
-from typing import Protocol
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 from prefetch.snapshot import RemoteFile, Snapshot
 from prefetch.spec import ModelSpec
+
+
+@runtime_checkable
+class RemembersArchives(Protocol):
+    """A source that unpacks archives at resolve (OCI ``tar`` layers): told, before it
+    resolves, the folder where it records what each archive unpacked to, and how to ask
+    whether a file is published at its version, so an unchanged archive whose files are all
+    in place is neither fetched nor unpacked again."""
+
+    def remember_archives(
+        self, records: Path, is_current: Callable[[RemoteFile], bool]
+    ) -> None: ...
+
+    def write_archive_records(self) -> None:
+        """Write the records of what this resolve unpacked (the caller made the folder's
+        parent, safely)."""
+        ...
+
+    def staged_bytes_read(self) -> int:
+        """Bytes its readers served from what it unpacked (local copies, not fetched: the
+        archive's own bytes are counted once, in ``Snapshot.fetched_bytes``)."""
+        ...
 
 
 class RangeReader(Protocol):

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
+import os
 import re
+import selectors
 import shutil
 import subprocess
 import threading
@@ -38,8 +41,20 @@ from prefetch.sources._http import HttpClient, discard, redact_url, status_error
 
 #: Helpers are asked at most this long (a helper that prompts or hangs must not stop a pull).
 HELPER_TIMEOUT = 20.0
+#: A helper's answer is one small JSON object; more than this is refused as it is read.
+MAX_HELPER_ANSWER = 1 << 20
 _MAX_TOKEN_BODY = 1024 * 1024
-_CHALLENGE_PARAM = re.compile(r'(\w+)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^\s,]+))')
+#: A 401's ``WWW-Authenticate`` longer than this is refused unread (real ones are ~200 bytes;
+#: urllib3 joins repeated headers, up to 100 of 64 KiB each).
+MAX_CHALLENGE = 16 * 1024
+#: One token of a challenge, read left to right: a parameter (``key=value`` or ``key="..."``),
+#: else one other character or a run of word characters. Possessive loops and a quoted string
+#: that may end at the end of the text: no alternative re-reads what it gave up, so the scan
+#: is linear (a pattern searched from every offset was quadratic: ``Bearer `` + 60,000 ``a``
+#: took 30 s).
+_CHALLENGE_TOKEN = re.compile(
+    r'(\w++)\s*+=\s*+(?:"((?:[^"\\]|\\.)*+)(?:"|\\?\Z)|([^\s,"]++))|\w++|.', re.DOTALL
+)
 #: A token without ``expires_in`` lives 60 s (the distribution spec's default).
 _DEFAULT_TOKEN_LIFE = 60.0
 
@@ -128,28 +143,60 @@ def helper_credentials(helper: str, registry: str) -> Credentials | None:
     binary = shutil.which(f"docker-credential-{helper}")
     if binary is None:
         return None
-    try:
-        done = subprocess.run(
-            [binary, "get"],
-            input=registry.encode(),
-            capture_output=True,
-            timeout=HELPER_TIMEOUT,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise SourceError(
-            f"credential helper {helper}: no answer within {HELPER_TIMEOUT:g} s"
-        ) from exc
-    if done.returncode != 0:
+    returncode, output = _run_helper(binary, registry, helper)
+    if returncode != 0:
         return None  # "credentials not found in native keychain": anonymous, as docker does
     what = f"credential helper {helper}: its answer"
-    data = load_json(done.stdout, where=what, max_bytes=1 << 20)
+    data = load_json(output, where=what, max_bytes=MAX_HELPER_ANSWER)
     if not isinstance(data, dict) or "Username" not in data or "Secret" not in data:
         raise SourceError(f"credential helper {helper}: an answer that is not its JSON")
     user, secret = str(data["Username"]), str(data["Secret"])
     if user == "<token>":
         return Credentials(user, secret, identity_token=True)
     return Credentials(user, secret)
+
+
+def _run_helper(binary: str, registry: str, helper: str) -> tuple[int, bytes]:
+    """``binary get`` with the registry on stdin: its exit status and what it printed, read as
+    it comes and never more than :data:`MAX_HELPER_ANSWER` (one byte more ends the helper: a
+    helper printing 200 MiB once cost 429 MB of memory), all within :data:`HELPER_TIMEOUT`.
+    Hand-written: ``subprocess.run`` reads the whole output before anything can bound it."""
+    deadline = time.monotonic() + HELPER_TIMEOUT
+    out = bytearray()
+    with subprocess.Popen(
+        [binary, "get"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    ) as proc:  # fmt: skip
+        assert proc.stdin is not None and proc.stdout is not None  # both are pipes
+        try:
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.write(registry.encode())
+                proc.stdin.close()
+            with selectors.DefaultSelector() as selector:
+                selector.register(proc.stdout, selectors.EVENT_READ)
+                while piece := _read_before(selector, proc.stdout.fileno(), deadline, helper):
+                    out += piece
+                    if len(out) > MAX_HELPER_ANSWER:
+                        raise SourceError(
+                            f"credential helper {helper}: an answer of more than "
+                            f"{MAX_HELPER_ANSWER} bytes (refused)"
+                        )
+            return proc.wait(max(deadline - time.monotonic(), 0.01)), bytes(out)
+        except subprocess.TimeoutExpired as exc:
+            raise SourceError(
+                f"credential helper {helper}: no answer within {HELPER_TIMEOUT:g} s"
+            ) from exc
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def _read_before(selector: selectors.BaseSelector, fd: int, deadline: float, helper: str) -> bytes:
+    """The next bytes on ``fd`` (empty at its end), or SourceError once ``deadline`` passes."""
+    while not selector.select(max(deadline - time.monotonic(), 0.0)):
+        if time.monotonic() >= deadline:
+            raise SourceError(f"credential helper {helper}: no answer within {HELPER_TIMEOUT:g} s")
+    return os.read(fd, 64 * 1024)
 
 
 _ECR_HOST = re.compile(r"^(\d{12})\.dkr\.ecr(?:-fips)?\.([a-z0-9-]+)\.amazonaws\.com(?:\.cn)?$")
@@ -185,10 +232,11 @@ def ecr_credentials(registry: str, client: Any = None) -> Credentials | None:
 
 
 def parse_challenge(header: str) -> tuple[str, dict[str, str]]:
-    """``Bearer realm="...",service="..."`` as ("bearer", {realm:..., service:...})."""
+    """``Bearer realm="...",service="..."`` as ("bearer", {realm:..., service:...}), in time
+    linear in the header (bound its size before: :data:`MAX_CHALLENGE`)."""
     scheme, _, rest = header.strip().partition(" ")
     params = {m.group(1).lower(): m.group(2) if m.group(2) is not None else m.group(3)
-              for m in _CHALLENGE_PARAM.finditer(rest)}  # fmt: skip
+              for m in _CHALLENGE_TOKEN.finditer(rest) if m.group(1)}  # fmt: skip
     return scheme.lower(), params
 
 
@@ -238,6 +286,11 @@ class RegistryAuth:
         """A 401 came with ``challenge``: get what it asks for (raises when nothing can)."""
         if not challenge:
             raise AccessDeniedError(f"{what}: the registry refused access (401, no challenge)")
+        if len(challenge) > MAX_CHALLENGE:
+            raise SourceError(
+                f"{what}: the registry's authentication challenge is {len(challenge)} bytes, "
+                f"more than the {MAX_CHALLENGE} allowed (refused unread)"
+            )
         kind, params = parse_challenge(challenge)
         if kind == "basic":
             if self._creds() is None:

@@ -10,19 +10,27 @@ What is refused, before or while writing (UnsafePathError, nothing published): a
 that is absolute, has ``..`` or is the tool's state (the rules of :mod:`prefetch.paths`); a
 symbolic or hard link whose target leaves the layer (a link inside it is published as a copy
 of its target); device files and FIFOs; unpacked bytes beyond ``max_unpacked`` (a decompression
-bomb). ``tarfile``'s own extraction is not used: members are written here, one regular file at
-a time, so nothing but regular files ever reaches the disk.
+bomb, or more than the staging folder has room for: the caller says which, ``limit_reason``),
+counted from each member's header before its bytes are written, so a bomb stops at the bound.
+``tarfile``'s own extraction is not used: members are written here, one regular file at a time,
+so nothing but regular files ever reaches the disk.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import gzip
 import hashlib
 import io
+import os
 import posixpath
 import shutil
+import stat
 import tarfile
-from collections.abc import Iterator
+import tempfile
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Protocol, cast
@@ -128,12 +136,14 @@ def unpack_layer(
     staging: Path,
     what: str,
     max_unpacked: int,
+    limit_reason: str = "",
 ) -> list[StagedMember]:
     """Unpack the layer ``body`` (its blob's bytes) under ``staging``; see the module doc."""
     raw = _HashingReader(body, size, what)
     buffered = io.BufferedReader(raw, _PIECE)
     members: dict[str, StagedMember] = {}
     links: list[tuple[str, str]] = []
+    unpacked = 0  # member bytes so far: each member's header says its size before its bytes
     try:
         stream = _decompressed(buffered, kind, what)
         with tarfile.open(fileobj=stream, mode="r|") as archive:
@@ -149,13 +159,17 @@ def unpack_layer(
                         "or link (device files and FIFOs are refused)",
                         path=path,
                     )
-                unpacked = sum(m.size for m in members.values()) + member.size
+                unpacked += member.size
                 if unpacked > max_unpacked:
+                    why = f": {limit_reason}" if limit_reason else ""
                     raise SourceError(
-                        f"{what}: unpacks to more than {max_unpacked} bytes (refused)"
+                        f"{what}: unpacks to more than {max_unpacked} bytes{why} (refused)"
                     )
                 members[path] = _write(fileobj, staging / path, member.size, path, what)
-        buffered.read()  # the rest of the blob (tar padding) counts for its digest
+        # the rest of the blob (tar padding) counts for its digest: hashed a piece at a time
+        # (read whole, 384 MiB of padding once took 800 MB of memory)
+        while buffered.read(_PIECE):
+            pass
         raw.drain()
     except (tarfile.TarError, EOFError, gzip.BadGzipFile, OSError) as exc:
         if isinstance(exc, UnsafePathError):
@@ -210,13 +224,79 @@ def remove_staging(staging: Path) -> None:
     shutil.rmtree(staging, ignore_errors=True)
 
 
+#: A staging folder's owner holds an exclusive ``flock`` on this file for as long as it lives:
+#: the kernel releases it when the process dies however it dies (kill -9, OOM), so a folder
+#: whose lock can be taken belongs to no one. (A pid written in a file would be wrong across
+#: pid namespaces, and after pid reuse.)
+OWNER_FILE = ".owner"
+STAGING_PREFIX = "prefetch-oci-"
+#: A folder with no owner file this old is a leftover too (written before owner files, or by a
+#: process killed between making the folder and locking it).
+_UNOWNED_AGE = 3600.0
+
+
+def staging_parent(base: str | None) -> Path:
+    """Where staging folders are made: ``base``, else the temp folder."""
+    return Path(base or tempfile.gettempdir())
+
+
+def new_staging(base: str | None) -> tuple[Path, int]:
+    """A new staging folder under ``base`` (None: the temp folder) and the descriptor of its
+    held owner lock (closed, the folder is anyone's to reclaim)."""
+    root = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=staging_parent(base)))
+    fd = os.open(root / OWNER_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return root, fd
+
+
+def reclaim_stale_staging(parent: Path) -> list[Path]:
+    """Remove the staging folders under ``parent`` that this user owns and no live process
+    holds (a pull killed while a layer was staged left them); the ones removed."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(parent):
+            if entry.name.startswith(STAGING_PREFIX) and _abandoned(entry):
+                remove_staging(Path(entry.path))
+                removed.append(Path(entry.path))
+    return removed
+
+
+def _abandoned(entry: os.DirEntry[str]) -> bool:
+    try:
+        info = entry.stat(follow_symlinks=False)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            return False  # not ours to remove (another user's, or a link planted in /tmp)
+        fd = os.open(os.path.join(entry.path, OWNER_FILE), os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return time.time() - info.st_mtime > _UNOWNED_AGE
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # held: its owner lives
+    finally:
+        os.close(fd)
+    return True
+
+
+def release_staging(root: Path, fd: int) -> None:
+    """Remove a staging folder this process made, then let go of its lock."""
+    remove_staging(root)
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
 class StagedReader:
     """A range of a staged member, read from the local disk (see :class:`RangeReader`)."""
 
-    def __init__(self, path: Path, start: int, end: int) -> None:
+    def __init__(
+        self, path: Path, start: int, end: int, count: Callable[[int], None] = lambda n: None
+    ) -> None:
         self._file = path.open("rb")
         self._file.seek(start)
         self._left = end - start
+        self._count = count  # bytes served from the local disk, not fetched
 
     def readinto(self, buf: memoryview, /) -> int:
         if self._left <= 0:
@@ -225,6 +305,7 @@ class StagedReader:
         if not n:
             raise SourceError(f"{self._file.name}: the staged file is shorter than listed")
         self._left -= n
+        self._count(n)
         return n
 
     def close(self) -> None:
