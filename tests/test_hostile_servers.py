@@ -42,6 +42,7 @@ from prefetch.transfer import Cancelled, TransferConfig
 
 from .fakes.hubserver import HubServer, make_model_dir
 from .fakes.misbehaving import MisbehavingS3
+from .tls import TestCA
 
 MiB = 1024 * 1024
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -69,8 +70,8 @@ ONE_ATTEMPT = TransferConfig(
 
 
 @pytest.fixture
-def s3() -> Iterator[MisbehavingS3]:
-    with MisbehavingS3() as server:
+def s3(test_ca: TestCA) -> Iterator[MisbehavingS3]:
+    with MisbehavingS3(test_ca) as server:
         yield server
 
 

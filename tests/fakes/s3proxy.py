@@ -7,6 +7,10 @@ object offset, cut the connection after some bytes, refuse the request with a st
 SlowDown with Retry-After, as S3 throttles), answer a ranged GET with 200 (as a server that ignores
 Range; the body is what the server sent, the status and the missing Content-Range are the lie), or
 trickle the body a few bytes at a time.
+
+Given the session CA (``S3FaultProxy(upstream, test_ca)``) it speaks HTTPS itself, as
+``s3.prefetch.test``; it talks to an ``https://`` upstream over TLS (trusting what this process
+trusts: ``SSL_CERT_FILE``), to an ``http://`` one in plain HTTP.
 """
 
 from __future__ import annotations
@@ -14,11 +18,15 @@ from __future__ import annotations
 import http.client
 import re
 import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import urlsplit
+
+from ..tls import TestCA
+from .tlsserver import TLSThreadingHTTPServer
 
 _RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 
@@ -46,7 +54,7 @@ class Faults:
 
 
 class S3FaultProxy:
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, ca: TestCA | None = None) -> None:
         self.upstream = urlsplit(upstream)
         self.faults = Faults()
         self.gets: list[str] = []
@@ -75,9 +83,7 @@ class S3FaultProxy:
                     if refusal is not None:
                         self._refuse(*refusal)
                         return
-                up = http.client.HTTPConnection(
-                    proxy.upstream.hostname, proxy.upstream.port, timeout=60
-                )
+                up = proxy._upstream_connection()
                 headers = {k: v for k, v in self.headers.items()}
                 up.request(self.command, self.path, body=body, headers=headers)
                 resp = up.getresponse()
@@ -143,10 +149,19 @@ class S3FaultProxy:
 
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        context = None if ca is None else ca.server_context()
+        self._server = TLSThreadingHTTPServer(("127.0.0.1", 0), Handler, context)
+        port = self._server.server_address[1]
+        self.endpoint = f"http://127.0.0.1:{port}" if ca is None else ca.url(port, "s3")
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def _upstream_connection(self) -> http.client.HTTPConnection:
+        host, port = self.upstream.hostname, self.upstream.port
+        if self.upstream.scheme == "https":
+            return http.client.HTTPSConnection(
+                host, port, timeout=60, context=ssl.create_default_context()
+            )
+        return http.client.HTTPConnection(host, port, timeout=60)
 
     def _maybe_flip(self, key: str, start: int, data: bytes, status: int) -> bytes:
         f = self.faults
