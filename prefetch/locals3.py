@@ -182,7 +182,7 @@ class SeaweedS3:
             region=REGION,
             max_pool_connections=max_pool_connections,
             sign_payloads=sign_payloads,
-            verify=None if self.ca_file is None else str(self.ca_file),
+            ca_bundle=None if self.ca_file is None else str(self.ca_file),
         )
 
     def _wait_ready(self) -> None:

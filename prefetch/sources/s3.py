@@ -133,7 +133,7 @@ def make_s3_client(
     profile: str | None = None,
     proxy: str | None = None,
     sign_payloads: bool | None = None,
-    verify: str | None = None,
+    ca_bundle: str | None = None,
 ) -> Any:  # boto3's client: boto3 publishes no types (see S3Client for what the source calls)
     """A boto3 S3 client tuned for many parallel ranged GETs, with boto3's retries off.
 
@@ -142,7 +142,7 @@ def make_s3_client(
     UNSIGNED-PAYLOAD instead of SHA256-hashing each one into the signature (botocore does hash
     them, even over HTTPS, when the caller supplies the body's checksum itself); only for
     callers whose every body carries a checksum S3 verifies. None: botocore's rule (and the
-    AWS config file's ``payload_signing_enabled``). ``verify``: the CA bundle to verify the
+    AWS config file's ``payload_signing_enabled``). ``ca_bundle``: the CA bundle to verify the
     endpoint's certificate with (None: botocore's rule: ``AWS_CA_BUNDLE``, the profile's
     ``ca_bundle``, its own bundle)."""
     import boto3
@@ -169,8 +169,8 @@ def make_s3_client(
         kwargs["aws_secret_access_key"] = secret_key
     if region or endpoint_url:
         kwargs["region_name"] = region_name
-    if verify:
-        kwargs["verify"] = verify
+    if ca_bundle:
+        kwargs["verify"] = ca_bundle
     return session.client("s3", **kwargs)
 
 
@@ -187,7 +187,7 @@ class S3ClientSettings(TypedDict, total=False):
     profile: str | None
     proxy: str | None
     sign_payloads: bool | None
-    verify: str | None
+    ca_bundle: str | None
 
 
 class LazyS3Client:

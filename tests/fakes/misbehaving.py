@@ -112,7 +112,7 @@ class MisbehavingS3:
     def client(self) -> Any:
         return make_s3_client(
             endpoint_url=self.endpoint, access_key="test", secret_key="test", region="us-east-1",
-            verify=None if self._ca is None else str(self._ca.ca_file),
+            ca_bundle=None if self._ca is None else str(self._ca.ca_file),
         )  # fmt: skip
 
     def env(self) -> dict[str, str]:

@@ -155,6 +155,16 @@ class S3FaultProxy:
         self.endpoint = f"http://127.0.0.1:{port}" if ca is None else ca.url(port, "s3")
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
+    @property
+    def handshakes(self) -> int:
+        """TLS handshakes the proxy completed with its clients (over HTTPS)."""
+        return self._server.handshakes
+
+    @property
+    def accepted(self) -> int:
+        """Connections the proxy accepted from its clients."""
+        return self._server.accepted
+
     def _upstream_connection(self) -> http.client.HTTPConnection:
         host, port = self.upstream.hostname, self.upstream.port
         if self.upstream.scheme == "https":

@@ -1,0 +1,53 @@
+"""S3 over TLS, as production has it (issue 28.5): a pull reuses its connections, so it pays one
+TLS handshake per pooled connection, not one per request.
+
+The handshakes are counted at the server: the fault proxy (tests/fakes/s3proxy.py, no fault
+armed) in front of the session's SeaweedFS is a TLS server that counts the handshakes it
+completes (tests/fakes/tlsserver.py) and the requests it answers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from prefetch.locals3 import SeaweedS3
+from prefetch.modelgen import generate_model, upload_model
+from prefetch.sources import pool_size
+
+from .fakes.s3proxy import S3FaultProxy
+from .support import run_cli
+from .tls import TestCA
+
+MiB = 1024 * 1024
+CONCURRENCY = 8
+
+
+def test_a_64_mib_multi_file_pull_does_one_handshake_per_pooled_connection(
+    test_ca: TestCA,
+    s3_server: SeaweedS3,
+    s3_client: Any,
+    bucket: str,
+    s3_env: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    files = generate_model(tmp_path / "src", 64 * MiB, shards=8, small_files=4, seed=28)
+    upload_model(s3_client, bucket, "m", files, create_bucket=False)
+    with S3FaultProxy(s3_server.endpoint, test_ca) as proxy:
+        env = {**s3_env, "AWS_ENDPOINT_URL": proxy.endpoint}
+        proc = run_cli(
+            "pull", f"s3://{bucket}/m", str(tmp_path / "d"), "--json",
+            "--concurrency", str(CONCURRENCY), "--chunk-size", "1MiB", env=env,
+        )  # fmt: skip
+        handshakes, accepted = proxy.handshakes, proxy.accepted
+        requests = len(proxy.requests)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["files"] == len(files)
+    gets = sum(1 for method, _, _ in proxy.requests if method == "GET")
+    assert gets >= 64  # a ranged GET per MiB at least: many more requests than connections
+    # every connection did its handshake (none was plain HTTP or refused), and there were no
+    # more of them than the pull's pool holds: connections were kept alive and reused
+    assert 0 < handshakes == accepted <= pool_size(CONCURRENCY)
+    assert handshakes * 4 <= requests
+    print(f"TLS handshakes: {handshakes} for {requests} requests ({gets} GETs)")
