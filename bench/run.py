@@ -135,8 +135,8 @@ class Bench:
         )
         if self.ca is not None:
             # every tool trusts the private CA the way its users make it: AWS_CA_BUNDLE (prefetch,
-            # boto3, aws), SSL_CERT_FILE (s5cmd: Go's crypto/x509), CURL_CA_BUNDLE (curl),
-            # rclone's --ca-cert (as RCLONE_CA_CERT)
+            # boto3, aws), SSL_CERT_FILE (Go's crypto/x509: s5cmd, rclone), CURL_CA_BUNDLE (curl),
+            # and rclone's own --ca-cert too (as RCLONE_CA_CERT)
             env.update(self.ca.env(), RCLONE_CA_CERT=str(self.ca.ca_file))
         return env
 

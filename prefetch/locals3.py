@@ -186,6 +186,8 @@ class SeaweedS3:
         )
 
     def _wait_ready(self) -> None:
+        from botocore.exceptions import SSLError
+
         client = self.client(max_pool_connections=2)
         deadline = time.monotonic() + self.startup_timeout
         last: Exception | None = None
@@ -201,6 +203,9 @@ class SeaweedS3:
                 client.delete_object(Bucket=probe, Key="k")
                 client.delete_bucket(Bucket=probe)
                 return
+            except SSLError as exc:  # the server is up; its certificate will not change
+                self.stop()
+                raise PrefetchError(f"SeaweedFS's certificate was refused: {exc}") from exc
             except Exception as exc:
                 last = exc
                 time.sleep(0.2)

@@ -9,9 +9,14 @@ completes (tests/fakes/tlsserver.py) and the requests it answers.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+import trustme
+
+from prefetch.errors import PrefetchError
 from prefetch.locals3 import SeaweedS3
 from prefetch.modelgen import generate_model, upload_model
 from prefetch.sources import pool_size
@@ -51,3 +56,20 @@ def test_a_64_mib_multi_file_pull_does_one_handshake_per_pooled_connection(
     assert 0 < handshakes == accepted <= pool_size(CONCURRENCY)
     assert handshakes * 4 <= requests
     print(f"TLS handshakes: {handshakes} for {requests} requests ({gets} GETs)")
+
+
+def test_a_server_whose_certificate_is_not_trusted_fails_to_start_at_once(
+    test_ca: TestCA, tmp_path: Path
+) -> None:
+    """SeaweedS3 waits for its server to answer; a certificate its clients refuse is not a
+    server still starting (the wait was the whole start-up timeout, 60 s)."""
+    other = tmp_path / "other-ca.pem"
+    trustme.CA().cert_pem.write_to_path(str(other))
+    server = SeaweedS3(
+        data_dir=tmp_path / "s3", tls_cert=test_ca.cert_file, tls_key=test_ca.key_file,
+        ca_file=other, host=test_ca.host_for("s3"), startup_timeout=60,
+    )  # fmt: skip
+    started = time.monotonic()
+    with pytest.raises(PrefetchError, match=r"refused: .*CERTIFICATE_VERIFY_FAILED"):
+        server.start()
+    assert time.monotonic() - started < 30
