@@ -8,10 +8,12 @@ completes (tests/fakes/tlsserver.py) and the requests it answers.
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import trustme
@@ -73,3 +75,21 @@ def test_a_server_whose_certificate_is_not_trusted_fails_to_start_at_once(
     with pytest.raises(PrefetchError, match=r"refused: .*CERTIFICATE_VERIFY_FAILED"):
         server.start()
     assert time.monotonic() - started < 30
+
+
+def test_the_sessions_s3_server_speaks_https_only_under_its_test_name(
+    test_ca: TestCA, s3_server: SeaweedS3
+) -> None:
+    """Every test on ``s3_server`` talks TLS: its endpoint is https:// under the test name its
+    certificate holds, and its port answers plain HTTP with a refusal, never with S3."""
+    parts = urlsplit(s3_server.endpoint)
+    assert parts.port is not None
+    assert s3_server.endpoint == test_ca.url(parts.port, "s3")
+    assert parts.scheme == "https"
+    plain = http.client.HTTPConnection("127.0.0.1", parts.port, timeout=10)
+    try:
+        plain.request("GET", "/")
+        answer = plain.getresponse()
+        assert answer.status == 400 and b"HTTPS server" in answer.read()
+    finally:
+        plain.close()
