@@ -236,7 +236,8 @@ def report(res: dict[str, Any]) -> str:
         f"{meta['cache']}. Machine: {meta['cpus']} CPUs shared by client and server, "
         f"{meta['mem_gib']} GiB RAM. MB/s = 10^6 bytes/s. CPU s = user+sys of the tool's process "
         "tree; server CPU s = SeaweedFS / hub server meanwhile; other load = the rest of the "
-        "machine (noise).",
+        "machine (noise). S3 transport: "
+        + ("HTTPS (private CA)." if meta.get("tls") else "plain HTTP."),
         "",
     ]
     if "compare" in res:

@@ -17,6 +17,7 @@ and many small files. A Markdown report goes to stdout, everything to a JSON fil
     python bench/run.py                          # 4 GiB, 3 runs, every tool found
     python bench/run.py --size 64MiB --runs 1 --quick --json /tmp/b.json
     python bench/run.py --tools s3,ceiling --scaling none --no-resume --no-small-files
+    python bench/run.py --tls ...                # the same with SeaweedFS behind HTTPS
 
 The pieces, side by side in bench/: harness.py measures one run and settles the machine between
 runs, datasets.py makes and uploads the data, tools.py is the table of tools (what each row runs),
@@ -82,6 +83,7 @@ from tools import (  # noqa: E402
 from prefetch.locals3 import SeaweedS3  # noqa: E402
 from prefetch.modelgen import upload_model  # noqa: E402
 from prefetch.units import parse_size  # noqa: E402
+from tests.tls import TestCA  # noqa: E402
 
 BIN_DIR = Path(sys.executable).parent
 
@@ -95,6 +97,8 @@ class Bench:
         self.servers: list[Any] = []
         self.hub_proc: subprocess.Popen[bytes] | None = None
         self.notes: list[str] = []
+        #: --tls: the private CA SeaweedFS's certificate chains to (the tests' own, tests/tls.py)
+        self.ca: TestCA | None = None
 
     # -- environment
 
@@ -129,6 +133,11 @@ class Bench:
             RCLONE_CONFIG_BENCHS3_REGION="us-east-1",
             RCLONE_CONFIG_BENCHS3_FORCE_PATH_STYLE="true",
         )
+        if self.ca is not None:
+            # every tool trusts the private CA the way its users make it: AWS_CA_BUNDLE (prefetch,
+            # boto3, aws), SSL_CERT_FILE (Go's crypto/x509: s5cmd, rclone), CURL_CA_BUNDLE (curl),
+            # and rclone's own --ca-cert too (as RCLONE_CA_CERT)
+            env.update(self.ca.env(), RCLONE_CA_CERT=str(self.ca.ca_file))
         return env
 
     def warm_cmds(self) -> list[list[str]]:
@@ -153,7 +162,15 @@ class Bench:
         data_dir = self.work / name
         if not keep:
             shutil.rmtree(data_dir, ignore_errors=True)
-        server = SeaweedS3(data_dir=data_dir).start()
+        tls: dict[str, Any] = {}
+        if self.ca is not None:
+            tls = {
+                "tls_cert": self.ca.cert_file,
+                "tls_key": self.ca.key_file,
+                "ca_file": self.ca.ca_file,
+                "host": self.ca.host_for("s3"),
+            }
+        server = SeaweedS3(data_dir=data_dir, **tls).start()
         self.servers.append(server)
         client = server.client()
         with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
@@ -367,6 +384,8 @@ class Bench:
         self.work.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(parents=True, exist_ok=True)
         self.cache = Cache(a.drop_caches, self.warm_cmds(), self.base_env(), a.quiet_wait)
+        if a.tls:
+            self.ca = TestCA.create(self.work / "tls")
         want = set(a.tools)
         t_start = time.monotonic()
         marker = self.work / "dataset.json"
@@ -686,6 +705,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "first on PYTHONPATH: rows prefetch-baseline and hf-prefetch-baseline, for "
         "before/after figures of an engine change",
     )
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="SeaweedFS speaks HTTPS only, with a certificate from a private CA every S3 tool is "
+        "told to trust (the Hub rows stay on plain HTTP)",
+    )
     p.add_argument("--timeout", type=float, default=600, help="seconds per tool run (minimum)")
     p.add_argument(
         "--workdir",
@@ -754,6 +779,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "versions": tool_versions(),
         "tools": args.tools,
+        "tls": args.tls,
     }
     text = report(res)
     print(text)

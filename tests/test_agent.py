@@ -84,7 +84,9 @@ def sample(agent: Agent, name: str, **labels: str) -> float | None:
 class ThrottleProxy:
     """A TCP proxy to the S3 server that caps the download rate (bytes/s across connections).
 
-    Bytes pass unchanged, so SigV4 signatures (made for the proxy's Host) stay valid.
+    Bytes pass unchanged, so SigV4 signatures (made for the proxy's Host) stay valid, and TLS
+    runs end to end: the proxy's endpoint has the upstream's scheme and host name (the one its
+    certificate names), only the port is the proxy's.
     """
 
     def __init__(self, upstream: str, rate: float) -> None:
@@ -95,7 +97,7 @@ class ThrottleProxy:
         self._next = time.monotonic()
         self._socks: list[socket.socket] = []
         self._server = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"http://127.0.0.1:{self._server.getsockname()[1]}"
+        self.endpoint = f"{u.scheme}://{u.hostname}:{self._server.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:

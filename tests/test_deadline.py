@@ -22,6 +22,7 @@ from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.sync import sync
 from prefetch.transfer import Cancelled, TransferConfig, engine_watchdog, open_watched
 from tests.fakes.misbehaving import SilentServer
+from tests.tls import TestCA
 
 
 def test_the_alarms_run_on_time_skip_cancelled_ones_and_end_their_thread_when_idle() -> None:
@@ -44,7 +45,9 @@ def test_the_alarms_run_on_time_skip_cancelled_ones_and_end_their_thread_when_id
     assert again.wait(5)
 
 
-def test_call_with_deadline_returns_raises_or_gives_up_on_a_server_that_never_answers() -> None:
+def test_call_with_deadline_returns_raises_or_gives_up_on_a_server_that_never_answers(
+    test_ca: TestCA,
+) -> None:
     """(Moved from test_units: the deadline now runs the call in the caller's thread and
     interrupts the request in flight instead of parking a thread per call.)"""
     alarms = Alarms(idle=0.2)
@@ -56,7 +59,7 @@ def test_call_with_deadline_returns_raises_or_gives_up_on_a_server_that_never_an
     with pytest.raises(NotFoundError, match="no such repo"):  # the call's own error, as it was
         call_with_deadline(missing, 5, what="lookup", alarms=alarms)
     pool = make_http_pool(2)
-    with SilentServer() as server:
+    with SilentServer(test_ca) as server:
         t0 = time.monotonic()
         with pytest.raises(TransientSourceError, match=r"^listing: no answer within 0.2 s$"):
             call_with_deadline(
@@ -67,7 +70,7 @@ def test_call_with_deadline_returns_raises_or_gives_up_on_a_server_that_never_an
         assert server.accepted == 1
 
 
-def test_a_stop_interrupts_a_ranged_read_waiting_for_response_headers() -> None:
+def test_a_stop_interrupts_a_ranged_read_waiting_for_response_headers(test_ca: TestCA) -> None:
     """Issue 22: SIGTERM while waiting for response headers waited out the socket's read
     timeout; the watch now starts before the request is sent."""
     stop = threading.Event()
@@ -75,7 +78,7 @@ def test_a_stop_interrupts_a_ranged_read_waiting_for_response_headers() -> None:
     watchdog.start()
     pool = make_http_pool(2)
     try:
-        with SilentServer() as server:
+        with SilentServer(test_ca) as server:
             threading.Timer(0.3, stop.set).start()
             t0 = time.monotonic()
             with pytest.raises(Cancelled, match="stopped"):
@@ -88,7 +91,7 @@ def test_a_stop_interrupts_a_ranged_read_waiting_for_response_headers() -> None:
         watchdog.close()
 
 
-def test_the_stall_rule_covers_the_wait_for_headers() -> None:
+def test_the_stall_rule_covers_the_wait_for_headers(test_ca: TestCA) -> None:
     """A server that never sends headers is a stall like one that stops sending the body."""
     stop = threading.Event()
     watchdog = engine_watchdog(TransferConfig(min_rate=1024, stall_window=0.4), stop)
@@ -96,7 +99,10 @@ def test_the_stall_rule_covers_the_wait_for_headers() -> None:
     pool = make_http_pool(2)
     try:
         t0 = time.monotonic()
-        with SilentServer() as server, pytest.raises(TransientSourceError, match="stalled: 0"):
+        with (
+            SilentServer(test_ca) as server,
+            pytest.raises(TransientSourceError, match="stalled: 0"),
+        ):
             open_watched(
                 watchdog, "w.bin bytes 0-9",
                 lambda: pool.request("GET", server.url + "/w.bin", timeout=30, retries=False),
@@ -126,7 +132,7 @@ def test_the_watchdogs_abort_lines_carry_the_sync_id(caplog: pytest.LogCaptureFi
 
 
 def test_an_s3_listing_that_never_answers_is_bounded_by_the_metadata_deadline(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, test_ca: TestCA
 ) -> None:
     """S3 metadata calls (listing pages, metadata objects) had no overall bound: each byte of a
     trickle, or a server that never answers, waited on the socket timeout alone."""
@@ -134,7 +140,7 @@ def test_an_s3_listing_that_never_answers_is_bounded_by_the_metadata_deadline(
         if name.startswith("AWS_"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    with SilentServer() as server:
+    with SilentServer(test_ca) as server:
         client = lazy_s3_client(
             endpoint_url=server.url, access_key="k", secret_key="s", region="us-east-1",
             read_timeout=30,
@@ -150,14 +156,14 @@ def test_an_s3_listing_that_never_answers_is_bounded_by_the_metadata_deadline(
 
 
 def test_a_stop_interrupts_a_resolve_waiting_for_response_headers(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, test_ca: TestCA
 ) -> None:
     """Issue 22: SIGTERM (the pull's stop) during the listing waited out the read timeout."""
     for name in list(os.environ):
         if name.startswith("AWS_"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    with SilentServer() as server:
+    with SilentServer(test_ca) as server:
         client = lazy_s3_client(
             endpoint_url=server.url, access_key="k", secret_key="s", region="us-east-1",
             read_timeout=30,

@@ -37,6 +37,7 @@ from tests.fakes.k8s_events import describe_events
 from tests.fakes.k8s_stub import KubeStub, running_stub
 from tests.fakes.s3proxy import S3FaultProxy
 from tests.support import AgentThread, config_text, upload, wait_for
+from tests.tls import TestCA
 
 MiB = 1024 * 1024
 NODE = "gpu-node-1"
@@ -293,7 +294,12 @@ def test_a_full_queue_drops_events_without_blocking(stub: KubeStub) -> None:
 
 
 def test_a_checksum_failure_that_fails_the_sync_is_told_as_checksum_failed(
-    s3_server: SeaweedS3, s3_client: Any, bucket: str, stub: KubeStub, tmp_path: Path
+    test_ca: TestCA,
+    s3_server: SeaweedS3,
+    s3_client: Any,
+    bucket: str,
+    stub: KubeStub,
+    tmp_path: Path,
 ) -> None:
     stub.add_node(NODE, taints=[STARTUP])
     files = upload(s3_client, bucket, "m", tmp_path, 2 * MiB)
@@ -302,7 +308,7 @@ def test_a_checksum_failure_that_fails_the_sync_is_told_as_checksum_failed(
     config.write_text(
         config_text(tmp_path / "cache", [{"name": "m", "source": f"s3://{bucket}/m"}])
     )
-    with S3FaultProxy(s3_server.endpoint) as proxy:
+    with S3FaultProxy(s3_server.endpoint, test_ca) as proxy:
         proxy.faults.flip_key, proxy.faults.flip_offset = f"m/{shard}", 100  # every answer
         client = make_s3_client(
             endpoint_url=proxy.endpoint,
@@ -443,7 +449,12 @@ def test_warming_started_is_told_before_a_sync_of_its_episode_ends() -> None:
 
 
 def test_event_log_lines_carry_the_events_fields_and_a_syncs_lines_share_one_sync_id(
-    s3_server: SeaweedS3, s3_client: Any, bucket: str, stub: KubeStub, tmp_path: Path
+    test_ca: TestCA,
+    s3_server: SeaweedS3,
+    s3_client: Any,
+    bucket: str,
+    stub: KubeStub,
+    tmp_path: Path,
 ) -> None:
     stub.add_node(NODE, taints=[STARTUP])
     r1 = upload(s3_client, bucket, "r1", tmp_path, 2 * MiB, seed=1)
@@ -452,7 +463,7 @@ def test_event_log_lines_carry_the_events_fields_and_a_syncs_lines_share_one_syn
     config = tmp_path / "models.yaml"
     models = [{"name": n, "source": f"s3://{bucket}/{n}"} for n in ("r1", "r2")]
     config.write_text(config_text(tmp_path / "cache", models))
-    with S3FaultProxy(s3_server.endpoint) as proxy, JsonLines() as logs:
+    with S3FaultProxy(s3_server.endpoint, test_ca) as proxy, JsonLines() as logs:
         # one corrupted answer (the engine fetches the file again) and one connection cut
         # mid-body (an I/O worker thread logs its retry)
         faults = proxy.faults

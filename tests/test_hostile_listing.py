@@ -1,6 +1,7 @@
 """Hostile review, issue 22: S3 listings written by a hostile server, through the real CLI on the
 direct (botocore-free) path. Each ends in one ``Error:`` line naming the prefix the user asked
-for, quickly, with bounded memory."""
+for, quickly, with bounded memory. The hostile servers speak HTTPS (the session CA), as every S3 a
+user meets does."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -22,7 +23,9 @@ from prefetch.sources.s3 import S3Source, lazy_s3_client
 from prefetch.sources.s3_xml import ListingPages, MalformedListingPage, parse_list_page
 from prefetch.spec import parse_source_uri
 
+from .fakes.tlsserver import TLSThreadingHTTPServer
 from .support import clean_env, run_cli
+from .tls import TestCA
 
 Answer = Callable[[dict[str, str]], bytes]
 HEAD = b'<?xml version="1.0" encoding="UTF-8"?>\n'
@@ -40,7 +43,7 @@ class ListingServer:
     """Answers every ListObjectsV2 with ``answer(query)``; the mirror probe (a listing of
     ``<prefix>snapshots/``) gets an empty page unless ``probe_too``."""
 
-    def __init__(self, answer: Answer, *, probe_too: bool = False) -> None:
+    def __init__(self, ca: TestCA, answer: Answer, *, probe_too: bool = False) -> None:
         self.answer, self.probe_too, self.requests = answer, probe_too, 0
         self.status, self.headers = 200, dict[str, str]()
         server = self
@@ -62,8 +65,8 @@ class ListingServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.httpd = TLSThreadingHTTPServer(("127.0.0.1", 0), Handler, ca.server_context())
+        self.endpoint = ca.url(self.httpd.server_address[1], "s3")
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
     def close(self) -> None:
@@ -72,11 +75,11 @@ class ListingServer:
 
 
 @pytest.fixture
-def serve(tmp_path: Path) -> Iterator[Callable[..., ListingServer]]:
+def serve(tmp_path: Path, test_ca: TestCA) -> Iterator[Callable[..., ListingServer]]:
     servers: list[ListingServer] = []
 
     def start(answer: Answer, **kwargs: Any) -> ListingServer:
-        servers.append(ListingServer(answer, **kwargs))
+        servers.append(ListingServer(test_ca, answer, **kwargs))
         return servers[-1]
 
     yield start
@@ -220,15 +223,16 @@ def test_a_redirect_without_an_s3_error_document_says_where_it_points(
 
 
 @contextlib.contextmanager
-def trickling_source(*answers: tuple[bytes, bool]) -> Iterator[S3Source]:
+def trickling_source(ca: TestCA, *answers: tuple[bytes, bool]) -> Iterator[S3Source]:
     """An S3 source (static keys, one attempt, ``metadata_timeout`` 1.5 s) whose server answers
-    each request on one kept-open connection with the next body: at once, or trickled (one
-    byte every 0.25 s) when its flag says so."""
+    each request on one kept-open HTTPS connection with the next body: at once, or trickled
+    (one byte every 0.25 s, a TLS record each) when its flag says so."""
     sock = socket.create_server(("127.0.0.1", 0))
     stop = threading.Event()
 
     def serve() -> None:
-        conn, _ = sock.accept()
+        raw, _ = sock.accept()
+        conn = ca.server_context().wrap_socket(raw, server_side=True)
         for body, trickled in answers:
             conn.recv(65536)
             conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n\r\n".encode())
@@ -243,7 +247,7 @@ def trickling_source(*answers: tuple[bytes, bool]) -> Iterator[S3Source]:
 
     threading.Thread(target=serve, daemon=True).start()
     client = lazy_s3_client(
-        endpoint_url=f"http://127.0.0.1:{sock.getsockname()[1]}",
+        endpoint_url=ca.url(sock.getsockname()[1], "s3"),
         access_key="a",
         secret_key="b",
         region="us-east-1",
@@ -257,8 +261,8 @@ def trickling_source(*answers: tuple[bytes, bool]) -> Iterator[S3Source]:
         sock.close()
 
 
-def test_a_trickled_listing_page_is_bounded_in_time() -> None:
-    with trickling_source((page(), True)) as source:
+def test_a_trickled_listing_page_is_bounded_in_time(test_ca: TestCA) -> None:
+    with trickling_source(test_ca, (page(), True)) as source:
         started = time.monotonic()
         with pytest.raises(TransientSourceError, match=r"no answer within 1\.5 s"):
             source.list_page("listing s3://bkt/m/", Prefix="m/")
@@ -303,9 +307,9 @@ def test_attempts_applies_to_s3_listing_retries(
     assert server.requests == attempts
 
 
-def test_trickled_mirror_metadata_is_bounded_in_time() -> None:
+def test_trickled_mirror_metadata_is_bounded_in_time(test_ca: TestCA) -> None:
     # the listing answered at once (it sets up the signed path), the metadata GET trickled
-    with trickling_source((page(), False), (b"c" * 40, True)) as source:
+    with trickling_source(test_ca, (page(), False), (b"c" * 40, True)) as source:
         source.ensure_signed_path()
         started = time.monotonic()
         with pytest.raises(TransientSourceError, match=r"no answer within 1\.5 s"):

@@ -153,10 +153,9 @@ def test_wrong_proxy_credentials_on_the_s3_path_are_one_clear_error_line(
     assert proc.returncode == 1
     first = proc.stderr.splitlines()[0]
     assert first.startswith("Error: listing s3://bkt/m"), first
-    assert first.endswith(
-        ": 407: Proxy Authentication Required (a proxy in the way wants credentials: give them "
-        "in the proxy's URL, as user:password@ before its host)"
-    ), first
+    # S3 is HTTPS: the proxy refuses the CONNECT (the request itself never reaches it)
+    assert "407 Proxy Authentication Required" in first and "credentials" in first, first
+    assert "Traceback" not in proc.stderr
     assert_no_password(proc.stdout, proc.stderr)
 
 

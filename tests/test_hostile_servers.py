@@ -70,8 +70,8 @@ ONE_ATTEMPT = TransferConfig(
 
 
 @pytest.fixture
-def s3() -> Iterator[MisbehavingS3]:
-    with MisbehavingS3() as server:
+def s3(test_ca: TestCA) -> Iterator[MisbehavingS3]:
+    with MisbehavingS3(test_ca) as server:
         yield server
 
 

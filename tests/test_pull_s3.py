@@ -150,7 +150,7 @@ def proxied_client(s3_server: Any, proxy: S3FaultProxy) -> Any:
                           secret_key=s3_server.secret_key)  # fmt: skip
 
 
-def test_small_objects_cost_one_request_each(s3_server, s3_client, bucket, tmp_path):
+def test_small_objects_cost_one_request_each(test_ca, s3_server, s3_client, bucket, tmp_path):
     """Objects up to 1 MiB are described by one GET (checksum headers included) whose body is kept
     for the download: no HEAD, no second GET; larger ones get a HEAD and ranged GETs. Counted
     where the requests arrive, whichever path sent them."""
@@ -159,7 +159,7 @@ def test_small_objects_cost_one_request_each(s3_server, s3_client, bucket, tmp_p
         put(s3_client, bucket, key, data, ChecksumAlgorithm="SHA256")
     large = os.urandom(3 * MiB)
     put(s3_client, bucket, "m/large.bin", large, ChecksumAlgorithm="CRC32C")
-    with S3FaultProxy(s3_server.endpoint) as proxy:
+    with S3FaultProxy(s3_server.endpoint, test_ca) as proxy:
         result = pull(proxied_client(s3_server, proxy), f"s3://{bucket}/m", tmp_path / "d")
     calls = [(method, key) for method, key, _ in proxy.requests]
     assert result.files_verified == 4
@@ -183,7 +183,7 @@ def test_multipart_crc64nvme_full_object(s3_client, bucket, tmp_path):
 
 
 def test_a_full_object_checksum_needs_no_part_layout_request(
-    s3_server, s3_client, bucket, tmp_path
+    test_ca, s3_server, s3_client, bucket, tmp_path
 ):
     """The part sizes of a multipart object (a HEAD ?partNumber=1) are asked for only when a
     check needs them: a composite checksum does, a FULL_OBJECT CRC64NVME (checked instead of
@@ -193,7 +193,7 @@ def test_a_full_object_checksum_needs_no_part_layout_request(
                   ChecksumType="FULL_OBJECT")  # fmt: skip
     put_multipart(s3_client, bucket, "m/composite.bin", composite, 5 * MiB,
                   ChecksumAlgorithm="SHA256")  # fmt: skip
-    with S3FaultProxy(s3_server.endpoint) as proxy:
+    with S3FaultProxy(s3_server.endpoint, test_ca) as proxy:
         result = pull(proxied_client(s3_server, proxy), f"s3://{bucket}/m", tmp_path / "d")
     heads = {
         key: [query for method, k, query in proxy.requests if method == "HEAD" and k == key]
@@ -264,7 +264,9 @@ def test_require_checksum_refuses_files_without_one(s3_client, bucket, tmp_path)
 
 
 @pytest.mark.parametrize("kind", ["md5", "crc64nvme-multipart", "sha256-composite"])
-def test_corrupted_byte_is_detected_and_not_published(s3_server, s3_client, bucket, tmp_path, kind):
+def test_corrupted_byte_is_detected_and_not_published(
+    test_ca, s3_server, s3_client, bucket, tmp_path, kind
+):
     data = os.urandom(12 * MiB + 9)
     if kind == "md5":
         put(s3_client, bucket, "m/w.bin", data)
@@ -273,7 +275,7 @@ def test_corrupted_byte_is_detected_and_not_published(s3_server, s3_client, buck
                       ChecksumAlgorithm="CRC64NVME", ChecksumType="FULL_OBJECT")  # fmt: skip
     else:
         put_multipart(s3_client, bucket, "m/w.bin", data, 5 * MiB, ChecksumAlgorithm="SHA256")
-    with S3FaultProxy(s3_server.endpoint) as proxy:
+    with S3FaultProxy(s3_server.endpoint, test_ca) as proxy:
         proxy.faults.flip_key = "m/w.bin"
         proxy.faults.flip_offset = 7 * MiB + 3
         client = make_s3_client(endpoint_url=proxy.endpoint, access_key=s3_server.access_key,
@@ -291,11 +293,11 @@ def test_corrupted_byte_is_detected_and_not_published(s3_server, s3_client, buck
         assert (dest / "w.bin").read_bytes() == data
 
 
-def test_connection_cut_mid_body_is_retried_from_the_last_byte(s3_server, s3_client, bucket,
-                                                               tmp_path):  # fmt: skip
+def test_connection_cut_mid_body_is_retried_from_the_last_byte(test_ca, s3_server, s3_client,
+                                                               bucket, tmp_path):  # fmt: skip
     data = os.urandom(3 * MiB)
     put(s3_client, bucket, "m/w.bin", data, ChecksumAlgorithm="CRC32C")
-    with S3FaultProxy(s3_server.endpoint) as proxy:
+    with S3FaultProxy(s3_server.endpoint, test_ca) as proxy:
         proxy.faults.cut_key = "m/w.bin"
         proxy.faults.cut_after = 100_000
         proxy.faults.cut_times = 3
@@ -308,10 +310,12 @@ def test_connection_cut_mid_body_is_retried_from_the_last_byte(s3_server, s3_cli
     assert result.bytes_downloaded == len(data)
 
 
-def test_throttling_and_5xx_are_retried_with_backoff(s3_server, s3_client, bucket, tmp_path):
+def test_throttling_and_5xx_are_retried_with_backoff(
+    test_ca, s3_server, s3_client, bucket, tmp_path
+):
     data = os.urandom(2 * MiB + 1)
     put(s3_client, bucket, "m/w.bin", data)
-    with S3FaultProxy(s3_server.endpoint) as proxy:
+    with S3FaultProxy(s3_server.endpoint, test_ca) as proxy:
         proxy.faults.refuse_key = "m/w.bin"
         proxy.faults.refuse_statuses = (503, 500)  # SlowDown, InternalError
         proxy.faults.refuse_times = 4
@@ -427,8 +431,8 @@ def test_cli_pull_json_and_verify_detects_bit_rot(s3_client, bucket, s3_env, tmp
 
 
 @pytest.mark.slow
-def test_resume_after_sigkill_fetches_less_than_30_percent(s3_server, s3_client, bucket, s3_env,
-                                                           tmp_path):  # fmt: skip
+def test_resume_after_sigkill_fetches_less_than_30_percent(test_ca, s3_server, s3_client, bucket,
+                                                           s3_env, tmp_path):  # fmt: skip
     total = 64 * MiB
     files = generate_model(tmp_path / "src", total, shards=2)
     upload_model(s3_client, bucket, "big", files, create_bucket=False, part_size=8 * MiB)
@@ -436,7 +440,7 @@ def test_resume_after_sigkill_fetches_less_than_30_percent(s3_server, s3_client,
     partial = dest / ".prefetch" / "partial"
     args = [sys.executable, "-m", "prefetch.cli", "pull", f"s3://{bucket}/big", str(dest),
             "--json", "--concurrency", "2", "--chunk-size", "4MiB"]  # fmt: skip
-    with S3FaultProxy(s3_server.endpoint) as proxy:
+    with S3FaultProxy(s3_server.endpoint, test_ca) as proxy:
         # slow enough (about 4 s) that the kill lands mid-transfer even on a loaded machine
         proxy.faults.throttle_bps = 8 * MiB
         env = dict(s3_env, AWS_ENDPOINT_URL=proxy.endpoint)

@@ -5,12 +5,16 @@ What a caching or peer-to-peer proxy (Dragonfly's dfdaemon, squid) looks like to
 * **absolute-form requests** (``GET http://host:port/path HTTP/1.1``) for ``http://`` targets:
   forwarded on a connection to the target (reused per client connection and target), the answer
   streamed back; the client connection is kept alive between requests;
-* **CONNECT host:port**: a TCP tunnel (what a client does for ``https://`` targets), relayed byte
-  for byte in both directions until either side closes.
+* **CONNECT host:port**: a TCP tunnel (what a client does for ``https://`` targets: the TLS
+  session runs end to end, client to target, inside it), relayed byte for byte in both
+  directions until either side closes.
 
-``ForwardProxy.requests`` counts requests (a tunnel counts once) per ``host:port``; ``url`` is
-the proxy's address for ``HTTP(S)_PROXY``. A request that is neither (an origin-form path) is
-answered 400, so a client that talks to the proxy as if it were the server is caught.
+``ForwardProxy.requests`` counts requests (a tunnel counts once) per ``host:port``,
+``ForwardProxy.tunneled`` the bytes each target sent back through tunnels (what the proxy can
+know of HTTPS traffic: it sees no requests in it); ``url`` is the proxy's own address for
+``HTTP(S)_PROXY``, plain ``http://`` as most corporate proxies are. A request that is neither
+(an origin-form path) is answered 400, so a client that talks to the proxy as if it were the
+server is caught.
 
 Usage::
 
@@ -27,6 +31,7 @@ import http.client
 import select
 import socket
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
@@ -174,15 +179,17 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response_only(200, "Connection established")
         self.end_headers()
         self.wfile.flush()
+        target = f"{host.strip('[]')}:{port}"
         try:
-            _relay(self.connection, upstream)
+            _relay(self.connection, upstream, lambda n: self.server.proxy.add_tunneled(target, n))
         finally:
             upstream.close()
             self.close_connection = True
 
 
-def _relay(a: socket.socket, b: socket.socket) -> None:
-    """Copy bytes both ways between two sockets until one side closes."""
+def _relay(a: socket.socket, b: socket.socket, from_b: Callable[[int], None]) -> None:
+    """Copy bytes both ways between two sockets until one side closes; ``from_b`` is told how
+    many bytes each read from ``b`` carried."""
     peers = {a: b, b: a}
     while True:
         readable, _, _ = select.select(list(peers), [], [], 60)
@@ -196,6 +203,8 @@ def _relay(a: socket.socket, b: socket.socket) -> None:
             if not data:
                 return
             peers[sock].sendall(data)
+            if sock is b:
+                from_b(len(data))
 
 
 class _ProxyServer(ThreadingHTTPServer):
@@ -212,6 +221,8 @@ class ForwardProxy:
     def __init__(self) -> None:
         self.requests: collections.Counter[str] = collections.Counter()
         self.methods: collections.Counter[str] = collections.Counter()
+        #: bytes relayed from each target (``host:port``) back to clients through tunnels
+        self.tunneled: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
         self._server = _ProxyServer(self)
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
@@ -223,6 +234,10 @@ class ForwardProxy:
         with self._lock:
             self.requests[host] += 1
             self.methods[method] += 1
+
+    def add_tunneled(self, host: str, size: int) -> None:
+        with self._lock:
+            self.tunneled[host] += size
 
     def through(self, url: str) -> int:
         """How many requests (or tunnels) went to the host and port of ``url``."""

@@ -8,7 +8,7 @@ between a lying server and a wrong file. ``put(..., md5_etag=True)`` gives the u
 
 Usage::
 
-    with MisbehavingS3() as s3:
+    with MisbehavingS3(test_ca) as s3:                # HTTPS; MisbehavingS3(): plain HTTP
         s3.put("bucket", "model/weights.bin", data)
         s3.misbehave(ignore_range=True)               # every object GET, until clear()
         s3.misbehave(trickle=(1, 0.5), count=1)       # the next GET sends 1 byte every 0.5 s
@@ -27,12 +27,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 from xml.sax.saxutils import escape
 
 from prefetch.sources.s3 import make_s3_client
+
+from ..tls import TestCA
+from .tlsserver import HANDSHAKE_TIMEOUT, TLSThreadingHTTPServer
 
 
 @dataclass
@@ -70,9 +73,11 @@ class _Object:
 
 
 class MisbehavingS3:
-    """The server; a context manager (``endpoint`` is valid once entered)."""
+    """The server; a context manager (``endpoint`` is valid once entered). With ``ca``, it speaks
+    HTTPS as ``s3.prefetch.test`` with the session CA's certificate; else plain HTTP."""
 
-    def __init__(self) -> None:
+    def __init__(self, ca: TestCA | None = None) -> None:
+        self._ca = ca
         self._objects: dict[tuple[str, str], _Object] = {}
         self._rules: list[Misbehaviour] = []
         self._lock = threading.Lock()
@@ -80,9 +85,10 @@ class MisbehavingS3:
         #: (method, key, Range header or None) of every object request, in order
         self.requests: list[tuple[str, str, str | None]] = []
         handler = _handler_for(self)
-        self._server = _QuietServer(("127.0.0.1", 0), handler)
-        self._server.daemon_threads = True
-        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        context = None if ca is None else ca.server_context()
+        self._server = _QuietServer(("127.0.0.1", 0), handler, context)
+        port = self._server.server_address[1]
+        self.endpoint = f"http://127.0.0.1:{port}" if ca is None else ca.url(port, "s3")
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     def put(self, bucket: str, key: str, data: bytes, *, md5_etag: bool = False) -> str:
@@ -105,12 +111,15 @@ class MisbehavingS3:
 
     def client(self) -> Any:
         return make_s3_client(
-            endpoint_url=self.endpoint, access_key="test", secret_key="test", region="us-east-1"
-        )
+            endpoint_url=self.endpoint, access_key="test", secret_key="test", region="us-east-1",
+            ca_bundle=None if self._ca is None else str(self._ca.ca_file),
+        )  # fmt: skip
 
     def env(self) -> dict[str, str]:
-        """Environment variables pointing a ``prefetch`` subprocess at this server."""
+        """Environment variables pointing a ``prefetch`` subprocess at this server (and, over
+        HTTPS, trusting its CA)."""
         return {
+            **({} if self._ca is None else self._ca.env()),
             "AWS_ENDPOINT_URL": self.endpoint,
             "AWS_ACCESS_KEY_ID": "test",
             "AWS_SECRET_ACCESS_KEY": "test",
@@ -168,7 +177,7 @@ class MisbehavingS3:
         self._server.server_close()
 
 
-class _QuietServer(ThreadingHTTPServer):
+class _QuietServer(TLSThreadingHTTPServer):
     def server_activate(self) -> None:
         super().server_activate()
         # a connection reset between select() and accept() would block a blocking accept, and
@@ -308,15 +317,17 @@ def _parse_range(value: str | None, size: int) -> tuple[int, int] | None:
 
 class SilentServer:
     """A loopback server that accepts connections, reads what is sent, and never answers (not
-    even a status line) until it stops: a client waits for response headers for ever."""
+    even a status line) until it stops: a client waits for response headers for ever. With
+    ``ca``, it completes the TLS handshake first (as ``s3.prefetch.test``), then says nothing."""
 
-    def __init__(self) -> None:
+    def __init__(self, ca: TestCA | None = None) -> None:
         import socket
 
+        self._context = None if ca is None else ca.server_context()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(0.2)
         self.port = self._listener.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://127.0.0.1:{self.port}" if ca is None else ca.url(self.port, "s3")
         self.accepted = 0
         self._closing = threading.Event()
         self._conns: list[Any] = []
@@ -329,7 +340,24 @@ class SilentServer:
             except OSError:
                 continue
             self.accepted += 1
+            if self._context is not None:
+                threading.Thread(target=self._handshake, args=(conn,), daemon=True).start()
+                continue
             self._conns.append(conn)
+
+    def _handshake(self, conn: Any) -> None:
+        """TLS with one client, in its own thread (a client that never says hello holds up no
+        other); the connection is then held, silent, like a plain one."""
+        conn.settimeout(HANDSHAKE_TIMEOUT)
+        try:
+            assert self._context is not None
+            tls = self._context.wrap_socket(conn, server_side=True)
+        except OSError:
+            conn.close()
+            return
+        self._conns.append(tls)
+        if self._closing.is_set():  # stopped during the handshake: __exit__ may have missed it
+            tls.close()
 
     def __enter__(self) -> SilentServer:
         self._thread.start()

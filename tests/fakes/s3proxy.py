@@ -8,9 +8,9 @@ SlowDown with Retry-After, as S3 throttles), answer a ranged GET with 200 (as a 
 Range; the body is what the server sent, the status and the missing Content-Range are the lie), or
 trickle the body a few bytes at a time.
 
-Given the session's :class:`tests.tls.TestCA` (``tls``) it listens over HTTPS as ``role``'s test
-host name (``s3.prefetch.test`` by default), and it reaches an ``https://`` upstream over TLS
-trusting the same CA.
+Given the session CA (``S3FaultProxy(upstream, test_ca)``) it speaks HTTPS itself, as ``role``'s
+test host name (``s3.prefetch.test`` by default); it talks to an ``https://`` upstream over TLS
+trusting the same CA, to an ``http://`` one in plain HTTP.
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ import ssl
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import urlsplit
 
-if TYPE_CHECKING:
-    from tests.tls import TestCA
+from ..tls import TestCA
+from .tlsserver import TLSThreadingHTTPServer
 
 _RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 
@@ -54,23 +53,10 @@ class Faults:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class _TLSServer(ThreadingHTTPServer):
-    """Wraps each accepted socket in TLS; the handshake runs on the handler thread's first read,
-    so a stuck client never holds up the accept loop."""
-
-    def __init__(self, handler: type[BaseHTTPRequestHandler], tls: ssl.SSLContext) -> None:
-        self.tls = tls
-        super().__init__(("127.0.0.1", 0), handler)
-
-    def get_request(self) -> tuple[socket.socket, object]:
-        sock, address = super().get_request()
-        return self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), address
-
-
 class S3FaultProxy:
-    def __init__(self, upstream: str, tls: TestCA | None = None, role: str = "s3") -> None:
+    def __init__(self, upstream: str, ca: TestCA | None = None, role: str = "s3") -> None:
         self.upstream = urlsplit(upstream)
-        self.tls = tls
+        self.ca = ca
         self.faults = Faults()
         self.gets: list[str] = []
         #: (key, Range header or None) of every GET, in order
@@ -164,21 +150,28 @@ class S3FaultProxy:
 
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
 
-        if tls is None:
-            self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-            self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
-        else:
-            self._server = _TLSServer(Handler, tls.server_context())
-            self.endpoint = tls.url(self._server.server_address[1], role)
-        self._server.daemon_threads = True
+        context = None if ca is None else ca.server_context()
+        self._server = TLSThreadingHTTPServer(("127.0.0.1", 0), Handler, context)
+        port = self._server.server_address[1]
+        self.endpoint = f"http://127.0.0.1:{port}" if ca is None else ca.url(port, role)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
+    @property
+    def handshakes(self) -> int:
+        """TLS handshakes the proxy completed with its clients (over HTTPS)."""
+        return self._server.handshakes
+
+    @property
+    def accepted(self) -> int:
+        """Connections the proxy accepted from its clients."""
+        return self._server.accepted
+
     def _upstream_connection(self) -> http.client.HTTPConnection:
-        host, port = self.upstream.hostname or "127.0.0.1", self.upstream.port
-        if self.upstream.scheme != "https":
-            return http.client.HTTPConnection(host, port, timeout=60)
-        context = self.tls.client_context() if self.tls is not None else None
-        return http.client.HTTPSConnection(host, port, timeout=60, context=context)
+        host, port = self.upstream.hostname, self.upstream.port
+        if self.upstream.scheme == "https":
+            context = self.ca.client_context() if self.ca else ssl.create_default_context()
+            return http.client.HTTPSConnection(host, port, timeout=60, context=context)
+        return http.client.HTTPConnection(host, port, timeout=60)
 
     def _maybe_flip(self, key: str, start: int, data: bytes, status: int) -> bytes:
         f = self.faults
