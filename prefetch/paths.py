@@ -11,6 +11,7 @@ listing is refused before any byte is fetched. :func:`ref_name_problem` holds gi
 
 from __future__ import annotations
 
+import re
 import unicodedata
 from collections.abc import Iterable
 from typing import Protocol
@@ -25,10 +26,9 @@ MAX_SEGMENT_BYTES = 255
 _REF_FORBIDDEN = frozenset(" ~^:?*[\\")
 
 
-def _is_control(char: str) -> bool:
-    """C0 and C1 control characters and DEL: never part of a name a human meant."""
-    code = ord(char)
-    return code < 0x20 or 0x7F <= code <= 0x9F
+#: C0 and C1 control characters and DEL: never part of a name a human meant. (One regex search
+#: per path instead of a Python call per character: ~28 calls per file of a 1000-file pull.)
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 
 
 def path_problem(path: str) -> str | None:
@@ -41,9 +41,9 @@ def path_problem(path: str) -> str | None:
         return "the path is empty"
     if path.startswith("/"):
         return "the path is absolute"
-    bad = next((c for c in path if _is_control(c)), None)
+    bad = _CONTROL.search(path)
     if bad is not None:
-        return f"the path contains the control character {bad!r}"
+        return f"the path contains the control character {bad.group()!r}"
     try:
         path.encode("utf-8")
     except UnicodeEncodeError:
@@ -150,7 +150,7 @@ def ref_name_problem(ref: str) -> str | None:
     """
     if not ref:
         return "it is empty"
-    bad = next((c for c in ref if _is_control(c) or c in _REF_FORBIDDEN), None)
+    bad = next((c for c in ref if _CONTROL.match(c) or c in _REF_FORBIDDEN), None)
     if bad is not None:
         return f"it contains {bad!r}"
     if ".." in ref:

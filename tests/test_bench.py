@@ -8,10 +8,12 @@ process start-up, and the machine is shared.
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -88,6 +90,49 @@ def test_bench_quick_run_reports_every_row(tmp_path: Path) -> None:
     assert {"verify_on_s", "verify_off_s", "cost_pct"} <= set(res["verify_cost"])
     assert {t["target"].split(":")[0] for t in res["targets"]} >= {"S3", "peak RSS <= 150 MB"}
     assert "| prefetch |" in proc.stdout and "### Targets" in proc.stdout
+    assert [r["row"].split(" ")[-1] for r in res["issue33"]] == ["KiB", "model", "GB", "ceiling"]
+    assert "### The cost of a file and of a byte (issue 33)" in proc.stdout
+
+
+def _row(tool: str, walls: list[float], cpu: float, mb_s: float = 100.0) -> dict[str, Any]:
+    return {"tool": tool, "available": True, "median_wall_s": sorted(walls)[len(walls) // 2],
+            "walls": walls, "cpu_s": cpu, "mb_s": mb_s}  # fmt: skip
+
+
+def test_bench_prints_the_four_rows_of_issue_33_with_their_targets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The report's issue-33 table from a results dict (no servers, nothing timed): CPU per
+    file against s5cmd, the whole model against every peer round by round, CPU per GB against
+    curl, the share of the ceiling; each with its target and whether it is met."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    report = importlib.import_module("report")
+    res = {
+        "small_files": {"files": 1000, "file_size": 102400, "rows": [
+            _row("prefetch", [1.0, 1.1, 0.9], 0.9), _row("s5cmd", [0.8, 0.8, 0.8], 0.8)]},
+        "compare": {"expected_bytes": 10**9, "rows": [
+            _row("prefetch", [2.0, 1.8, 1.9], 0.6, mb_s=500.0),
+            _row("s5cmd", [2.5, 1.7, 2.6], 2.0, mb_s=400.0),
+            _row("rclone", [3.0, 3.0, 3.0], 2.0, mb_s=330.0),
+            _row("ceiling-get", [1.0, 1.0, 1.0], 0.5, mb_s=1000.0),
+            _row("ceiling-dd", [0.5, 0.5, 0.5], 0.3, mb_s=2000.0)]},
+    }  # fmt: skip
+    rows = {r["row"]: r for r in report.issue33_rows(res)}
+    assert list(rows) == [
+        "1000 x 100 KiB", "0.931 GiB, whole model", "CPU per GB", "share of the ceiling"
+    ]  # fmt: skip
+    small = rows["1000 x 100 KiB"]
+    assert "0.90 ms CPU per file" in small["prefetch"] and "0.80 ms per file" in small["peer"]
+    assert small["met"] is True  # 1.125x <= 1.2x
+    whole = rows["0.931 GiB, whole model"]
+    assert "1.06" in whole["target"] and whole["met"] is False  # round 2: 1.8 s vs s5cmd 1.7 s
+    assert rows["CPU per GB"]["met"] is True  # 0.6 vs 0.5 CPU-s per GB: 1.2x
+    assert "1.20x" in rows["CPU per GB"]["target"]
+    ceiling = rows["share of the ceiling"]
+    assert ceiling["prefetch"].startswith("50%") and ceiling["met"] is False
+    assert "ceiling-get 1000 MB/s" in ceiling["peer"]
+    text = report.issue33_table(list(rows.values()))
+    assert "| 1000 x 100 KiB | 1.00 s, **0.90 ms CPU per file** |" in text
 
 
 S3_ROWS = {"prefetch", "prefetch-noverify", "s5cmd", "s5cmd-tuned", "rclone", "rclone-mts8", "aws",

@@ -45,6 +45,26 @@ def test_the_alarms_run_on_time_skip_cancelled_ones_and_end_their_thread_when_id
     assert again.wait(5)
 
 
+def test_an_alarm_later_than_the_earliest_does_not_wake_the_alarm_thread() -> None:
+    """Issue 33: every small object's GET schedules an alarm; waking the alarm thread for each
+    cost a thread switch and a GIL hand-off per file. The thread sleeps until the earliest
+    alarm, so it is woken only by an alarm earlier than that one, which still runs on time;
+    cancelled alarms do not pile up in the heap."""
+    alarms = Alarms(idle=5.0)
+    later = threading.Event()
+    alarms.schedule(30.0, later.set)  # starts the thread, which sleeps until then
+    for _ in range(200):  # like 200 small GETs, each finished well before its bound
+        alarms.schedule(60.0, later.set).cancel()
+        time.sleep(0.001)  # (lets the alarm thread run, were it woken)
+    assert alarms.wakeups <= 2  # its start (+ a spurious one); not one per alarm
+    for _ in range(1500):
+        alarms.schedule(60.0, later.set).cancel()
+    assert alarms.pending <= 1024  # the cancelled ones are dropped, not 1701 in the heap
+    earlier = threading.Event()
+    alarms.schedule(0.05, earlier.set)  # earlier than the head: wakes the thread
+    assert earlier.wait(10) and not later.is_set()
+
+
 def test_call_with_deadline_returns_raises_or_gives_up_on_a_server_that_never_answers(
     test_ca: TestCA,
 ) -> None:

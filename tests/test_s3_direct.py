@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from prefetch.errors import AccessDeniedError, BucketNotFoundError
+from prefetch.sources import s3_direct
 from prefetch.sources.s3 import LazyS3Client, S3Source, lazy_s3_client
 from prefetch.sources.s3_botocore import BotocoreObjects
 from prefetch.sources.s3_direct import (
@@ -443,3 +444,35 @@ def test_the_two_signers_sign_an_object_request_alike(monkeypatch, token):
     chained = BotocoreSigner(_RequestSigner()).sign("GET", url, "eu-west-1", headers)
     chained.pop("host", None)  # http.client sends it; the static signer does not return it
     assert static == chained
+
+
+def test_the_static_signer_derives_its_signing_key_once_a_day_and_signs_as_without_it() -> None:
+    """Issue 33: the SigV4 signing key (four HMACs) is derived once per day and region, not per
+    request; every signature equals the uncached one's, also across a day change, and only
+    the current day's key is kept."""
+    from prefetch.sources.s3_direct import StaticKeySigner
+
+    creds = StaticCredentials(KEYS.access_key, KEYS.secret_key, None)
+    when = [WHEN]
+    signer = StaticKeySigner(creds, clock=lambda: when[0])
+    url = "http://127.0.0.1:8333/bkt/m/a.bin"
+    headers = {"Range": "bytes=0-9"}
+    derived: list[tuple[str, str]] = []
+    real = s3_direct.signing_key
+
+    def counting(secret: str, day: str, region: str) -> bytes:
+        derived.append((day, region))
+        return real(secret, day, region)
+
+    day2 = WHEN + datetime.timedelta(days=1)
+    expected = [
+        sign_v4("GET", url, creds, "eu-west-1", now=t, headers=headers) for t in (WHEN, day2)
+    ]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(s3_direct, "signing_key", counting)
+        got = [signer.sign("GET", url, "eu-west-1", headers) for _ in range(3)]
+        when[0] = day2
+        got.append(signer.sign("GET", url, "eu-west-1", headers))
+    assert got == [expected[0]] * 3 + [expected[1]]
+    assert [d for d, _ in derived] == [WHEN.strftime("%Y%m%d"), day2.strftime("%Y%m%d")]
+    assert list(signer.keys) == [(KEYS.secret_key, when[0].strftime("%Y%m%d"), "eu-west-1")]

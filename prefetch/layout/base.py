@@ -282,7 +282,9 @@ class RecordBook:
     def compact(self, data: Records) -> None:
         with self._lock:
             self._close_log()
-            atomic_write(self.manifest, json.dumps(data, indent=1, sort_keys=True).encode())
+            # one line: ``indent`` makes json use its pure-Python encoder, ~0.1 ms per record
+            # (1000 small files: ~6% of the pull's CPU, issue 33); the C encoder otherwise
+            atomic_write(self.manifest, json.dumps(data, sort_keys=True).encode())
             with contextlib.suppress(FileNotFoundError):
                 self.log.unlink()
 

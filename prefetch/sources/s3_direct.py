@@ -96,13 +96,16 @@ def sign_v4(
     *,
     now: datetime.datetime | None = None,
     headers: Mapping[str, str] | None = None,
+    keys: dict[tuple[str, str, str], bytes] | None = None,
 ) -> dict[str, str]:
     """The headers to send with a bodyless S3 request for ``url`` (path and query already
     encoded as sent: see :func:`canonical_query`): ``headers`` (names lowercased; all of them
     signed, as botocore signs a GET's Range and If-Match and must sign every ``x-amz-*``), plus
     X-Amz-Date, X-Amz-Content-SHA256, [X-Amz-Security-Token] and Authorization. The Host header
     signed is the one ``http.client`` sends (the port only when it is not the scheme's
-    default); it is not returned: set twice, a proxy refuses the request."""
+    default); it is not returned: set twice, a proxy refuses the request. ``keys``: a cache of
+    signing keys by (secret, day, region) the caller keeps (the key changes once a day; deriving
+    it is four HMACs per request otherwise)."""
     now = now or datetime.datetime.now(datetime.UTC)
     amz_date = now.strftime("%Y%m%dT%H%M%SZ")
     day = amz_date[:8]
@@ -130,9 +133,13 @@ def sign_v4(
     to_sign = "\n".join(
         ["AWS4-HMAC-SHA256", amz_date, scope, hashlib.sha256(canonical.encode()).hexdigest()]
     )
-    key = f"AWS4{credentials.secret_key}".encode()
-    for part in (day, region, "s3", "aws4_request"):
-        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+    cached = (credentials.secret_key, day, region)
+    key = keys.get(cached) if keys is not None else None
+    if key is None:
+        key = signing_key(credentials.secret_key, day, region)
+        if keys is not None:
+            keys.clear()  # only today's (a day change drops yesterday's)
+            keys[cached] = key
     signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
     headers["authorization"] = (
         f"AWS4-HMAC-SHA256 Credential={credentials.access_key}/{scope}, "
@@ -140,6 +147,14 @@ def sign_v4(
     )
     del headers["host"]
     return headers
+
+
+def signing_key(secret_key: str, day: str, region: str) -> bytes:
+    """SigV4's signing key for S3 on ``day`` (YYYYMMDD) in ``region``."""
+    key = f"AWS4{secret_key}".encode()
+    for part in (day, region, "s3", "aws4_request"):
+        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+    return key
 
 
 def _host_header(parts: SplitResult) -> str:
@@ -169,12 +184,15 @@ class StaticKeySigner:
     ) -> None:
         self.credentials = credentials
         self._clock = clock  # tests: a fixed time (None: now)
+        self.keys: dict[tuple[str, str, str], bytes] = {}  # today's signing key (sign_v4)
 
     def sign(
         self, method: str, url: str, region: str, headers: Mapping[str, str]
     ) -> dict[str, str]:
         now = self._clock() if self._clock is not None else None
-        return sign_v4(method, url, self.credentials, region, now=now, headers=headers)
+        return sign_v4(
+            method, url, self.credentials, region, now=now, headers=headers, keys=self.keys
+        )
 
 
 def bucket_base_url(bucket: str, endpoint_url: str | None, region: str) -> str:
