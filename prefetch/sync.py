@@ -468,7 +468,8 @@ def _deadline_left(config: TransferConfig, started: float) -> TransferConfig:
     if config.deadline is None:
         return config
     left = config.deadline - (time.monotonic() - started)
-    return dataclasses.replace(config, deadline=max(left, 0.001))
+    stated = config.stated_deadline or config.deadline
+    return dataclasses.replace(config, deadline=max(left, 0.001), stated_deadline=stated)
 
 
 @dataclass

@@ -109,6 +109,9 @@ class TransferConfig:
     min_rate: int = 64 * 1024
     stall_window: float = 30.0
     deadline: float | None = None
+    #: The deadline as the user set it, for messages, when ``deadline`` is what is left of it
+    #: after resolving (None: ``deadline`` itself).
+    stated_deadline: float | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.concurrency <= 512:
@@ -316,7 +319,8 @@ class Transfer:
                     if self._watchdog.deadline_passed:
                         raise DeadlineExceededError(
                             f"the transfer did not finish within its deadline of "
-                            f"{self._config.deadline:g}s; the partial files are kept",
+                            f"{self._config.stated_deadline or self._config.deadline:g}s; "
+                            "the partial files are kept",
                             hint="run the pull again to resume, or raise --deadline",
                         ) from exc
                     raise

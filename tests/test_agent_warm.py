@@ -18,6 +18,11 @@ from tests.support import AgentThread, config_text, model_status, upload, wait_f
 
 MiB = 1024 * 1024
 
+#: A warm-up that read every byte ends ``warm``, or ``partial`` when the machine's memory pressure
+#: pushed some of it out of the page cache before the residency check (which tests/test_warm.py
+#: covers with its own files): which one is the machine's, not the agent's, to decide.
+ENDED = ("warm", "partial")
+
 
 def model_files(agent: Agent, name: str) -> list[Path]:
     spec = agent.config.model(name)
@@ -83,7 +88,7 @@ def test_a_warm_page_cache_model_is_resident_after_it_is_ready(
     )
     agent = Agent(config, s3_client=s3_client, serve=False, tick=0.2)
     with AgentThread(agent):
-        wait_for(lambda: warm_state(agent, "w") == "warm", "w's warm-up", dump=agent.status)
+        wait_for(lambda: warm_state(agent, "w") in ENDED, "w's warm-up", dump=agent.status)
         wait_for(lambda: model_status(agent, "cold").get("ready"), "cold", dump=agent.status)
         w = model_status(agent, "w")
         assert w["ready"]
@@ -134,7 +139,7 @@ def test_gate_on_warm_holds_readiness_until_the_warm_up_ends_and_warm_alone_does
         assert w["ready"] and "warming the page cache" in w["detail"]
         assert agent.readiness()[0] == 503  # g is required and not ready yet
         wait_for(lambda: model_status(agent, "g").get("ready"), "g ready", dump=agent.status)
-        assert warm_state(agent, "g") == "warm"
+        assert warm_state(agent, "g") in ENDED
         for f in model_files(agent, "g"):
             assert resident_bytes(f) >= f.stat().st_size
 

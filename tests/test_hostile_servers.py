@@ -501,16 +501,20 @@ def test_a_trickling_model_never_keeps_a_healthy_one_waiting(
         # one attempt of the slow model (1 s stall windows), then the fast one.
         wait_for(lambda: is_ready(agent, "fast"), "the healthy model", timeout=300,
                  dump=agent.status)  # fmt: skip
-        slow = model_status(agent, "slow")
-        assert not slow["ready"] and "stalled" in (slow.get("last_error") or ""), slow
+        assert not model_status(agent, "slow")["ready"]
+        # the stalled sync did not hold the only slot (issue 29 item 18), and still ends by the
+        # engine's stall rule
+        wait_for(
+            lambda: "stalled" in (model_status(agent, "slow").get("last_error") or ""),
+            "the slow model's stall", timeout=300, dump=agent.status,
+        )  # fmt: skip
     lines = [r.getMessage() for r in caplog.records]
     slow_began = [i for i, m in enumerate(lines) if m.startswith("slow: 1 of 1 files")]
     slow_failed = next(i for i, m in enumerate(lines) if m.startswith("slow: sync failed"))
     fast_began = next(i for i, m in enumerate(lines) if m.startswith("fast: 1 of 1 files"))
     fast_ready = next(i for i, m in enumerate(lines) if m.startswith("ModelReady: Model fast"))
-    # one attempt of the slow model, ended by the stall rule; the slot went to the fast one
-    assert "stalled" in lines[slow_failed] and slow_failed < fast_began < fast_ready
-    assert slow_began[0] < slow_failed and all(i > fast_began for i in slow_began[1:])
+    # the slow model went first; the fast one started while it stalled, and was ready
+    assert "stalled" in lines[slow_failed] and slow_began[0] < fast_began < fast_ready
 
 
 def test_a_trickling_small_object_get_is_cut_and_retried(s3: MisbehavingS3, tmp_path: Path) -> None:

@@ -38,7 +38,9 @@ def _third_party_imports() -> set[str]:
                 found.update(alias.name.split(".")[0] for alias in node.names)
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 found.add(node.module.split(".")[0])
-    return {m for m in found if m not in sys.stdlib_module_names and m != "prefetch"}
+    # _typeshed: the standard library's type stubs, imported only under TYPE_CHECKING
+    stdlib = {*sys.stdlib_module_names, "_typeshed"}
+    return {m for m in found if m not in stdlib and m != "prefetch"}
 
 
 def test_runtime_dependencies_are_exactly_what_the_package_imports() -> None:
