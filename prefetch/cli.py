@@ -29,6 +29,7 @@ from prefetch.errors import (
     ConfigError,
     LayoutError,
     PrefetchError,
+    TlsError,
     VerifyError,
 )
 from prefetch.progress import NullProgress, ProgressSink, TerminalProgress
@@ -170,7 +171,7 @@ class _Group(HelpGroup):
         except PrefetchError as exc:
             if debug:
                 raise
-            fail(exc)
+            fail(with_trust_note(exc, ctx) if isinstance(exc, TlsError) else exc)
             ctx.exit(1)
         except KeyboardInterrupt:
             click.echo(ctx.meta.get(INTERRUPTED_NOTE, "Interrupted."), err=True)
@@ -403,9 +404,33 @@ def proxy_option(fn: F) -> F:
     )(fn)  # fmt: skip
 
 
-def _checked_ca_bundle(_ctx: click.Context, _param: click.Parameter, value: str | None) -> Any:
+#: ``ctx.meta`` key (shared by a command and its group): the ``--ca-bundle`` the command got.
+CA_BUNDLE_FLAG = "prefetch.ca_bundle"
+
+
+def _checked_ca_bundle(ctx: click.Context, _param: click.Parameter, value: str | None) -> Any:
     """The flag's file, checked now (a one-line error naming --ca-bundle)."""
-    return None if not value else settings.check_ca_bundle(value, "--ca-bundle")
+    checked = None if not value else settings.check_ca_bundle(value, "--ca-bundle")
+    ctx.meta[CA_BUNDLE_FLAG] = checked
+    return checked
+
+
+def with_trust_note(exc: TlsError, ctx: click.Context) -> TlsError:
+    """``exc`` with its hint saying which CA bundle this run trusted and where that choice came
+    from: a variable set for other tools (a system-wide REQUESTS_CA_BUNDLE) comes before the
+    SSL_CERT_FILE a user just set, and the refusal alone does not say so."""
+    flag = ctx.meta.get(CA_BUNDLE_FLAG)
+    try:
+        trusted = settings.CaBundle(flag, "--ca-bundle") if flag else settings.ca_bundle()
+    except ConfigError:
+        return exc
+    if trusted.path is None:
+        return exc
+    note = f"this run trusted {trusted.path}, from {trusted.origin}"
+    if trusted.origin in settings.CA_BUNDLE_VARIABLES:
+        note += ", the first of those variables that is set"
+    hint = f"{exc.hint}; {note}" if exc.hint else note
+    return TlsError(str(exc), hint=hint)
 
 
 def ca_bundle_option(fn: F) -> F:

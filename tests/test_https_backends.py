@@ -523,6 +523,37 @@ def test_a_refused_hub_certificate_is_one_line_and_no_retry(
     _check_refusal(proc, case, endpoint.split("//")[1], dest, relay, time.monotonic() - t0)
 
 
+def test_a_refusal_says_which_bundle_this_run_trusted_and_where_it_came_from(
+    hub_tls: tuple[HubServer, TlsRelay, TlsRelay], test_ca: TestCA, tmp_path: Path
+) -> None:
+    """A REQUESTS_CA_BUNDLE set for other tools (many images name the system store with it)
+    comes before the SSL_CERT_FILE a user just set: the refusal's hint says which file was
+    trusted, and from where."""
+    hub, _, _ = hub_tls
+    other = tmp_path / "other-ca.pem"
+    trustme.CA().cert_pem.write_to_path(str(other))
+    env = _env(
+        tmp_path, HF_ENDPOINT=hub.endpoint, REQUESTS_CA_BUNDLE=str(other),
+        SSL_CERT_FILE=str(test_ca.ca_file),
+    )  # fmt: skip
+    proc = run_cli("pull", f"hf://{HUB_REPO}", str(tmp_path / "a"), env=env)
+    assert proc.returncode == 1
+    hint = proc.stderr.strip().splitlines()[-1]
+    assert (
+        hint.startswith("Hint: ") and f"this run trusted {other}, from REQUESTS_CA_BUNDLE" in hint
+    )
+    flag = ("--ca-bundle", str(other))
+    proc = run_cli(
+        "pull",
+        f"hf://{HUB_REPO}",
+        str(tmp_path / "b"),
+        *flag,
+        env=_env(tmp_path, HF_ENDPOINT=hub.endpoint),
+    )
+    assert proc.returncode == 1
+    assert f"this run trusted {other}, from --ca-bundle" in proc.stderr.strip().splitlines()[-1]
+
+
 @pytest.mark.parametrize("case", REFUSALS)
 def test_a_refused_s3_certificate_is_one_line_and_no_retry(
     case: str, s3_server: SeaweedS3, s3_client: Any, bucket: str, test_ca: TestCA,
