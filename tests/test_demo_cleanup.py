@@ -79,6 +79,9 @@ def test_the_demo_prints_its_pull_and_removes_its_data(tmp_path: Path) -> None:
     lines = err.splitlines()
     command = lines[lines.index("Pulling; the same by hand:") + 1].strip()
     assert f" prefetch pull s3://{BUCKET}/{PREFIX}/ {work}/pulled --endpoint-url http" in command
+    # copied after the demo, the command finds no server: the line under it says so
+    note = lines[lines.index("Pulling; the same by hand:") + 2].strip()
+    assert note.startswith("(it reaches the demo's server, which stops when the demo ends;")
     assert f"The model was in {work}/pulled (--keep keeps it" in err
     assert lines[-1] == f"Removed the demo's data ({work}); --keep keeps it"
     assert not work.exists()
