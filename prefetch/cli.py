@@ -7,6 +7,7 @@ warnings, errors) goes to stderr. Every PrefetchError becomes one ``Error: ...``
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -17,7 +18,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -336,6 +337,32 @@ def stop_on_sigterm() -> threading.Event:
     return stop
 
 
+def missing_folders(dest: str) -> list[Path]:
+    """The folders a pull into ``dest`` creates (``dest`` first, then its missing parents)."""
+    path = Path(dest).expanduser().resolve()
+    made: list[Path] = []
+    while not path.exists() and path != path.parent:
+        made.append(path)
+        path = path.parent
+    return made
+
+
+@contextlib.contextmanager
+def removed_if_empty_on_failure(made: list[Path]) -> Iterator[None]:
+    """On a failure (a refused certificate, no network, a typo in the name, Ctrl-C), the
+    folders the command created are removed again while they are empty: a pull that got
+    nothing leaves nothing behind (a partial download is not empty: it stays, to resume)."""
+    try:
+        yield
+    except BaseException:
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+
+
 def writable_destination(dest: str) -> Path:
     path = Path(dest).expanduser().resolve()
     try:
@@ -635,22 +662,24 @@ def pull(
         hub_fallback=hub_fallback, ca_bundle=ca_bundle,
     )  # fmt: skip
     record.model = spec.name
+    made = missing_folders(dest)
     root = writable_destination(dest)
     record.path = str(root)
-    opened = open_pull_source(
-        spec, layout_name, config, s3_endpoint=endpoint_url, hub_endpoint=endpoint, token=token
-    )
-    spec, source, snapshot = opened.spec, opened.source, opened.snapshot
-    layout = layout_for(spec, root, layout_name=opened.layout)
-    show = sys.stderr.isatty() if progress is None else progress
-    bar: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()
-    sink = NoteWhenStarted(bar, "Interrupted; partial downloads are kept and resume next time.")
-    t0 = time.monotonic()
-    try:
-        result = sync(spec, source, layout, config, progress=sink, delete=delete,
-                      stop=stop_on_sigterm(), so_far=record, snapshot=snapshot)  # fmt: skip
-    finally:
-        record.seconds = round(time.monotonic() - t0, 3)
+    with removed_if_empty_on_failure(made):
+        opened = open_pull_source(
+            spec, layout_name, config, s3_endpoint=endpoint_url, hub_endpoint=endpoint, token=token
+        )
+        spec, source, snapshot = opened.spec, opened.source, opened.snapshot
+        layout = layout_for(spec, root, layout_name=opened.layout)
+        show = sys.stderr.isatty() if progress is None else progress
+        bar: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()
+        sink = NoteWhenStarted(bar, "Interrupted; partial downloads are kept and resume next time.")
+        t0 = time.monotonic()
+        try:
+            result = sync(spec, source, layout, config, progress=sink, delete=delete,
+                          stop=stop_on_sigterm(), so_far=record, snapshot=snapshot)  # fmt: skip
+        finally:
+            record.seconds = round(time.monotonic() - t0, 3)
     warmed = None
     if warm:
         from prefetch.warm import WarmLimits, published_files, warm_files
