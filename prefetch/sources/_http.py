@@ -318,6 +318,12 @@ NETWORK_HINT = (
 )
 
 
+#: Said with every failure of the proxy itself (not reachable, refusing, wanting credentials).
+PROXY_HINT = (
+    "check HTTPS_PROXY / HTTP_PROXY (or --proxy URL; --proxy none goes direct) and NO_PROXY"
+)
+
+
 def connection_failure(exc: BaseException) -> str | None:
     """``cannot reach HOST:PORT: why`` when ``exc`` is urllib3's failure to open a connection
     (no DNS answer, refused, timed out), else None. urllib3 words these with the connection
@@ -393,7 +399,8 @@ def transport_error(exc: BaseException, what: str) -> SourceError:
         from prefetch.sources.proxy_auth import proxy_failure  # a proxy's refusal: rare
 
         reason, transient = proxy_failure(exc)
-        return (TransientSourceError if transient else SourceError)(f"{what}: {reason}")
+        cls = TransientSourceError if transient else SourceError
+        return cls(f"{what}: {reason}", hint=PROXY_HINT)
     if isinstance(exc, urllib3.exceptions.HTTPError | http.client.HTTPException | OSError):
         return TransientSourceError(f"{what}: {type(exc).__name__}: {exc}")
     return SourceError(f"{what}: {type(exc).__name__}: {exc}")
