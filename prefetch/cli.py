@@ -964,6 +964,8 @@ def demo(size: str, dest: str | None, keep: bool, as_json: bool) -> None:
 
     total = size_option(size, "--size")
     assert total is not None
+    if dest:  # checked before a model is generated and a server started, as `pull` checks it
+        dest = str(writable_destination(dest))
     on_interrupt("Interrupted; the demo's server is stopped.")
     run_demo(total, dest, as_json=as_json, keep=keep)
 

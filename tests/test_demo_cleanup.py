@@ -214,3 +214,15 @@ def test_one_ctrl_c_stops_a_server_that_ignores_sigterm_without_the_whole_grace(
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
     assert elapsed < STOP_GRACE / 2, elapsed  # generous: it is about one second
+
+
+def test_an_unusable_dest_is_one_error_line_before_anything_starts(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    proc = _demo(tmp_path, "--dest", str(blocker / "model"))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err
+    assert err.splitlines() == [
+        f"Error: cannot create the destination {blocker / 'model'}: Not a directory"
+    ]
+    assert list(tmp_path.iterdir()) == [blocker]  # no demo folder made in the temp directory
