@@ -454,8 +454,6 @@ def with_trust_note(exc: TlsError, ctx: click.Context) -> TlsError:
     if trusted.path is None:
         return exc
     note = f"this run trusted {trusted.path}, from {trusted.origin}"
-    if trusted.origin in settings.CA_BUNDLE_VARIABLES:
-        note += ", the first of those variables that is set"
     hint = f"{exc.hint}; {note}" if exc.hint else note
     return TlsError(str(exc), hint=hint)
 

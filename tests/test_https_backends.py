@@ -660,6 +660,46 @@ def test_the_ca_bundle_order_is_flag_then_variables_then_profile_then_system(
     assert ca_bundle(environ=env).path is None  # the system's store
 
 
+def test_a_variable_naming_the_public_store_gives_way_to_a_private_ca(
+    test_ca: TestCA, tmp_path: Path
+) -> None:
+    """Images often set REQUESTS_CA_BUNDLE (or SSL_CERT_FILE) to the public store for every
+    tool: that chooses nothing, so the private CA a user names in a later variable or the AWS
+    profile is the one trusted; alone, the public store is still what the run is given."""
+    import certifi
+
+    from prefetch.settings import ca_bundle
+
+    public = certifi.where()
+    private = str(test_ca.ca_file)
+    env = {"REQUESTS_CA_BUNDLE": public, "SSL_CERT_FILE": private}
+    assert (ca_bundle(environ=env).path, ca_bundle(environ=env).origin) == (
+        private, "SSL_CERT_FILE"
+    )  # fmt: skip
+    env = {"SSL_CERT_FILE": public, "AWS_CA_BUNDLE": private}
+    assert ca_bundle(environ=env).path == private
+    config = tmp_path / "aws-config"
+    config.write_text(f"[profile p]\nca_bundle = {private}\n")
+    env = {"REQUESTS_CA_BUNDLE": public, "AWS_CONFIG_FILE": str(config), "AWS_PROFILE": "p"}
+    assert ca_bundle(environ=env).path == private
+    assert ca_bundle(environ={"REQUESTS_CA_BUNDLE": public}).path == public
+    assert ca_bundle(public, environ={"SSL_CERT_FILE": private}).path == public  # a flag: as is
+
+
+def test_a_hub_pull_trusts_ssl_cert_file_beside_a_public_requests_ca_bundle(
+    hub_tls: tuple[HubServer, TlsRelay, TlsRelay], test_ca: TestCA, tmp_path: Path
+) -> None:
+    """The issue's own command, on a machine whose environment names the public store."""
+    import certifi
+
+    hub, _, _ = hub_tls
+    env = _env(
+        tmp_path, HF_ENDPOINT=hub.endpoint, REQUESTS_CA_BUNDLE=certifi.where(),
+        SSL_CERT_FILE=str(test_ca.ca_file),
+    )  # fmt: skip
+    _ok(run_cli("pull", f"hf://{HUB_REPO}", str(tmp_path / "d"), "--attempts", "3", env=env))
+
+
 def test_the_agents_ca_bundle_keys_are_checked_when_the_config_loads(
     test_ca: TestCA, tmp_path: Path
 ) -> None:
