@@ -163,6 +163,23 @@ def test_a_proxy_nobody_answers_is_named_by_host_and_port_with_a_proxy_hint(
     assert_no_password(proc.stdout, proc.stderr)
 
 
+def test_an_https_proxy_url_for_a_plain_proxy_names_the_proxy(tmp_path: Path) -> None:
+    """TLS to the proxy itself fails (its port speaks plain HTTP): the error names the proxy,
+    not the target, and never its password."""
+    with ForwardProxy() as proxy:
+        env = clean_env(tmp_path / "hf", HF_ENDPOINT="https://hub.invalid")
+        url = with_credentials(proxy.url).replace("http://", "https://")
+        env["HTTPS_PROXY"] = url
+        env["NO_PROXY"] = ""
+        proc = run_cli("pull", "hf://acme/x", str(tmp_path / "d"), "--attempts", "1", env=env)
+    assert proc.returncode == 1
+    error = proc.stderr.splitlines()[0]
+    port = proxy.url.rsplit(":", 1)[1]
+    assert f": the proxy https://127.0.0.1:{port}: TLS handshake failed: " in error, error
+    assert "Traceback" not in proc.stderr
+    assert_no_password(proc.stdout, proc.stderr)
+
+
 def test_wrong_proxy_credentials_on_the_s3_path_are_one_clear_error_line(
     auth_proxy: ForwardProxy, s3_server: Any, tmp_path: Path, s3_env: dict[str, str]
 ) -> None:

@@ -609,7 +609,23 @@ def send(
         if refused is None:
             raise
         raise refused from exc
+    except urllib3.exceptions.ProxyError as exc:  # TLS to an https:// proxy itself, refused
+        proxy = _proxy_of(http, url)
+        refused = None if proxy is None else tls_error(exc, f"the proxy {proxy}")
+        if refused is None:
+            raise
+        raise refused from exc
     return Sent(resp)
+
+
+def _proxy_of(http: HttpClient, url: str) -> str | None:
+    """``scheme://host:port`` of the proxy ``http`` sends ``url`` through (never its
+    credentials), or None when it goes direct."""
+    manager = http.manager_for(url) if isinstance(http, ProxyRouter) else http
+    if not isinstance(manager, urllib3.ProxyManager) or manager.proxy is None:
+        return None
+    proxy = manager.proxy
+    return f"{proxy.scheme}://{proxy.host}:{proxy.port}"
 
 
 def check_range_answer(
