@@ -11,9 +11,9 @@ from pathlib import Path
 
 import click
 
-from prefetch.cli import ca_bundle_option
+from prefetch.cli import ca_bundle_option, json_even_on_failure
 from prefetch.clihelp import HelpGroup
-from prefetch.compile_cache import DEFAULT_LEASE, DEFAULT_SETTLE, CacheKey, push
+from prefetch.compile_cache import DEFAULT_LEASE, DEFAULT_SETTLE, CacheKey, PushResult, push
 
 
 @click.group(
@@ -95,6 +95,7 @@ def key_cmd(
     help="Seconds a claim holds the key unrenewed; a push that dies blocks it this long.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON result on stdout.")
+@json_even_on_failure(lambda params: PushResult(uri=params["uri"], uploaded=False))
 def push_cmd(
     directory: Path,
     uri: str,
@@ -103,6 +104,7 @@ def push_cmd(
     settle: float,
     lease: float,
     as_json: bool,
+    record: PushResult,
 ) -> None:
     """Publish the finished compile cache DIRECTORY at URI (s3://bucket/prefix/<key>), unless
     one is there already: the first writer wins, nothing is overwritten. A claim left by a

@@ -7,6 +7,7 @@ warnings, errors) goes to stderr. Every PrefetchError becomes one ``Error: ...``
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -17,7 +18,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -29,6 +30,7 @@ from prefetch.errors import (
     ConfigError,
     LayoutError,
     PrefetchError,
+    TlsError,
     VerifyError,
 )
 from prefetch.progress import NullProgress, ProgressSink, TerminalProgress
@@ -170,7 +172,7 @@ class _Group(HelpGroup):
         except PrefetchError as exc:
             if debug:
                 raise
-            fail(exc)
+            fail(with_trust_note(exc, ctx) if isinstance(exc, TlsError) else exc)
             ctx.exit(1)
         except KeyboardInterrupt:
             click.echo(ctx.meta.get(INTERRUPTED_NOTE, "Interrupted."), err=True)
@@ -335,6 +337,32 @@ def stop_on_sigterm() -> threading.Event:
     return stop
 
 
+def missing_folders(dest: str) -> list[Path]:
+    """The folders a pull into ``dest`` creates (``dest`` first, then its missing parents)."""
+    path = Path(dest).expanduser().resolve()
+    made: list[Path] = []
+    while not path.exists() and path != path.parent:
+        made.append(path)
+        path = path.parent
+    return made
+
+
+@contextlib.contextmanager
+def removed_if_empty_on_failure(made: list[Path]) -> Iterator[None]:
+    """On a failure (a refused certificate, no network, a typo in the name, Ctrl-C), the
+    folders the command created are removed again while they are empty: a pull that got
+    nothing leaves nothing behind (a partial download is not empty: it stays, to resume)."""
+    try:
+        yield
+    except BaseException:
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+
+
 def writable_destination(dest: str) -> Path:
     path = Path(dest).expanduser().resolve()
     try:
@@ -403,9 +431,31 @@ def proxy_option(fn: F) -> F:
     )(fn)  # fmt: skip
 
 
-def _checked_ca_bundle(_ctx: click.Context, _param: click.Parameter, value: str | None) -> Any:
+#: ``ctx.meta`` key (shared by a command and its group): the ``--ca-bundle`` the command got.
+CA_BUNDLE_FLAG = "prefetch.ca_bundle"
+
+
+def _checked_ca_bundle(ctx: click.Context, _param: click.Parameter, value: str | None) -> Any:
     """The flag's file, checked now (a one-line error naming --ca-bundle)."""
-    return None if not value else settings.check_ca_bundle(value, "--ca-bundle")
+    checked = None if not value else settings.check_ca_bundle(value, "--ca-bundle")
+    ctx.meta[CA_BUNDLE_FLAG] = checked
+    return checked
+
+
+def with_trust_note(exc: TlsError, ctx: click.Context) -> TlsError:
+    """``exc`` with its hint saying which CA bundle this run trusted and where that choice came
+    from: a variable set for other tools (a system-wide REQUESTS_CA_BUNDLE) comes before the
+    SSL_CERT_FILE a user just set, and the refusal alone does not say so."""
+    flag = ctx.meta.get(CA_BUNDLE_FLAG)
+    try:
+        trusted = settings.CaBundle(flag, "--ca-bundle") if flag else settings.ca_bundle()
+    except ConfigError:
+        return exc
+    if trusted.path is None:
+        return exc
+    note = f"this run trusted {trusted.path}, from {trusted.origin}"
+    hint = f"{exc.hint}; {note}" if exc.hint else note
+    return TlsError(str(exc), hint=hint)
 
 
 def ca_bundle_option(fn: F) -> F:
@@ -610,22 +660,24 @@ def pull(
         hub_fallback=hub_fallback, ca_bundle=ca_bundle,
     )  # fmt: skip
     record.model = spec.name
+    made = missing_folders(dest)
     root = writable_destination(dest)
     record.path = str(root)
-    opened = open_pull_source(
-        spec, layout_name, config, s3_endpoint=endpoint_url, hub_endpoint=endpoint, token=token
-    )
-    spec, source, snapshot = opened.spec, opened.source, opened.snapshot
-    layout = layout_for(spec, root, layout_name=opened.layout)
-    show = sys.stderr.isatty() if progress is None else progress
-    bar: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()
-    sink = NoteWhenStarted(bar, "Interrupted; partial downloads are kept and resume next time.")
-    t0 = time.monotonic()
-    try:
-        result = sync(spec, source, layout, config, progress=sink, delete=delete,
-                      stop=stop_on_sigterm(), so_far=record, snapshot=snapshot)  # fmt: skip
-    finally:
-        record.seconds = round(time.monotonic() - t0, 3)
+    with removed_if_empty_on_failure(made):
+        opened = open_pull_source(
+            spec, layout_name, config, s3_endpoint=endpoint_url, hub_endpoint=endpoint, token=token
+        )
+        spec, source, snapshot = opened.spec, opened.source, opened.snapshot
+        layout = layout_for(spec, root, layout_name=opened.layout)
+        show = sys.stderr.isatty() if progress is None else progress
+        bar: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()
+        sink = NoteWhenStarted(bar, "Interrupted; partial downloads are kept and resume next time.")
+        t0 = time.monotonic()
+        try:
+            result = sync(spec, source, layout, config, progress=sink, delete=delete,
+                          stop=stop_on_sigterm(), so_far=record, snapshot=snapshot)  # fmt: skip
+        finally:
+            record.seconds = round(time.monotonic() - t0, 3)
     warmed = None
     if warm:
         from prefetch.warm import WarmLimits, published_files, warm_files
@@ -910,6 +962,8 @@ def demo(size: str, dest: str | None, keep: bool, as_json: bool) -> None:
 
     total = size_option(size, "--size")
     assert total is not None
+    if dest:  # checked before a model is generated and a server started, as `pull` checks it
+        dest = str(writable_destination(dest))
     on_interrupt("Interrupted; the demo's server is stopped.")
     run_demo(total, dest, as_json=as_json, keep=keep)
 

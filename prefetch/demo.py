@@ -70,6 +70,13 @@ def run_demo(
         sys.exit(1)
 
 
+#: Said under the printed pull: copied after the demo, it would find no server at that port.
+SERVER_NOTE = (
+    "it reaches the demo's server, which stops when the demo ends; for a bucket of your own, "
+    "leave out the AWS_ variables and --endpoint-url"
+)
+
+
 def _pull_from_a_local_server(
     work: Path, target: Path, total_size: int, say: Callable[[str], None]
 ) -> tuple[SyncResult, VerifyReport, SyncResult]:
@@ -85,6 +92,7 @@ def _pull_from_a_local_server(
         say(f"Uploaded {len(files)} files to {uri} at {server.endpoint} "
             "(shards multipart with CRC64NVME)")  # fmt: skip
         say(f"Pulling; the same by hand:\n  {equivalent_command(server, uri, target)}")
+        say(f"  ({SERVER_NOTE})")
         spec = ModelSpec(source=parse_source_uri(uri), name="llama-demo")
         layout = PlainLayout(target)
         reach = SourceSettings(s3_client=client)

@@ -64,6 +64,12 @@ def free_ports(count: int) -> list[int]:
     return ports
 
 
+#: Seconds the server gets to exit on SIGTERM before SIGKILL; after a Ctrl-C, INTERRUPTED_GRACE
+#: (weed sometimes ignores SIGTERM for the whole grace: a single Ctrl-C then hung 10 s, silent).
+STOP_GRACE = 10.0
+INTERRUPTED_GRACE = 1.0
+
+
 @dataclass
 class SeaweedS3:
     """`weed mini` on loopback. Use as a context manager, or call start()/stop().
@@ -153,8 +159,8 @@ class SeaweedS3:
         self.endpoint = f"{scheme}://{self.host}:{s3}"
         try:
             self._wait_ready()
-        except BaseException:  # a Ctrl-C too: `with` calls no __exit__ when __enter__ raised
-            self.stop()
+        except BaseException as exc:  # a Ctrl-C too: `with` calls no __exit__ when __enter__ raised
+            self.stop(grace=_grace_after(type(exc)))
             raise
         return self
 
@@ -226,14 +232,14 @@ class SeaweedS3:
             return ""
         return "\n".join(self._log_path.read_text(errors="replace").splitlines()[-lines:])
 
-    def stop(self) -> None:
-        """End the server's whole process group and reap it, then remove a data folder of our
-        own. A Ctrl-C during the stop cuts the polite wait short, never the SIGKILL: the
-        interrupt is raised once the group is gone."""
+    def stop(self, grace: float = STOP_GRACE) -> None:
+        """End the server's whole process group (SIGTERM, SIGKILL after ``grace`` seconds) and
+        reap it, then remove a data folder of our own. A Ctrl-C during the stop cuts the polite
+        wait short, never the SIGKILL: the interrupt is raised once the group is gone."""
         proc, self._proc = self._proc, None
         try:
             if proc is not None:
-                end_process_group(proc, grace=10.0)
+                end_process_group(proc, grace=grace)
         finally:
             if self._tmp is not None:
                 self._tmp.cleanup()
@@ -248,7 +254,13 @@ class SeaweedS3:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.stop()
+        self.stop(grace=_grace_after(exc_type))
+
+
+def _grace_after(exc_type: type[BaseException] | None) -> float:
+    """The stop's grace when the ``with`` block ends with ``exc_type`` (None: normally)."""
+    interrupted = exc_type is not None and issubclass(exc_type, KeyboardInterrupt)
+    return INTERRUPTED_GRACE if interrupted else STOP_GRACE
 
 
 @contextlib.contextmanager

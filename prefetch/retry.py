@@ -87,9 +87,8 @@ def gave_up(what: str, attempts: int, exc: TransientSourceError) -> TransientSou
     """The error after the last of ``attempts`` failed with ``exc``: ``what`` once (the last
     error's own ``what:`` prefix is dropped), and its hint kept."""
     detail = str(exc).removeprefix(f"{what}: ")
-    return TransientSourceError(
-        f"{what}: giving up after {attempts} attempts: {detail}", hint=exc.hint
-    )
+    tries = "1 attempt" if attempts == 1 else f"{attempts} attempts"
+    return TransientSourceError(f"{what}: giving up after {tries}: {detail}", hint=exc.hint)
 
 
 def call_with_retries(

@@ -12,6 +12,7 @@ client read for themselves (``HF_OIDC_ID_TOKEN``, ``AWS_PROFILE``...).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -244,22 +245,43 @@ def ca_bundle(
     """THE trust rule, the same for every backend (Hub, S3, OCI, mirrors, pushes): in order
     ``chosen`` (``--ca-bundle`` or a ``caBundle`` config key, named by ``origin``), then
     ``REQUESTS_CA_BUNDLE``, ``SSL_CERT_FILE``, ``AWS_CA_BUNDLE``, then the ``ca_bundle`` of the
-    AWS profile (``aws_profile``, else ``AWS_PROFILE``), else the system's default store.
-    A bundle that is missing or not PEM is a ConfigError naming the file and its origin.
-    Hostname verification is never affected: there is no way to turn verification off."""
+    AWS profile (``aws_profile``, else ``AWS_PROFILE``), else the system's default store. A
+    variable naming a public store (:func:`public_stores`) is passed over for a later one or
+    the profile's, and chosen only when nothing else names a bundle. A bundle that is missing
+    or not PEM is a ConfigError naming the file and its origin. Hostname verification is never
+    affected: there is no way to turn verification off."""
     env = _environ(environ)
     found: tuple[str, str] | None = (chosen, origin) if chosen else None
-    for name in CA_BUNDLE_VARIABLES:
-        if found is None and env.get(name, "").strip():
-            found = (env[name].strip(), name)
+    named = [(env[n].strip(), n) for n in CA_BUNDLE_VARIABLES if env.get(n, "").strip()]
+    # a variable naming the public store itself (many images set REQUESTS_CA_BUNDLE to it for
+    # every tool) chooses nothing: it gives way to one naming a private CA, or the profile's
+    public = public_stores() if named and found is None else frozenset()
+    for path, name in named:
+        if found is None and os.path.realpath(os.path.expanduser(path)) not in public:
+            found = (path, name)
     if found is None:
         section = aws_profile_section({**env, "AWS_PROFILE": aws_profile} if aws_profile else env)
         if section and section.get("ca_bundle"):
             found = (section["ca_bundle"], "the AWS profile's ca_bundle")
+    if found is None and named:
+        found = named[0]  # the public store, named: botocore is given it (else its own bundle)
     if found is None:
         return CaBundle(None, "the system's default store")
     path, where = found
     return CaBundle(check_ca_bundle(path, where), where)
+
+
+def public_stores() -> frozenset[str]:
+    """The real paths of the public CA stores a variable may name without meaning a private CA:
+    OpenSSL's compiled-in default file and certifi's bundle (what requests and botocore ship)."""
+    import ssl  # only when a CA variable is set
+
+    paths = [ssl.get_default_verify_paths().openssl_cafile]
+    with contextlib.suppress(ImportError):
+        import certifi  # requests' and botocore's bundle; installed with them
+
+        paths.append(certifi.where())
+    return frozenset(os.path.realpath(p) for p in paths if p)
 
 
 def check_ca_bundle(path: str, origin: str) -> str:

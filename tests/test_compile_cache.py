@@ -210,6 +210,12 @@ def test_cli_push_refuses_an_unfinished_cache_then_publishes_once(
     assert refused.returncode == 1
     assert refused.stderr.startswith("Error: ") and "cache_ready" in refused.stderr
     assert "Traceback" not in refused.stderr
+    # with --json a failed push prints its one JSON object too, as pull, verify and mirror do
+    refused = run_cli("cache", "push", str(cache), uri, "--settle", "0", "--json", env=s3_env)
+    assert refused.returncode == 1
+    out = json.loads(refused.stdout)
+    assert out["uploaded"] is False and out["uri"] == uri and "cache_ready" in out["error"]
+    assert out["error_reason"] == "compile_cache", out
     vllm_cache(cache)  # now finished
     first = run_cli("cache", "push", str(cache), uri, "--settle", "0", "--json", env=s3_env)
     assert first.returncode == 0, first.stderr

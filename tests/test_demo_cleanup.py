@@ -4,6 +4,7 @@ moment; ``SeaweedS3.stop`` kills the server's group even when a Ctrl-C cuts its 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import selectors
@@ -79,6 +80,9 @@ def test_the_demo_prints_its_pull_and_removes_its_data(tmp_path: Path) -> None:
     lines = err.splitlines()
     command = lines[lines.index("Pulling; the same by hand:") + 1].strip()
     assert f" prefetch pull s3://{BUCKET}/{PREFIX}/ {work}/pulled --endpoint-url http" in command
+    # copied after the demo, the command finds no server: the line under it says so
+    note = lines[lines.index("Pulling; the same by hand:") + 2].strip()
+    assert note.startswith("(it reaches the demo's server, which stops when the demo ends;")
     assert f"The model was in {work}/pulled (--keep keeps it" in err
     assert lines[-1] == f"Removed the demo's data ({work}); --keep keeps it"
     assert not work.exists()
@@ -187,3 +191,38 @@ def test_stop_kills_the_group_even_when_ctrl_c_cuts_its_wait(tmp_path: Path) -> 
     word, returncode, child = done.stdout.split()
     assert (word, returncode) == ("interrupted", str(-signal.SIGKILL))
     assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text()
+
+
+def test_one_ctrl_c_stops_a_server_that_ignores_sigterm_without_the_whole_grace() -> None:
+    """weed sometimes ignores SIGTERM: after a single Ctrl-C (the ``with`` block ends with a
+    KeyboardInterrupt) the server is killed after a short grace, not the 10 s of a normal stop."""
+    from prefetch.locals3 import STOP_GRACE, SeaweedS3
+
+    server = SeaweedS3()
+    server._proc = subprocess.Popen(  # what start() sets: the server, in its own session
+        ["sh", "-c", "trap '' TERM; while :; do sleep 0.1; done"], start_new_session=True
+    )
+    proc = server._proc
+    time.sleep(0.2)  # the trap is set
+    t0 = time.monotonic()
+    try:
+        server.__exit__(KeyboardInterrupt, KeyboardInterrupt(), None)
+        elapsed = time.monotonic() - t0
+    finally:  # never leave it running, whatever the verdict
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert elapsed < STOP_GRACE / 2, elapsed  # generous: it is about one second
+
+
+def test_an_unusable_dest_is_one_error_line_before_anything_starts(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    proc = _demo(tmp_path, "--dest", str(blocker / "model"))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err
+    assert err.splitlines() == [
+        f"Error: cannot create the destination {blocker / 'model'}: Not a directory"
+    ]
+    assert list(tmp_path.iterdir()) == [blocker]  # no demo folder made in the temp directory

@@ -303,7 +303,8 @@ def test_attempts_applies_to_s3_listing_retries(
     proc = run_cli("pull", "s3://bkt/m", str(tmp_path / "d"), "--attempts", str(attempts),
                    env=env, timeout=60)  # fmt: skip
     assert proc.returncode == 1
-    assert f"giving up after {attempts} attempts" in proc.stderr.splitlines()[0]
+    tries = "1 attempt:" if attempts == 1 else f"{attempts} attempts:"
+    assert f"giving up after {tries}" in proc.stderr.splitlines()[0]
     assert server.requests == attempts
 
 

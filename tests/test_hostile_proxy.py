@@ -13,7 +13,7 @@ import pytest
 
 from .fakes.forward_proxy import ForwardProxy, _Handler
 from .fakes.hubserver import HubServer
-from .support import HUB_REPO, clean_env, run_cli, upload
+from .support import HUB_REPO, clean_env, free_port, run_cli, upload
 from .tls import TestCA
 
 USER, PASSWORD = "alice", "pr0xy-S3cret!pw"
@@ -138,6 +138,44 @@ def test_a_proxy_refusing_connect_is_one_clear_error(tmp_path: Path) -> None:
     assert first.startswith("Error: ")
     assert "the proxy refused the connection (Tunnel connection failed: 403" in first, first
     assert "Unable to connect to proxy" not in first and "OSError" not in first
+    assert "Traceback" not in proc.stderr
+    assert_no_password(proc.stdout, proc.stderr)
+
+
+def test_a_proxy_nobody_answers_is_named_by_host_and_port_with_a_proxy_hint(
+    tmp_path: Path,
+) -> None:
+    """No private class name (urllib3's connection repr) and never the password: the proxy's
+    host and port, the reason, and a hint about the proxy settings."""
+    port = free_port()  # nothing listens there
+    env = clean_env(tmp_path / "hf", HF_ENDPOINT="https://hub.invalid")
+    env["HTTPS_PROXY"] = with_credentials(f"http://127.0.0.1:{port}")
+    env["NO_PROXY"] = ""
+    proc = run_cli("pull", "hf://acme/x", str(tmp_path / "d"), "--attempts", "1", env=env)
+    assert proc.returncode == 1
+    error, hint = proc.stderr.splitlines()
+    assert error.endswith(
+        f": cannot connect to the proxy 127.0.0.1:{port} "
+        "(Failed to establish a new connection: [Errno 111] Connection refused)"
+    ), error
+    assert "Connection(" not in error
+    assert hint.startswith("Hint: check HTTPS_PROXY / HTTP_PROXY"), hint
+    assert_no_password(proc.stdout, proc.stderr)
+
+
+def test_an_https_proxy_url_for_a_plain_proxy_names_the_proxy(tmp_path: Path) -> None:
+    """TLS to the proxy itself fails (its port speaks plain HTTP): the error names the proxy,
+    not the target, and never its password."""
+    with ForwardProxy() as proxy:
+        env = clean_env(tmp_path / "hf", HF_ENDPOINT="https://hub.invalid")
+        url = with_credentials(proxy.url).replace("http://", "https://")
+        env["HTTPS_PROXY"] = url
+        env["NO_PROXY"] = ""
+        proc = run_cli("pull", "hf://acme/x", str(tmp_path / "d"), "--attempts", "1", env=env)
+    assert proc.returncode == 1
+    error = proc.stderr.splitlines()[0]
+    port = proxy.url.rsplit(":", 1)[1]
+    assert f": the proxy https://127.0.0.1:{port}: TLS handshake failed: " in error, error
     assert "Traceback" not in proc.stderr
     assert_no_password(proc.stdout, proc.stderr)
 

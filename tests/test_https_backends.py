@@ -523,6 +523,37 @@ def test_a_refused_hub_certificate_is_one_line_and_no_retry(
     _check_refusal(proc, case, endpoint.split("//")[1], dest, relay, time.monotonic() - t0)
 
 
+def test_a_refusal_says_which_bundle_this_run_trusted_and_where_it_came_from(
+    hub_tls: tuple[HubServer, TlsRelay, TlsRelay], test_ca: TestCA, tmp_path: Path
+) -> None:
+    """A REQUESTS_CA_BUNDLE set for other tools (many images name the system store with it)
+    comes before the SSL_CERT_FILE a user just set: the refusal's hint says which file was
+    trusted, and from where."""
+    hub, _, _ = hub_tls
+    other = tmp_path / "other-ca.pem"
+    trustme.CA().cert_pem.write_to_path(str(other))
+    env = _env(
+        tmp_path, HF_ENDPOINT=hub.endpoint, REQUESTS_CA_BUNDLE=str(other),
+        SSL_CERT_FILE=str(test_ca.ca_file),
+    )  # fmt: skip
+    proc = run_cli("pull", f"hf://{HUB_REPO}", str(tmp_path / "a"), env=env)
+    assert proc.returncode == 1
+    hint = proc.stderr.strip().splitlines()[-1]
+    assert (
+        hint.startswith("Hint: ") and f"this run trusted {other}, from REQUESTS_CA_BUNDLE" in hint
+    )
+    flag = ("--ca-bundle", str(other))
+    proc = run_cli(
+        "pull",
+        f"hf://{HUB_REPO}",
+        str(tmp_path / "b"),
+        *flag,
+        env=_env(tmp_path, HF_ENDPOINT=hub.endpoint),
+    )
+    assert proc.returncode == 1
+    assert f"this run trusted {other}, from --ca-bundle" in proc.stderr.strip().splitlines()[-1]
+
+
 @pytest.mark.parametrize("case", REFUSALS)
 def test_a_refused_s3_certificate_is_one_line_and_no_retry(
     case: str, s3_server: SeaweedS3, s3_client: Any, bucket: str, test_ca: TestCA,
@@ -627,6 +658,46 @@ def test_the_ca_bundle_order_is_flag_then_variables_then_profile_then_system(
     assert ca_bundle(environ=env).path == str(pems["profile"])
     del env["AWS_PROFILE"]
     assert ca_bundle(environ=env).path is None  # the system's store
+
+
+def test_a_variable_naming_the_public_store_gives_way_to_a_private_ca(
+    test_ca: TestCA, tmp_path: Path
+) -> None:
+    """Images often set REQUESTS_CA_BUNDLE (or SSL_CERT_FILE) to the public store for every
+    tool: that chooses nothing, so the private CA a user names in a later variable or the AWS
+    profile is the one trusted; alone, the public store is still what the run is given."""
+    import certifi
+
+    from prefetch.settings import ca_bundle
+
+    public = certifi.where()
+    private = str(test_ca.ca_file)
+    env = {"REQUESTS_CA_BUNDLE": public, "SSL_CERT_FILE": private}
+    assert (ca_bundle(environ=env).path, ca_bundle(environ=env).origin) == (
+        private, "SSL_CERT_FILE"
+    )  # fmt: skip
+    env = {"SSL_CERT_FILE": public, "AWS_CA_BUNDLE": private}
+    assert ca_bundle(environ=env).path == private
+    config = tmp_path / "aws-config"
+    config.write_text(f"[profile p]\nca_bundle = {private}\n")
+    env = {"REQUESTS_CA_BUNDLE": public, "AWS_CONFIG_FILE": str(config), "AWS_PROFILE": "p"}
+    assert ca_bundle(environ=env).path == private
+    assert ca_bundle(environ={"REQUESTS_CA_BUNDLE": public}).path == public
+    assert ca_bundle(public, environ={"SSL_CERT_FILE": private}).path == public  # a flag: as is
+
+
+def test_a_hub_pull_trusts_ssl_cert_file_beside_a_public_requests_ca_bundle(
+    hub_tls: tuple[HubServer, TlsRelay, TlsRelay], test_ca: TestCA, tmp_path: Path
+) -> None:
+    """The issue's own command, on a machine whose environment names the public store."""
+    import certifi
+
+    hub, _, _ = hub_tls
+    env = _env(
+        tmp_path, HF_ENDPOINT=hub.endpoint, REQUESTS_CA_BUNDLE=certifi.where(),
+        SSL_CERT_FILE=str(test_ca.ca_file),
+    )  # fmt: skip
+    _ok(run_cli("pull", f"hf://{HUB_REPO}", str(tmp_path / "d"), "--attempts", "3", env=env))
 
 
 def test_the_agents_ca_bundle_keys_are_checked_when_the_config_loads(

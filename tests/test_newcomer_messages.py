@@ -68,6 +68,22 @@ def test_a_refused_hub_is_one_error_line_and_the_hint_from_the_command(tmp_path:
     ]
 
 
+def test_a_failed_pull_leaves_no_folder_it_made_and_keeps_one_that_was_there(
+    tmp_path: Path,
+) -> None:
+    port = free_port()  # nothing listens there: connection refused
+    env = clean_env(tmp_path / "hf-home", HF_ENDPOINT=f"https://127.0.0.1:{port}")
+    new = tmp_path / "new" / "models"
+    proc = run_cli("pull", f"hf://{HUB_REPO}", str(new), "--attempts", "1", env=env)
+    assert proc.returncode == 1, proc.stderr
+    assert not (tmp_path / "new").exists()  # both folders it made are gone again
+    there = tmp_path / "there"
+    there.mkdir()
+    proc = run_cli("pull", f"hf://{HUB_REPO}", str(there / "sub"), "--attempts", "1", env=env)
+    assert proc.returncode == 1, proc.stderr
+    assert there.is_dir() and list(there.iterdir()) == []
+
+
 def _root_only() -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root (to mount a read-only file system, or to become another user)")

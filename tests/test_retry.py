@@ -107,6 +107,11 @@ def test_call_with_retries_waits_as_the_policy_says(monkeypatch: pytest.MonkeyPa
         call_with_retries(Flaky(9), policy, what="x", stop=stop)
 
 
+def test_one_attempt_is_said_in_the_singular() -> None:
+    with pytest.raises(TransientSourceError, match=r"^x: giving up after 1 attempt: "):
+        call_with_retries(Flaky(9), RetryPolicy(attempts=1), what="x", stop=RecordingStop())
+
+
 def test_retry_read_waits_as_the_policy_says(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("prefetch.retry.random.uniform", low)
     stop = RecordingStop()

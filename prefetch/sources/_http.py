@@ -318,6 +318,12 @@ NETWORK_HINT = (
 )
 
 
+#: Said with every failure of the proxy itself (not reachable, refusing, wanting credentials).
+PROXY_HINT = (
+    "check HTTPS_PROXY / HTTP_PROXY (or --proxy URL; --proxy none goes direct) and NO_PROXY"
+)
+
+
 def connection_failure(exc: BaseException) -> str | None:
     """``cannot reach HOST:PORT: why`` when ``exc`` is urllib3's failure to open a connection
     (no DNS answer, refused, timed out), else None. urllib3 words these with the connection
@@ -393,7 +399,8 @@ def transport_error(exc: BaseException, what: str) -> SourceError:
         from prefetch.sources.proxy_auth import proxy_failure  # a proxy's refusal: rare
 
         reason, transient = proxy_failure(exc)
-        return (TransientSourceError if transient else SourceError)(f"{what}: {reason}")
+        cls = TransientSourceError if transient else SourceError
+        return cls(f"{what}: {reason}", hint=PROXY_HINT)
     if isinstance(exc, urllib3.exceptions.HTTPError | http.client.HTTPException | OSError):
         return TransientSourceError(f"{what}: {type(exc).__name__}: {exc}")
     return SourceError(f"{what}: {type(exc).__name__}: {exc}")
@@ -602,7 +609,23 @@ def send(
         if refused is None:
             raise
         raise refused from exc
+    except urllib3.exceptions.ProxyError as exc:  # TLS to an https:// proxy itself, refused
+        proxy = _proxy_of(http, url)
+        refused = None if proxy is None else tls_error(exc, f"the proxy {proxy}")
+        if refused is None:
+            raise
+        raise refused from exc
     return Sent(resp)
+
+
+def _proxy_of(http: HttpClient, url: str) -> str | None:
+    """``scheme://host:port`` of the proxy ``http`` sends ``url`` through (never its
+    credentials), or None when it goes direct."""
+    manager = http.manager_for(url) if isinstance(http, ProxyRouter) else http
+    if not isinstance(manager, urllib3.ProxyManager) or manager.proxy is None:
+        return None
+    proxy = manager.proxy
+    return f"{proxy.scheme}://{proxy.host}:{proxy.port}"
 
 
 def check_range_answer(

@@ -40,6 +40,11 @@ def proxy_failure(exc: urllib3.exceptions.ProxyError) -> tuple[str, bool]:
     cause = getattr(exc, "original_error", None)
     said = cause if isinstance(cause, BaseException) else (exc.args[0] if exc.args else "")
     text = _OBJECT_REPR.sub("", str(said)).strip()
+    if isinstance(cause, urllib3.exceptions.NewConnectionError):
+        # worded with the connection's repr (a private class name): its host and port instead
+        conn = cause.conn
+        detail = str(cause).removeprefix(f"{conn}: ")
+        return f"cannot connect to the proxy {conn.host}:{conn.port} ({detail})", True
     status = _TUNNEL_STATUS.search(text)
     if status is not None:
         code = int(status.group(1))
