@@ -18,6 +18,7 @@ import contextlib
 import datetime
 import json
 import os
+import select
 import socket
 import ssl
 import subprocess
@@ -48,6 +49,11 @@ from .support import (
 )
 from .tls import TEST_HOSTS, TestCA
 
+#: A relay's context that presents the session's certificate (see TlsRelay).
+SESSION = "session"
+#: Starts a relay in front of a port, presenting a context (None: plain; SESSION).
+Relays = Callable[[int, ssl.SSLContext | str | None], "TlsRelay"]
+
 # ---- a TLS front for a plain test server ----------------------------------------------------
 
 
@@ -57,12 +63,17 @@ class TlsRelay:
     took (a retry loop shows there)."""
 
     def __init__(
-        self, backend_port: int, context: ssl.SSLContext | None, trust: ssl.SSLContext
+        self, backend_port: int, context: ssl.SSLContext | str | None, test_ca: TestCA
     ) -> None:
         self._backend = ("127.0.0.1", backend_port)
-        self._context = context
-        #: the suite's servers speak TLS themselves (tests/tls.py): the relay then does too
-        self._upstream = trust if _speaks_tls(self._backend, trust) else None
+        trust = test_ca.client_context()
+        #: the suite's servers speak TLS themselves (tests/tls.py): a relay that presents the
+        #: session's certificate (SESSION) then passes the TLS bytes through untouched, and one
+        #: that presents another certificate, or none, speaks TLS to the server itself
+        upstream_tls = _speaks_tls(self._backend, trust)
+        self._passthrough = context == SESSION and upstream_tls
+        self._context = test_ca.server_context() if context == SESSION else context
+        self._upstream = trust if upstream_tls and not self._passthrough else None
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(0.2)
         self.port = int(self._listener.getsockname()[1])
@@ -86,7 +97,9 @@ class TlsRelay:
         conn.settimeout(30)
         try:
             tls = (
-                conn if self._context is None else self._context.wrap_socket(conn, server_side=True)
+                conn
+                if self._context is None or self._passthrough
+                else self._context.wrap_socket(conn, server_side=True)
             )
         except (ssl.SSLError, OSError):
             conn.close()  # the client refused the certificate: what refusal tests provoke
@@ -98,10 +111,7 @@ class TlsRelay:
         except (ssl.SSLError, OSError):
             tls.close()
             return
-        done = threading.Event()
-        for src, dst in ((tls, up), (up, tls)):
-            threading.Thread(target=_pump, args=(src, dst, done), daemon=True).start()
-        done.wait()
+        _relay(tls, up)
         for s in (tls, up):
             with contextlib.suppress(OSError):
                 s.close()
@@ -125,17 +135,26 @@ def _speaks_tls(backend: tuple[str, int], trust: ssl.SSLContext) -> bool:
         return False
 
 
-def _pump(src: socket.socket, dst: socket.socket, done: threading.Event) -> None:
+def _relay(a: socket.socket, b: socket.socket) -> None:
+    """Copy bytes both ways until either side ends, in this one thread: an SSL socket read in
+    one thread and written in another corrupts its records (OpenSSL's SSL object is not made
+    for that), so one thread serves both directions, asking ``select`` which side has bytes
+    and each SSL socket which bytes it already decrypted (``pending``)."""
+    peer = {a: b, b: a}
     try:
         while True:
-            data = src.recv(256 * 1024)
-            if not data:
-                break
-            dst.sendall(data)
+            ready = [s for s in (a, b) if isinstance(s, ssl.SSLSocket) and s.pending()]
+            if not ready:
+                ready, _, _ = select.select([a, b], [], [], 30)
+                if not ready:
+                    return  # idle for 30 s
+            for src in ready:
+                data = src.recv(256 * 1024)
+                if not data:
+                    return
+                peer[src].sendall(data)
     except OSError:
-        pass
-    finally:
-        done.set()
+        return
 
 
 def _context(cert: Path, key: Path) -> ssl.SSLContext:
@@ -145,12 +164,12 @@ def _context(cert: Path, key: Path) -> ssl.SSLContext:
 
 
 @pytest.fixture
-def relays(test_ca: TestCA) -> Iterator[Callable[[int, ssl.SSLContext | None], TlsRelay]]:
+def relays(test_ca: TestCA) -> Iterator[Relays]:
     """Starts relays for one test and stops them after it."""
     started: list[TlsRelay] = []
 
-    def start(port: int, context: ssl.SSLContext | None) -> TlsRelay:
-        relay = TlsRelay(port, context, test_ca.client_context())
+    def start(port: int, context: ssl.SSLContext | str | None) -> TlsRelay:
+        relay = TlsRelay(port, context, test_ca)
         started.append(relay)
         return relay
 
@@ -224,12 +243,12 @@ def _ok(proc: subprocess.CompletedProcess[str]) -> None:
 
 @pytest.fixture
 def hub_tls(
-    hub: HubServer, test_ca: TestCA, relays: Callable[[int, ssl.SSLContext | None], TlsRelay]
+    hub: HubServer, test_ca: TestCA, relays: Relays
 ) -> tuple[HubServer, TlsRelay, TlsRelay]:
     """The Hub fake behind TLS as ``hub.prefetch.test``, its CDN as ``cdn.prefetch.test``: the
     Hub's redirects name the https CDN, another host."""
-    hub_relay = relays(_port(hub.endpoint), test_ca.server_context())
-    cdn_relay = relays(_port(hub.cdn_endpoint), test_ca.server_context())
+    hub_relay = relays(_port(hub.endpoint), SESSION)
+    cdn_relay = relays(_port(hub.cdn_endpoint), SESSION)
     hub.endpoint = test_ca.url(hub_relay.port, "hub")
     hub.cdn_endpoint = test_ca.url(cdn_relay.port, "cdn")
     return hub, hub_relay, cdn_relay
@@ -273,11 +292,9 @@ def test_the_ca_bundle_flag_alone_is_enough_and_a_bad_one_is_one_line(
 
 
 @pytest.fixture
-def s3_tls(
-    s3_server: SeaweedS3, test_ca: TestCA, relays: Callable[[int, ssl.SSLContext | None], TlsRelay]
-) -> str:
+def s3_tls(s3_server: SeaweedS3, test_ca: TestCA, relays: Relays) -> str:
     """The suite's SeaweedFS behind TLS: ``https://s3.prefetch.test:PORT``."""
-    relay = relays(_port(s3_server.endpoint), test_ca.server_context())
+    relay = relays(_port(s3_server.endpoint), SESSION)
     return test_ca.url(relay.port, "s3")
 
 
@@ -353,12 +370,12 @@ def registry_front(registry: Registry) -> Iterator[RegistryProxy]:
 
 def test_oci_over_https_token_flow_redirects_and_a_registry_mirror(
     registry: Registry, registry_front: RegistryProxy, test_ca: TestCA,
-    relays: Callable[[int, ssl.SSLContext | None], TlsRelay], tmp_path: Path,
+    relays: Relays, tmp_path: Path,
 ) -> None:  # fmt: skip
     files = {"config.json": b"{}", "model.safetensors": os.urandom(1 << 20)}
     Pusher(registry.url).modelpack("org/tls", "v1", files)
-    front = relays(_port(registry_front.url), test_ca.server_context())
-    storage = relays(_port(registry_front.storage_url), test_ca.server_context())
+    front = relays(_port(registry_front.url), SESSION)
+    storage = relays(_port(registry_front.storage_url), SESSION)
     registry_front.url = test_ca.url(front.port, "registry")  # the token realm: https too
     registry_front.storage_url = test_ca.url(storage.port, "cdn")
     registry_front.faults.require_token = True
@@ -372,7 +389,7 @@ def test_oci_over_https_token_flow_redirects_and_a_registry_mirror(
     assert _files_under(dest) == files
     assert registry_front.token_requests and registry_front.storage_requests
     # a registry mirror in front: asked first, over https too
-    mirror = relays(registry.port, test_ca.server_context())
+    mirror = relays(registry.port, SESSION)
     asked = len(registry_front.requests)
     dest2 = tmp_path / "out2"
     _ok(run_cli("pull", f"oci://{origin}/org/tls:v1", str(dest2), "--attempts", "3",
@@ -486,7 +503,7 @@ _REASONS = {
 
 def _refusal_target(
     case: str, plain_port: int, test_ca: TestCA,
-    relays: Callable[[int, ssl.SSLContext | None], TlsRelay],
+    relays: Relays,
 ) -> tuple[int, TlsRelay]:  # fmt: skip
     """The relay a refused pull goes to, in front of the plain server (the port, the relay)."""
     relay = relays(plain_port, _refused_context(test_ca, case))
@@ -512,7 +529,7 @@ def _check_refusal(
 @pytest.mark.parametrize("case", REFUSALS)
 def test_a_refused_hub_certificate_is_one_line_and_no_retry(
     case: str, hub: HubServer, test_ca: TestCA,
-    relays: Callable[[int, ssl.SSLContext | None], TlsRelay], tmp_path: Path,
+    relays: Relays, tmp_path: Path,
 ) -> None:  # fmt: skip
     port, relay = _refusal_target(case, _port(hub.endpoint), test_ca, relays)
     endpoint = test_ca.url(port, "hub")
@@ -557,7 +574,7 @@ def test_a_refusal_says_which_bundle_this_run_trusted_and_where_it_came_from(
 @pytest.mark.parametrize("case", REFUSALS)
 def test_a_refused_s3_certificate_is_one_line_and_no_retry(
     case: str, s3_server: SeaweedS3, s3_client: Any, bucket: str, test_ca: TestCA,
-    relays: Callable[[int, ssl.SSLContext | None], TlsRelay], tmp_path: Path,
+    relays: Relays, tmp_path: Path,
 ) -> None:  # fmt: skip
     _model(s3_client, bucket, "m/")
     port, relay = _refusal_target(case, _port(s3_server.endpoint), test_ca, relays)
@@ -571,7 +588,7 @@ def test_a_refused_s3_certificate_is_one_line_and_no_retry(
 
 def test_a_refused_certificate_through_botocores_chain_is_one_line_too(
     s3_server: SeaweedS3, s3_client: Any, bucket: str, test_ca: TestCA,
-    relays: Callable[[int, ssl.SSLContext | None], TlsRelay], tmp_path: Path,
+    relays: Relays, tmp_path: Path,
 ) -> None:  # fmt: skip
     _model(s3_client, bucket, "m/")
     port, relay = _refusal_target("other-ca", _port(s3_server.endpoint), test_ca, relays)
@@ -586,7 +603,7 @@ def test_a_refused_certificate_through_botocores_chain_is_one_line_too(
 @pytest.mark.parametrize("case", REFUSALS)
 def test_a_refused_registry_certificate_is_one_line_and_no_retry(
     case: str, registry: Registry, test_ca: TestCA,
-    relays: Callable[[int, ssl.SSLContext | None], TlsRelay], tmp_path: Path,
+    relays: Relays, tmp_path: Path,
 ) -> None:  # fmt: skip
     if test_ca.host == "127.0.0.1":
         pytest.skip("the prefetch.test names do not resolve here (127.0.0.1 is plain HTTP)")
@@ -601,7 +618,7 @@ def test_a_refused_registry_certificate_is_one_line_and_no_retry(
 
 
 def test_the_agent_reports_a_refused_certificate_as_its_own_reason(
-    hub: HubServer, test_ca: TestCA, relays: Callable[[int, ssl.SSLContext | None], TlsRelay],
+    hub: HubServer, test_ca: TestCA, relays: Relays,
     tmp_path: Path,
 ) -> None:  # fmt: skip
     relay = relays(_port(hub.endpoint), _refused_context(test_ca, "other-ca"))
