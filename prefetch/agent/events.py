@@ -426,8 +426,11 @@ class WarmingStory:
         self._maybe_tell()
 
     def planned(self, model: str, total: int, to_fetch: int) -> None:
+        """A sync of ``model`` resolved its plan. A model of the open episode that was not
+        starting at :meth:`begin` (it got a slot later, e.g. one a stalled sync gave up)
+        counts too: its size is known, and it did not fail before resolving."""
         with self._lock:
-            if model not in self._waiting:
+            if not self._open or model not in self._models:
                 return
             self._waiting.discard(model)
             self._sizes[model] = (total, to_fetch)
