@@ -528,6 +528,88 @@ def test_the_chart_refuses_what_the_agent_refuses(key: str, value: Any) -> None:
     assert text.startswith(SCHEMA_ERROR) and f"at '/config/{key.split('.')[0]}" in text, text
 
 
+_CACHE = {"name": "cc", "source": "s3://bkt/cc/", "vllm": "0.6.3", "model": "org/m"}
+_CACHE["revision"] = "a" * 40
+
+#: Configs every key of which the schema accepts alone, that the agent refuses for a rule about
+#: several keys at once (templates/_checks.tpl): the chart must refuse them, naming the key.
+REFUSED_ACROSS_KEYS = [
+    ({"retryBackoff": {"initial": "10m", "max": "1m"}}, "config.retryBackoff.max: must not be"),
+    ({"retryBackoff": {"initial": "1h"}}, "config.retryBackoff.max: must not be"),  # max 10m
+    ({"retryBackoff": {"max": "5s"}}, "config.retryBackoff.max: must not be"),  # initial 10s
+    ({"retryBackoff": {"initial": "1m1h", "max": 3600}}, "config.retryBackoff.max: must not"),
+    (
+        {"models": [{"name": "a", "source": "hf://o/x"}, {"name": "a", "source": "hf://o/y"}]},
+        "config.models[1].name: duplicate model name",
+    ),
+    (
+        {"models": [{"name": "a", "source": "hf://o/x"}, {"name": "b", "source": "hf://O/X@v2"}]},
+        "config.models[1] (b): same Hub repo as config.models[0]",
+    ),
+    (
+        {
+            "models": [
+                {"name": "a", "source": "oci://r.io/x:v1", "hfRepo": "o/x"},
+                {"name": "b", "source": "s3://bkt/x/", "hfRepo": "o/x"},
+            ]
+        },
+        "config.models[1] (b): same Hub repo as config.models[0]",
+    ),
+    (
+        {"models": [{"name": "cc", "source": "hf://o/x"}], "compileCaches": [_CACHE]},
+        'config.compileCaches[0].name: "cc" is also a model\'s name',
+    ),
+    ({"compileCaches": [{**_CACHE, "push": True}]}, "config.compileCaches[0].pushFrom: push"),
+    (
+        {"compileCaches": [{**_CACHE, "push": True, "pushFrom": "cache/vllm"}]},
+        "config.compileCaches[0].pushFrom: push",
+    ),
+]
+
+
+@pytest.mark.parametrize(("config", "message"), REFUSED_ACROSS_KEYS)
+def test_the_chart_refuses_what_the_agent_refuses_across_keys(
+    config: dict[str, Any], message: str
+) -> None:
+    """Before: each key passed the schema alone, the chart rendered, and every agent exited 1
+    at start (a duplicate model name, a backoff whose max is below its initial, ...)."""
+    from prefetch.agent.config import parse_config
+    from prefetch.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        parse_config(yaml.safe_dump(config))
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmError) as caught:
+        chart.render({"config": config}, name=RELEASE, namespace=NAMESPACE)
+    assert message in str(caught.value), str(caught.value)
+    # (`helm lint` only logs a template's `fail`, in its lint mode: install and template refuse.)
+
+
+#: What those rules let through: the chart renders it and the agent reads it.
+ACCEPTED_ACROSS_KEYS = [
+    {"retryBackoff": {"initial": "10m"}},  # = the default max
+    {"retryBackoff": {"max": "10s"}},  # = the default initial
+    {"retryBackoff": {"initial": "1h", "max": "1h0m"}},
+    {"retryBackoff": {"initial": 0.5, "max": "500ms"}},
+    {"retryBackoff": {"initial": "1h30m", "max": "1.5h"}},
+    {"models": [{"name": "a", "source": "hf://o/x"}, {"name": "b", "source": "hf://o/xy"}]},
+    {"models": [{"name": "cc", "source": "hf://o/x"}], "compileCaches": [{**_CACHE, "name": "d"}]},
+    {"compileCaches": [{**_CACHE, "push": True, "pushFrom": "/var/cache/vllm"}]},
+    {"compileCaches": [{**_CACHE, "push": False, "pushFrom": "relative"}]},
+]
+
+
+@pytest.mark.parametrize("config", ACCEPTED_ACROSS_KEYS)
+def test_the_chart_renders_what_the_agent_accepts_across_keys(config: dict[str, Any]) -> None:
+    from prefetch.agent.config import parse_config
+
+    [cm] = [
+        d
+        for d in render({"config": config})
+        if d["kind"] == "ConfigMap" and "models.yaml" in d["data"]
+    ]
+    parse_config(cm["data"]["models.yaml"])
+
+
 @pytest.mark.parametrize(
     ("values", "at"),
     [
