@@ -561,6 +561,10 @@ REFUSED_ACROSS_KEYS = [
     ),
     ({"compileCaches": [{**_CACHE, "push": True}]}, "config.compileCaches[0].pushFrom: push"),
     (
+        {"compileCaches": [_CACHE, {**_CACHE, "source": "s3://bkt/other/"}]},
+        "config.compileCaches[1].name: duplicate compile cache name",
+    ),
+    (
         {"compileCaches": [{**_CACHE, "push": True, "pushFrom": "cache/vllm"}]},
         "config.compileCaches[0].pushFrom: push",
     ),

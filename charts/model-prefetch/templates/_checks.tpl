@@ -51,10 +51,15 @@ with "config." in front; tests/test_helm_chart.py renders each case and parses i
 {{- $_ := set $repos (lower $repo) (toString $i) -}}
 {{- end -}}
 {{- end -}}
+{{- $caches := dict -}}
 {{- range $i, $cc := $c.compileCaches | default list -}}
 {{- if hasKey $names $cc.name -}}
 {{- fail (printf "config.compileCaches[%d].name: %q is also a model's name" $i $cc.name) -}}
 {{- end -}}
+{{- if hasKey $caches $cc.name -}}
+{{- fail (printf "config.compileCaches[%d].name: duplicate compile cache name %q (also config.compileCaches[%s])" $i $cc.name (get $caches $cc.name)) -}}
+{{- end -}}
+{{- $_ := set $caches $cc.name (toString $i) -}}
 {{- if and $cc.push (not (hasPrefix "/" (default "" $cc.pushFrom))) -}}
 {{- fail (printf "config.compileCaches[%d].pushFrom: push: true needs the absolute path of the directory the vLLM pod writes this compile cache into" $i) -}}
 {{- end -}}
