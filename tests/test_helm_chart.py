@@ -618,6 +618,7 @@ def test_the_chart_renders_what_the_agent_accepts_across_keys(config: dict[str, 
     ("values", "at"),
     [
         ({"resources": {"limits": {"memory": "768 MB"}}}, "/resources/limits/memory"),
+        ({"warmPageCache": {"memoryLimit": "768 MB"}}, "/warmPageCache/memoryLimit"),
         ({"resources": {"requests": {"cpu": "0.5 cores"}}}, "/resources/requests/cpu"),
         ({"mirror": {"resources": {"limits": {"memory": "2GB"}}}}, "/mirror/resources/limits"),
         ({"tolerations": [{"key": "gpu", "operator": "Exist"}]}, "/tolerations/0/operator"),
@@ -628,6 +629,7 @@ def test_the_chart_renders_what_the_agent_accepts_across_keys(config: dict[str, 
     ],
     ids=[
         "memory",
+        "warm-memory",
         "cpu",
         "mirror-memory",
         "operator",
@@ -647,6 +649,12 @@ def test_kubernetes_quantities_render() -> None:
     quantities = ["768Mi", "1Gi", "500m", "0.5", 2, 1.5, "1e3", "+1k", ".5Gi", "129M"]
     for quantity in quantities:
         render({"resources": {"requests": {"cpu": quantity, "memory": quantity}}})
+        [agent] = [
+            d
+            for d in render({"warmPageCache": {"memoryLimit": quantity}})
+            if mu.is_builtin(d) and d["kind"] == "DaemonSet"
+        ]
+        assert mu.pod_spec(agent)["containers"][0]["resources"]["limits"]["memory"] == quantity
 
 
 def test_schema_lists_exactly_the_agents_config_keys() -> None:
