@@ -588,6 +588,15 @@ def test_the_chart_refuses_what_the_agent_refuses_across_keys(
     # (`helm lint` only logs a template's `fail`, in its lint mode: install and template refuse.)
 
 
+def test_two_mirror_jobs_of_one_name_are_refused() -> None:
+    """Before: two Jobs of one name rendered, and the install failed at the API server."""
+    job = {"name": "copy", "source": "hf://o/x", "destination": "s3://b/x/"}
+    values = {"mirror": {"enabled": True, "jobs": [job, {**job, "source": "hf://o/y"}]}}
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmError) as caught:
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    assert 'mirror.jobs[1].name: duplicate job name "copy"' in str(caught.value)
+
+
 #: What those rules let through: the chart renders it and the agent reads it.
 ACCEPTED_ACROSS_KEYS = [
     {"retryBackoff": {"initial": "10m"}},  # = the default max

@@ -65,3 +65,14 @@ with "config." in front; tests/test_helm_chart.py renders each case and parses i
 {{- end -}}
 {{- end -}}
 {{- end -}}
+
+{{/* Mirror jobs: each is a Job or CronJob of its own name in the release's namespace. */}}
+{{- define "model-prefetch.checkMirror" -}}
+{{- $jobs := dict -}}
+{{- range $i, $job := .Values.mirror.jobs | default list -}}
+{{- if hasKey $jobs $job.name -}}
+{{- fail (printf "mirror.jobs[%d].name: duplicate job name %q (also mirror.jobs[%s])" $i $job.name (get $jobs $job.name)) -}}
+{{- end -}}
+{{- $_ := set $jobs $job.name (toString $i) -}}
+{{- end -}}
+{{- end -}}
