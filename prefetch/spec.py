@@ -114,7 +114,10 @@ class SourceURI:
 def parse_source_uri(uri: str) -> SourceURI:
     """Parse ``s3://bucket/prefix`` or ``hf://org/name[@revision]``; errors name what is wrong."""
     text = uri.strip()
-    parts = urlsplit(text)
+    try:
+        parts = urlsplit(text)
+    except ValueError as exc:  # a bracketed host that is no IP address: oci://[0]/m, s3://[b/
+        raise ConfigError(f"malformed URI {uri!r}: {exc}") from exc
     two_slashes = text[: len(parts.scheme) + 3].lower() == f"{parts.scheme}://"
     if (parts.scheme == "hf" and not (two_slashes and parts.netloc)) or (
         parts.scheme == "oci" and not two_slashes  # oci:///m: "no registry host", below
