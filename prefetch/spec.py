@@ -200,7 +200,7 @@ def _expand_host(uri: str, host: str) -> str:
         found = settings.variable(m.group(1))
         if not found:
             raise ConfigError(f"malformed OCI URI {uri!r}: ${{{m.group(1)}}} is not set")
-        return found
+        return settings.registry_host(found)  # an IPv6 node IP in brackets
 
     return _ENV_REF.sub(value, host)
 
