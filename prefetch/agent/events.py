@@ -437,6 +437,14 @@ class WarmingStory:
             self._resolved.notify_all()
         self._maybe_tell()
 
+    def stalled(self, model: str) -> None:
+        """``model``'s sync made no progress for ``stallTimeout`` (it gave up its slot): the
+        others no longer wait for its size, which the Event names as not resolved. Told at the
+        next plan or end of a sync (the model given the slot resolves first), not now."""
+        with self._lock:
+            self._waiting.discard(model)
+            self._resolved.notify_all()
+
     def settled(self, model: str, stop: threading.Event | None = None) -> None:
         """A sync ended (any outcome). Before it tells how (its model's ModelReady comes
         next), wait for the episode's other starting syncs to resolve, at most
