@@ -588,6 +588,15 @@ def test_the_chart_refuses_what_the_agent_refuses_across_keys(
     # (`helm lint` only logs a template's `fail`, in its lint mode: install and template refuse.)
 
 
+@pytest.mark.parametrize("listen", ["0.0.0.0:0", "[::]:00"])
+def test_listen_on_port_0_is_refused_by_the_chart(listen: str) -> None:
+    """The agent takes port 0 (any free port; outside a cluster), but the chart makes it the
+    container port the probes use. Before: rendered, and only the API server refused it."""
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmError) as caught:
+        chart.render({"config": {"listen": listen}}, name=RELEASE, namespace=NAMESPACE)
+    assert "config.listen: port 0" in str(caught.value)
+
+
 def test_two_mirror_jobs_of_one_name_are_refused() -> None:
     """Before: two Jobs of one name rendered, and the install failed at the API server."""
     job = {"name": "copy", "source": "hf://o/x", "destination": "s3://b/x/"}

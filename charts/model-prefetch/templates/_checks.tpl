@@ -22,6 +22,9 @@ with "config." in front; tests/test_helm_chart.py renders each case and parses i
 
 {{- define "model-prefetch.checkConfig" -}}
 {{- $c := .Values.config | default dict -}}
+{{- if eq (atoi (include "model-prefetch.port" .)) 0 -}}
+{{- fail "config.listen: port 0 (any free port) leaves the container port and the probes without one: give a port" -}}
+{{- end -}}
 {{- with $c.retryBackoff -}}
 {{- /* the agent's defaults: Backoff in prefetch/agent/config.py */ -}}
 {{- $initial := float64 (include "model-prefetch.seconds" (default "10s" .initial)) -}}
