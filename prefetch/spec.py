@@ -129,13 +129,22 @@ def parse_source_uri(uri: str) -> SourceURI:
         bucket = parts.netloc
         if not bucket:
             raise ConfigError(f"malformed S3 URI {uri!r}: no bucket (expected s3://bucket/prefix)")
+        # The key prefix as written: "#" and "?" are characters of S3 keys, not a fragment and
+        # a query (urlsplit's reading took s3://b/models#1/ for the prefix models/).
+        after = text[len("s3://") + len(bucket) :] if two_slashes else parts.path
+        if after and not after.startswith("/"):
+            bucket += after.split("/", 1)[0]
         if not _BUCKET.match(bucket):
             raise ConfigError(f"malformed S3 URI {uri!r}: {bucket!r} is not a valid bucket name")
-        prefix = parts.path.lstrip("/")
+        prefix = after.lstrip("/")
         if prefix and not prefix.endswith("/"):
             prefix += "/"
         return SourceURI("s3", bucket, prefix)
     if parts.scheme == "hf":
+        if "#" in text or "?" in text:  # urlsplit would drop what follows them
+            raise ConfigError(
+                f"malformed Hub URI {uri!r}: '#' and '?' are in no repo id or revision"
+            )
         repo = (parts.netloc + parts.path).strip("/")
         revision: str | None = None
         if "@" in repo:
