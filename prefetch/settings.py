@@ -13,6 +13,7 @@ client read for themselves (``HF_OIDC_ID_TOKEN``, ``AWS_PROFILE``...).
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -109,7 +110,28 @@ def oci_plain_http(environ: Mapping[str, str] | None = None) -> frozenset[str]:
     """``PREFETCH_OCI_PLAIN_HTTP``: registries (``host[:port]``, comma-separated, lower-cased)
     spoken to over plain HTTP, e.g. a node-local mirror such as Spegel's."""
     listed = _environ(environ).get("PREFETCH_OCI_PLAIN_HTTP", "")
-    return frozenset(h.strip().lower() for h in listed.split(",") if h.strip())
+    return frozenset(registry_host(h.strip().lower()) for h in listed.split(",") if h.strip())
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def registry_host(text: str) -> str:
+    """``host[:port]`` as a registry reference spells it: an IPv6 address in brackets. On an
+    IPv6 cluster the node's IP (``$(NODE_IP):30020``, ``${NODE_IP}``) is a bare address, and
+    ``fd00::1:30020`` is read as the address ``fd00::1`` and the port 30020 (a port of five
+    digits: ``fd00::1:3002`` is itself an address; write ``[fd00::1]:3002``)."""
+    if text.startswith("[") or text.count(":") < 2:
+        return text
+    if _is_ipv6(text):
+        return f"[{text}]"
+    head, _, port = text.rpartition(":")
+    return f"[{head}]:{port}" if port.isdigit() and _is_ipv6(head) else text
 
 
 def oci_staging(environ: Mapping[str, str] | None = None) -> str | None:

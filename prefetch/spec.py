@@ -114,7 +114,10 @@ class SourceURI:
 def parse_source_uri(uri: str) -> SourceURI:
     """Parse ``s3://bucket/prefix`` or ``hf://org/name[@revision]``; errors name what is wrong."""
     text = uri.strip()
-    parts = urlsplit(text)
+    try:
+        parts = urlsplit(text)
+    except ValueError as exc:  # a bracketed host that is no IP address: oci://[0]/m, s3://[b/
+        raise ConfigError(f"malformed URI {uri!r}: {exc}") from exc
     two_slashes = text[: len(parts.scheme) + 3].lower() == f"{parts.scheme}://"
     if (parts.scheme == "hf" and not (two_slashes and parts.netloc)) or (
         parts.scheme == "oci" and not two_slashes  # oci:///m: "no registry host", below
@@ -126,13 +129,22 @@ def parse_source_uri(uri: str) -> SourceURI:
         bucket = parts.netloc
         if not bucket:
             raise ConfigError(f"malformed S3 URI {uri!r}: no bucket (expected s3://bucket/prefix)")
+        # The key prefix as written: "#" and "?" are characters of S3 keys, not a fragment and
+        # a query (urlsplit's reading took s3://b/models#1/ for the prefix models/).
+        after = text[len("s3://") + len(bucket) :] if two_slashes else parts.path
+        if after and not after.startswith("/"):
+            bucket += after.split("/", 1)[0]
         if not _BUCKET.match(bucket):
             raise ConfigError(f"malformed S3 URI {uri!r}: {bucket!r} is not a valid bucket name")
-        prefix = parts.path.lstrip("/")
+        prefix = after.lstrip("/")
         if prefix and not prefix.endswith("/"):
             prefix += "/"
         return SourceURI("s3", bucket, prefix)
     if parts.scheme == "hf":
+        if "#" in text or "?" in text:  # urlsplit would drop what follows them
+            raise ConfigError(
+                f"malformed Hub URI {uri!r}: '#' and '?' are in no repo id or revision"
+            )
         repo = (parts.netloc + parts.path).strip("/")
         revision: str | None = None
         if "@" in repo:
@@ -197,7 +209,7 @@ def _expand_host(uri: str, host: str) -> str:
         found = settings.variable(m.group(1))
         if not found:
             raise ConfigError(f"malformed OCI URI {uri!r}: ${{{m.group(1)}}} is not set")
-        return found
+        return settings.registry_host(found)  # an IPv6 node IP in brackets
 
     return _ENV_REF.sub(value, host)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import time
 
@@ -83,6 +84,8 @@ def parse_duration(value: str | int | float | None, *, field: str = "duration") 
     if value is None or value in (0, "0", "off", "never", ""):
         return None
     if isinstance(value, int | float):
+        if math.isnan(value):  # YAML's .nan: every comparison with it is false
+            raise ConfigError(f"{field}: not a duration: {value} (use e.g. 30s, 10m, 24h)")
         if value < 0:
             raise ConfigError(f"{field}: must not be negative, got {value}")
         return float(value)

@@ -118,6 +118,15 @@ def test_bad_compile_cache_entries_are_rejected(change: dict[str, Any], message:
         parse_config(text)
 
 
+def test_two_compile_caches_of_one_name_are_rejected() -> None:
+    """Before: accepted, though both would live in models/<name> and the agent tracks them by
+    name."""
+    other = {**ENTRY, "source": "s3://bkt/other-cache/"}
+    text = config_text(Path("/c"), [], compileCaches=[ENTRY, other])
+    with pytest.raises(ConfigError, match=re.escape("compileCaches[1].name: duplicate compile")):
+        parse_config(text)
+
+
 def test_the_agent_pulls_a_compile_cache_once_it_is_published_and_not_before(
     s3_client: Any, bucket: str, tmp_path: Path
 ) -> None:

@@ -288,3 +288,19 @@ def test_the_schema_refuses_by_example_what_the_agent_refuses(key: str, value: A
     doc = placed(key, value)
     assert not agent_accepts(doc)
     assert not schema_accepts(doc)
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        {"name": "a", "source": "oci://[::1]:5000/models/a:v1"},
+        {"name": "a", "source": "oci://[fd00::1]/models/a@sha256:" + "a" * 64},
+        {"name": "a", "source": "oci://reg.io/a:v1", "mirrors": ["oci://[fd00::1]:30020"]},
+    ],
+)
+def test_a_registry_by_its_ipv6_address_is_taken_by_both(model: dict[str, Any]) -> None:
+    """Before: the agent took an IPv6 registry host ([fd00::1]:30020, a node-local mirror on an
+    IPv6 cluster) and the chart refused it."""
+    doc = {"models": [model]}
+    assert agent_accepts(doc)
+    assert schema_accepts(doc)

@@ -774,3 +774,45 @@ def test_with_no_size_resolved_warming_started_gives_none() -> None:
         "Warming 2 model(s): a, b; sizes not resolved yet: b; failed before resolving: a"
     )
     assert "0 B" not in event["note"]
+
+
+def test_a_model_that_starts_later_in_the_episode_is_counted_not_failed() -> None:
+    """parallelModels: 1 and the first model stalls while resolving: the second gets the slot
+    it gave up, resolves and is ready. Before: its plan was ignored (it was not starting at
+    the episode's begin), and WarmingStarted said it had "failed before resolving"."""
+    sink = Recording()
+    recorder = EventRecorder(AgentMetrics(CollectorRegistry()), sink)
+    story = ev.WarmingStory(recorder, resolve_wait=0.2)
+    story.begin(["stalled", "healthy"], starting=["stalled"], known={})
+    story.planned("healthy", 1024, 1024)  # it got the stalled sync's slot
+    story.settled("healthy")  # ready (ModelReady next); stalled still resolving
+    assert recorder.flush()
+    recorder.close()
+    (event,) = sink.created
+    assert event["note"] == (
+        "Warming 2 model(s): stalled, healthy; 1.0 KiB (1024 bytes) in total, 1.0 KiB "
+        "(1024 bytes) to download; sizes not resolved yet: stalled"
+    )
+
+
+def test_a_stalled_sync_is_not_waited_for() -> None:
+    """A sync found stalled (no progress for stallTimeout) gives up its slot; before, the
+    model that got the slot, once ready, still waited up to resolve_wait for the stalled
+    one's size before its ModelReady (and its readiness): 10 s more to a node's ready."""
+    sink = Recording()
+    recorder = EventRecorder(AgentMetrics(CollectorRegistry()), sink)
+    story = ev.WarmingStory(recorder, resolve_wait=60.0)
+    story.begin(["stalled", "healthy"], starting=["stalled"], known={})
+    story.stalled("stalled")  # its size is not known, and may never be
+    story.planned("healthy", 1024, 1024)
+    settled = threading.Thread(target=story.settled, args=("healthy",))
+    settled.start()
+    settled.join(timeout=10)  # generous: waiting would take resolve_wait, 60 s
+    assert not settled.is_alive(), "healthy's ModelReady waits for the stalled model"
+    assert recorder.flush()
+    recorder.close()
+    (event,) = sink.created
+    assert event["note"] == (
+        "Warming 2 model(s): stalled, healthy; 1.0 KiB (1024 bytes) in total, 1.0 KiB "
+        "(1024 bytes) to download; sizes not resolved yet: stalled"
+    )

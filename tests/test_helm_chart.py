@@ -528,10 +528,115 @@ def test_the_chart_refuses_what_the_agent_refuses(key: str, value: Any) -> None:
     assert text.startswith(SCHEMA_ERROR) and f"at '/config/{key.split('.')[0]}" in text, text
 
 
+_CACHE = {"name": "cc", "source": "s3://bkt/cc/", "vllm": "0.6.3", "model": "org/m"}
+_CACHE["revision"] = "a" * 40
+
+#: Configs every key of which the schema accepts alone, that the agent refuses for a rule about
+#: several keys at once (templates/_checks.tpl): the chart must refuse them, naming the key.
+REFUSED_ACROSS_KEYS = [
+    ({"retryBackoff": {"initial": "10m", "max": "1m"}}, "config.retryBackoff.max: must not be"),
+    ({"retryBackoff": {"initial": "1h"}}, "config.retryBackoff.max: must not be"),  # max 10m
+    ({"retryBackoff": {"max": "5s"}}, "config.retryBackoff.max: must not be"),  # initial 10s
+    ({"retryBackoff": {"initial": "1m1h", "max": 3600}}, "config.retryBackoff.max: must not"),
+    (
+        {"models": [{"name": "a", "source": "hf://o/x"}, {"name": "a", "source": "hf://o/y"}]},
+        "config.models[1].name: duplicate model name",
+    ),
+    (
+        {"models": [{"name": "a", "source": "hf://o/x"}, {"name": "b", "source": "hf://O/X@v2"}]},
+        "config.models[1] (b): same Hub repo as config.models[0]",
+    ),
+    (
+        {
+            "models": [
+                {"name": "a", "source": "oci://r.io/x:v1", "hfRepo": "o/x"},
+                {"name": "b", "source": "s3://bkt/x/", "hfRepo": "o/x"},
+            ]
+        },
+        "config.models[1] (b): same Hub repo as config.models[0]",
+    ),
+    (
+        {"models": [{"name": "cc", "source": "hf://o/x"}], "compileCaches": [_CACHE]},
+        'config.compileCaches[0].name: "cc" is also a model\'s name',
+    ),
+    ({"compileCaches": [{**_CACHE, "push": True}]}, "config.compileCaches[0].pushFrom: push"),
+    (
+        {"compileCaches": [_CACHE, {**_CACHE, "source": "s3://bkt/other/"}]},
+        "config.compileCaches[1].name: duplicate compile cache name",
+    ),
+    (
+        {"compileCaches": [{**_CACHE, "push": True, "pushFrom": "cache/vllm"}]},
+        "config.compileCaches[0].pushFrom: push",
+    ),
+]
+
+
+@pytest.mark.parametrize(("config", "message"), REFUSED_ACROSS_KEYS)
+def test_the_chart_refuses_what_the_agent_refuses_across_keys(
+    config: dict[str, Any], message: str
+) -> None:
+    """Before: each key passed the schema alone, the chart rendered, and every agent exited 1
+    at start (a duplicate model name, a backoff whose max is below its initial, ...)."""
+    from prefetch.agent.config import parse_config
+    from prefetch.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        parse_config(yaml.safe_dump(config))
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmError) as caught:
+        chart.render({"config": config}, name=RELEASE, namespace=NAMESPACE)
+    assert message in str(caught.value), str(caught.value)
+    # (`helm lint` only logs a template's `fail`, in its lint mode: install and template refuse.)
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:0", "[::]:00"])
+def test_listen_on_port_0_is_refused_by_the_chart(listen: str) -> None:
+    """The agent takes port 0 (any free port; outside a cluster), but the chart makes it the
+    container port the probes use. Before: rendered, and only the API server refused it."""
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmError) as caught:
+        chart.render({"config": {"listen": listen}}, name=RELEASE, namespace=NAMESPACE)
+    assert "config.listen: port 0" in str(caught.value)
+
+
+def test_two_mirror_jobs_of_one_name_are_refused() -> None:
+    """Before: two Jobs of one name rendered, and the install failed at the API server."""
+    job = {"name": "copy", "source": "hf://o/x", "destination": "s3://b/x/"}
+    values = {"mirror": {"enabled": True, "jobs": [job, {**job, "source": "hf://o/y"}]}}
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmError) as caught:
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    assert 'mirror.jobs[1].name: duplicate job name "copy"' in str(caught.value)
+
+
+#: What those rules let through: the chart renders it and the agent reads it.
+ACCEPTED_ACROSS_KEYS = [
+    {"retryBackoff": {"initial": "10m"}},  # = the default max
+    {"retryBackoff": {"max": "10s"}},  # = the default initial
+    {"retryBackoff": {"initial": "1h", "max": "1h0m"}},
+    {"retryBackoff": {"initial": 0.5, "max": "500ms"}},
+    {"retryBackoff": {"initial": "1h30m", "max": "1.5h"}},
+    {"models": [{"name": "a", "source": "hf://o/x"}, {"name": "b", "source": "hf://o/xy"}]},
+    {"models": [{"name": "cc", "source": "hf://o/x"}], "compileCaches": [{**_CACHE, "name": "d"}]},
+    {"compileCaches": [{**_CACHE, "push": True, "pushFrom": "/var/cache/vllm"}]},
+    {"compileCaches": [{**_CACHE, "push": False, "pushFrom": "relative"}]},
+]
+
+
+@pytest.mark.parametrize("config", ACCEPTED_ACROSS_KEYS)
+def test_the_chart_renders_what_the_agent_accepts_across_keys(config: dict[str, Any]) -> None:
+    from prefetch.agent.config import parse_config
+
+    [cm] = [
+        d
+        for d in render({"config": config})
+        if d["kind"] == "ConfigMap" and "models.yaml" in d["data"]
+    ]
+    parse_config(cm["data"]["models.yaml"])
+
+
 @pytest.mark.parametrize(
     ("values", "at"),
     [
         ({"resources": {"limits": {"memory": "768 MB"}}}, "/resources/limits/memory"),
+        ({"warmPageCache": {"memoryLimit": "768 MB"}}, "/warmPageCache/memoryLimit"),
         ({"resources": {"requests": {"cpu": "0.5 cores"}}}, "/resources/requests/cpu"),
         ({"mirror": {"resources": {"limits": {"memory": "2GB"}}}}, "/mirror/resources/limits"),
         ({"tolerations": [{"key": "gpu", "operator": "Exist"}]}, "/tolerations/0/operator"),
@@ -539,9 +644,36 @@ def test_the_chart_refuses_what_the_agent_refuses(key: str, value: Any) -> None:
         ({"image": {"repository": "ghcr.io/x/y", "tag": "v1 latest"}}, "/image/tag"),
         ({"imagePullSecrets": ["registry"]}, "/imagePullSecrets/0"),
         ({"monitoring": {"podMonitor": {"interval": "15 s"}}}, "/monitoring/podMonitor/interval"),
+        ({"podLabels": {"team": "ml platform"}}, "/podLabels/team"),
+        ({"commonLabels": {"cost-center": "x" * 64}}, "/commonLabels/cost-center"),
+        ({"commonLabels": {"cost center": "ml"}}, "invalid propertyName 'cost center'"),
+        (
+            {"monitoring": {"podMonitor": {"labels": {"release": "kube prometheus"}}}},
+            "/monitoring/podMonitor/labels/release",
+        ),
+        ({"podAnnotations": {"example.com/a b": "x"}}, "invalid propertyName 'example.com/a b'"),
+        ({"serviceAccount": {"name": "Agent_SA"}}, "/serviceAccount/name"),
+        ({"credentials": {"secretName": "hub and s3"}}, "/credentials/secretName"),
+        ({"fullnameOverride": "Prefetch"}, "/fullnameOverride"),
+        (
+            {
+                "mirror": {
+                    "jobs": [
+                        {
+                            "name": "j",
+                            "source": "hf://o/x",
+                            "destination": "s3://b/x/",
+                            "schedule": "every hour",
+                        }
+                    ]
+                }
+            },
+            "/mirror/jobs/0/schedule",
+        ),
     ],
     ids=[
         "memory",
+        "warm-memory",
         "cpu",
         "mirror-memory",
         "operator",
@@ -549,18 +681,55 @@ def test_the_chart_refuses_what_the_agent_refuses(key: str, value: Any) -> None:
         "tag",
         "secret",
         "interval",
+        "pod-label-value",
+        "label-value-length",
+        "label-key",
+        "monitoring-label",
+        "annotation-key",
+        "service-account-name",
+        "secret-name",
+        "fullname",
+        "cron",
     ],
 )
 def test_the_charts_own_values_are_checked(values: dict[str, Any], at: str) -> None:
     """Before: a memory of "768 MB" rendered, and only the API server would have refused it."""
     text = schema_refusal(values)
-    assert f"at '{at}" in text, text
+    # a bad key is named in the message, at '' (Helm's validator gives no path for it)
+    assert f"at '{at}" in text if at.startswith("/") else at in text, text
+
+
+def test_kubernetes_names_labels_and_schedules_render() -> None:
+    job = {"name": "j", "source": "hf://o/x", "destination": "s3://b/x/"}
+    render(
+        {
+            "fullnameOverride": "prefetch",
+            "commonLabels": {"example.com/cost-center": "ml_1.a", "empty": ""},
+            "podAnnotations": {"example.com/owner": "ML platform (team 1)"},
+            "serviceAccount": {"name": "agent.sa"},
+            "credentials": {"secretName": "hub-and-s3"},
+            "mirror": {
+                "enabled": True,
+                "jobs": [
+                    {**job, "schedule": "*/15 * * * *"},
+                    {**job, "name": "k", "schedule": "@hourly"},
+                    {**job, "name": "l", "schedule": "0 3 * * MON-FRI"},
+                ],
+            },
+        }
+    )
 
 
 def test_kubernetes_quantities_render() -> None:
     quantities = ["768Mi", "1Gi", "500m", "0.5", 2, 1.5, "1e3", "+1k", ".5Gi", "129M"]
     for quantity in quantities:
         render({"resources": {"requests": {"cpu": quantity, "memory": quantity}}})
+        [agent] = [
+            d
+            for d in render({"warmPageCache": {"memoryLimit": quantity}})
+            if mu.is_builtin(d) and d["kind"] == "DaemonSet"
+        ]
+        assert mu.pod_spec(agent)["containers"][0]["resources"]["limits"]["memory"] == quantity
 
 
 def test_schema_lists_exactly_the_agents_config_keys() -> None:

@@ -159,6 +159,19 @@ def test_one_slash_after_the_scheme_is_refused(uri: str, message: str) -> None:
     assert result.stderr.startswith(f"Error: {message}")
 
 
+@pytest.mark.parametrize(
+    "uri", ["oci://[0]/models/m:v1", "oci://[::1/models/m:v1", "s3://[bkt]/p/", "hf://[o]/n"]
+)
+def test_a_bracketed_host_that_is_no_ip_address_is_one_error_line(uri: str) -> None:
+    """Before: urlsplit's ValueError went up as a traceback (the agent's config too)."""
+    with pytest.raises(ConfigError) as info:
+        parse_source_uri(uri)
+    assert str(info.value).startswith(f"malformed URI {uri!r}: ")
+    result = CliRunner().invoke(main, ["pull", uri, "/tmp/never-written"])
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"Error: malformed URI {uri!r}: "), result.stderr
+
+
 def test_ctrl_c_before_any_download_says_only_interrupted(tmp_path: Path) -> None:
     """A Hub that takes the connection and never answers: the pull waits in resolving."""
     with socket.socket() as silent:

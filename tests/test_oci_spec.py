@@ -114,3 +114,20 @@ def test_registry_addresses(monkeypatch):
     monkeypatch.setenv("PREFETCH_OCI_PLAIN_HTTP", "10.0.3.7:30020, mirror.local")
     assert registry_base("10.0.3.7:30020") == "http://10.0.3.7:30020"
     assert registry_base("mirror.local:5000") == "http://mirror.local:5000"
+
+
+def test_an_ipv6_node_ip_is_a_registry_host_in_brackets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/mirrors.md's Spegel recipe on an IPv6 cluster (status.hostIP is a bare IPv6
+    address). Before: 'fd00::1:30020' is not a registry host, and every agent exited 1; and
+    the mirror was spoken to over TLS, PREFETCH_OCI_PLAIN_HTTP=$(NODE_IP):30020 not matching."""
+    from prefetch.sources.oci import registry_base
+
+    monkeypatch.setenv("NODE_IP", "fd00::1")
+    mirror = parse_source_uri("oci://${NODE_IP}:30020")
+    assert mirror.location == "[fd00::1]:30020"
+    monkeypatch.setenv("PREFETCH_OCI_PLAIN_HTTP", "fd00::1:30020, registry.internal:5000")
+    assert registry_base(mirror.location) == "http://[fd00::1]:30020"
+    assert registry_base("registry.internal:5000") == "http://registry.internal:5000"
+    assert registry_base("[fd00::2]:30020") == "https://[fd00::2]:30020"
+    monkeypatch.setenv("NODE_IP", "10.0.3.7")  # IPv4 as before
+    assert parse_source_uri("oci://${NODE_IP}:30020").location == "10.0.3.7:30020"

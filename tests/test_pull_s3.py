@@ -19,6 +19,7 @@ from prefetch.errors import (
     AccessDeniedError,
     BucketNotFoundError,
     ChecksumMismatchError,
+    ConfigError,
     InsufficientSpaceError,
     MissingChecksumError,
     NoMatchingFilesError,
@@ -548,3 +549,23 @@ def test_progress_bar_on_a_terminal_and_none_in_a_pipe(s3_client, bucket, s3_env
     assert "\r[" in text and "ETA" in text and "MiB/s" in text and "100.0%" in text
     piped = run_cli("pull", f"s3://{bucket}/m", str(tmp_path / "e"), env=s3_env)
     assert piped.returncode == 0 and "ETA" not in piped.stderr
+
+
+def test_hash_and_question_mark_are_key_characters_of_an_s3_prefix(s3_client, bucket, tmp_path):
+    """Before: s3://b/models#1/ was read as the prefix models/ (urlsplit's fragment), and
+    pulled every model under models/ instead of the one asked for."""
+    objects = {
+        "models#1/w.bin": b"one",
+        "models?v=2/w.bin": b"two",
+        "models/other/w.bin": b"not asked for",
+    }
+    for key, data in objects.items():
+        put(s3_client, bucket, key, data)
+    assert parse_source_uri(f"s3://{bucket}/models#1/").path == "models#1/"
+    one, two = tmp_path / "one", tmp_path / "two"
+    pull(s3_client, f"s3://{bucket}/models#1/", one)
+    pull(s3_client, f"s3://{bucket}/models?v=2", two)
+    assert tree_bytes(one) == {"w.bin": b"one"}
+    assert tree_bytes(two) == {"w.bin": b"two"}
+    with pytest.raises(ConfigError, match=r"'#' and '\?' are in no repo id"):
+        parse_source_uri("hf://org/name#main")

@@ -110,3 +110,23 @@ def test_layout_refuses_paths_that_escape(tmp_path, bad):
     with pytest.raises(LayoutError, match="unsafe"):
         safe_join(tmp_path, bad)
     assert safe_join(tmp_path, "a/b.json") == tmp_path / "a" / "b.json"
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("stallTimeout: .nan", "stallTimeout"),
+        ("syncDeadline: .nan", "syncDeadline"),
+        ("verifyInterval: .NaN", "verifyInterval"),
+        ("retryBackoff: {initial: .nan}", "retryBackoff.initial"),
+        ("models: [{name: a, source: 'hf://o/x', syncDeadline: .nan}]", "models[0].syncDeadline"),
+    ],
+)
+def test_a_nan_duration_is_refused_naming_its_key(text: str, key: str) -> None:
+    """Before: YAML's .nan passed the "must not be negative" check (every comparison with NaN
+    is false) and the agent ran with a stall window or deadline of NaN seconds."""
+    from prefetch.agent.config import parse_config
+
+    with pytest.raises(ConfigError, match=r"not a duration: nan") as caught:
+        parse_config(text + "\n")
+    assert str(caught.value).startswith(f"{key}: "), str(caught.value)

@@ -689,7 +689,18 @@ def _compile_caches(value: Any, path: str) -> tuple[CompileCacheEntry, ...]:
         return ()
     if not isinstance(value, list):
         raise ConfigError(f"{path}: expected a list of compile caches, got {kind_of(value)}")
-    return tuple(_compile_cache(item, f"{path}[{i}]") for i, item in enumerate(value))
+    entries: list[CompileCacheEntry] = []
+    seen: dict[str, int] = {}
+    for i, item in enumerate(value):
+        entry = _compile_cache(item, f"{path}[{i}]")
+        if entry.name in seen:  # one directory, models/<name>, for both
+            raise ConfigError(
+                f"{path}[{i}].name: duplicate compile cache name {entry.name!r} "
+                f"(also {path}[{seen[entry.name]}])"
+            )
+        seen[entry.name] = i
+        entries.append(entry)
+    return tuple(entries)
 
 
 def _compile_cache(value: Any, where: str) -> CompileCacheEntry:

@@ -394,7 +394,18 @@ def _nullable(schema: Schema) -> Schema:
 _SEGMENT = r"[A-Za-z0-9_]+([.-][A-Za-z0-9_]+)*"
 _HF_ORG = r"[A-Za-z0-9][A-Za-z0-9_]*([.-][A-Za-z0-9_]+)*"
 _REF_PART = r"[A-Za-z0-9_][A-Za-z0-9_-]*"
-_OCI_HOST = r"([A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?|\$\{[A-Za-z_][A-Za-z0-9_]*\})(:[0-9]{1,5})?"
+_H = "[0-9A-Fa-f]{1,4}"
+#: An IPv6 address as urlsplit takes one in brackets (ipaddress), written out by where its
+#: "::" stands (no IPv4 tail, no zone: the schema takes a subset of what the agent takes).
+_IPV6 = "|".join((
+    f"({_H}:){{7}}{_H}", f"({_H}:){{1,7}}:", f"({_H}:){{1,6}}:{_H}",
+    *(f"({_H}:){{1,{6 - n}}}(:{_H}){{1,{n + 1}}}" for n in range(1, 5)),
+    f"{_H}:(:{_H}){{1,6}}", f":((:{_H}){{1,7}}|:)",
+))  # fmt: skip
+_OCI_HOST = (
+    rf"(\[({_IPV6})\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?|\$\{{[A-Za-z_][A-Za-z0-9_]*\}})"
+    r"(:[0-9]{1,5})?"
+)
 _OCI_REPO = r"[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*(/[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*)*"
 _OCI_REF = r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}|@sha256:[0-9a-f]{64})"
 _SOURCE_SHAPES = {
@@ -410,7 +421,8 @@ _PATH_SEGMENT = r"[A-Za-z0-9._~!$&'()*+,;=:@%-]+"
 _MIRROR_SHAPES = {
     **_SOURCE_SHAPES,
     "s3": rf"s3://[a-z0-9][a-z0-9._-]{{1,254}}(/{_PATH_SEGMENT})*/?",
-    "oci": r"oci://([a-z0-9]([a-z0-9.-]*[a-z0-9])?|\$\{[A-Za-z_][A-Za-z0-9_]*\})(:[0-9]{1,5})?"
+    "oci": rf"oci://(\[({_IPV6.replace('A-Fa-f', 'a-f')})\]|[a-z0-9]([a-z0-9.-]*[a-z0-9])?"
+    r"|\$\{[A-Za-z_][A-Za-z0-9_]*\})(:[0-9]{1,5})?"
     rf"(/{_OCI_REPO})?",
 }
 _BLANKS = r"[\t\n\v\f\r ]*"

@@ -426,13 +426,24 @@ class WarmingStory:
         self._maybe_tell()
 
     def planned(self, model: str, total: int, to_fetch: int) -> None:
+        """A sync of ``model`` resolved its plan. A model of the open episode that was not
+        starting at :meth:`begin` (it got a slot later, e.g. one a stalled sync gave up)
+        counts too: its size is known, and it did not fail before resolving."""
         with self._lock:
-            if model not in self._waiting:
+            if not self._open or model not in self._models:
                 return
             self._waiting.discard(model)
             self._sizes[model] = (total, to_fetch)
             self._resolved.notify_all()
         self._maybe_tell()
+
+    def stalled(self, model: str) -> None:
+        """``model``'s sync made no progress for ``stallTimeout`` (it gave up its slot): the
+        others no longer wait for its size, which the Event names as not resolved. Told at the
+        next plan or end of a sync (the model given the slot resolves first), not now."""
+        with self._lock:
+            self._waiting.discard(model)
+            self._resolved.notify_all()
 
     def settled(self, model: str, stop: threading.Event | None = None) -> None:
         """A sync ended (any outcome). Before it tells how (its model's ModelReady comes

@@ -476,6 +476,7 @@ class Agent:
                     now - ms.progress_mark[0],
                     extra={"model": ms.spec.name, "phase": "sync"},
                 )
+                self.warming.stalled(ms.spec.name)  # no one waits for its size either
         return stalled
 
     def _announce_warming(self, due: list[tuple[ModelState, JobKind]]) -> None:

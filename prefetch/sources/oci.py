@@ -544,8 +544,8 @@ class OciSource:
         if resp.status == 200 and not (start == 0 and end == file.size):
             resp.discard()
             raise RangeIgnoredError(
-                f"{what}: the server answered 200, not 206 (the registry ignored the Range and "
-                "sent the whole blob, as a cold pull-through cache does)"
+                f"{what}: the server answered 200, not 206 (it ignored the Range header, as "
+                "a cold pull-through cache does)"
             )
         if not _whole_blob(resp.status, start, end, file.size, length):
             # the range asked for was not the whole blob: the answer must be exactly it
