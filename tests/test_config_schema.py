@@ -22,9 +22,8 @@ from hypothesis import strategies as st
 
 from prefetch.agent import config_fields, config_schema
 from prefetch.agent.config import BACKOFF, COMPILE_CACHE, MODEL, S3, TOP, parse_config
-from prefetch.agent.config_fields import Table
+from prefetch.agent.config_fields import MIRRORS_BY_SOURCE, SOURCE_SCHEMES, Table
 from prefetch.errors import ConfigError
-from prefetch.spec import MIRRORS_BY_SOURCE, SOURCE_SCHEMES
 
 
 def _pattern(

@@ -359,7 +359,7 @@ class MirrorCase(S3Case):
             mirrors=(parse_source_uri(f"s3://{self.bucket}/{self.prefix}"),),
             hub_fallback=False,
         )
-        source = open_source(spec, SourceSettings(s3_client=self.proxy_client)).source
+        source = open_source(spec, SourceSettings(s3_client=self.proxy_client))
         layout = HfCacheLayout(dest, self.repo)
         return sync(spec, source, layout, config, progress=progress, stop=stop)
 
