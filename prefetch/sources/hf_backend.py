@@ -19,7 +19,6 @@ if TYPE_CHECKING:
 
 class HubBackend(Backend):
     scheme = "hf"
-    kind = "Hub"
     usage = "hf://org/name"
     usage_rank = 1
     mirror_scheme = "s3"

@@ -35,7 +35,6 @@ _EXPECTED = "expected oci://registry/repo:tag or oci://registry/repo@sha256:<dig
 
 class OciBackend(Backend):
     scheme = "oci"
-    kind = "OCI"
     usage = "oci://registry/repo:tag"
     usage_rank = 2
     mirror_scheme = "oci"

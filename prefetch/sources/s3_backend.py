@@ -24,7 +24,6 @@ _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,254}$")
 
 class S3Backend(Backend):
     scheme = "s3"
-    kind = "S3"
     usage = "s3://bucket/prefix"
     usage_rank = 0
     holds_mirrors = True
