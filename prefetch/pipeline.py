@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prefetch.layout import Layout
 from prefetch.progress import ProgressSink
@@ -26,7 +27,9 @@ from prefetch.sources.base import Source
 from prefetch.spec import ModelSpec, SpecError, layout_kind
 from prefetch.sync import Plan, SyncResult, execute, prepare, resolve_within
 from prefetch.transfer import TransferConfig
-from prefetch.warm import WarmLimits, WarmReport, published_files, warm_files
+
+if TYPE_CHECKING:
+    from prefetch.warm import WarmLimits, WarmReport
 
 __all__ = ["Hooks", "Pipeline", "Resolved"]
 
@@ -175,7 +178,10 @@ def warm(
     model: str = "",
     on_start: Callable[[int], None] | None = None,
 ) -> WarmReport:
-    """The last stage: read the model's published files into the page cache."""
+    """The last stage: read the model's published files into the page cache (its module, and
+    psutil, imported only for a warm-up: a no-op pull does without)."""
+    from prefetch.warm import published_files, warm_files
+
     files = published_files(layout, Path(result.path))
     return warm_files(files, limits, stop=stop, model=model, on_start=on_start)
 
