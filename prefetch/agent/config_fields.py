@@ -429,7 +429,7 @@ def _uri_schema(
 
 
 def mirror_rules() -> list[Schema]:
-    """A model's ``mirrors`` by its source's scheme (:data:`~prefetch.spec.MIRRORS_BY_SOURCE`),
+    """A model's ``mirrors`` by its source's scheme (:data:`MIRRORS_BY_SOURCE`, the backends'),
     ``hfRepo`` not for an hf:// source (it has its own repo id), and ``hubFallback: false``
     only with mirrors."""
     rules: list[Schema] = [
