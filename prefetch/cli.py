@@ -8,6 +8,7 @@ warnings, errors) goes to stderr. Every PrefetchError becomes one ``Error: ...``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -42,7 +43,7 @@ from prefetch.transfer import TransferConfig
 from prefetch.units import format_bytes, parse_duration, parse_size
 
 if TYPE_CHECKING:
-    from prefetch.sources import OpenedSource
+    from prefetch.sources import Source
 
 F = TypeVar("F", bound=Callable[..., Any])
 log = logging.getLogger("prefetch")
@@ -531,7 +532,7 @@ def open_pull_source(
     s3_endpoint: str | None,
     hub_endpoint: str | None,
     token: str | None,
-) -> OpenedSource:
+) -> Source:
     """``prefetch pull``'s source, opened by the one front door with the command's flags."""
     from prefetch.sources import SourceSettings, open_source
 
@@ -651,7 +652,8 @@ def pull(
     layout DEST is an HF_HOME: vLLM with HF_HOME=DEST and HF_HUB_OFFLINE=1 loads the model from
     it."""
     from prefetch.layout import layout_for
-    from prefetch.sync import sync
+    from prefetch.pipeline import Pipeline
+    from prefetch.pipeline import warm as warm_up
 
     config = make_config(**transfer)
     spec, _ = pull_spec(
@@ -664,26 +666,29 @@ def pull(
     root = writable_destination(dest)
     record.path = str(root)
     with removed_if_empty_on_failure(made):
-        opened = open_pull_source(
+        source = open_pull_source(
             spec, layout_name, config, s3_endpoint=endpoint_url, hub_endpoint=endpoint, token=token
         )
-        spec, source, snapshot = opened.spec, opened.source, opened.snapshot
-        layout = layout_for(spec, root, layout_name=opened.layout)
+        pipeline = Pipeline(
+            spec, source, lambda s, kind: layout_for(s, root, layout_name=kind),
+            layout_name=layout_name,
+        )  # fmt: skip
         show = sys.stderr.isatty() if progress is None else progress
         bar: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()
         sink = NoteWhenStarted(bar, "Interrupted; partial downloads are kept and resume next time.")
         t0 = time.monotonic()
         try:
-            result = sync(spec, source, layout, config, progress=sink, delete=delete,
-                          stop=stop_on_sigterm(), so_far=record, snapshot=snapshot)  # fmt: skip
+            resolved, result = pipeline.run(config, progress=sink, delete=delete,
+                                            stop=stop_on_sigterm(), so_far=record)  # fmt: skip
         finally:
             record.seconds = round(time.monotonic() - t0, 3)
+    spec = resolved.spec
     warmed = None
     if warm:
-        from prefetch.warm import WarmLimits, published_files, warm_files
+        from prefetch.warm import WarmLimits
 
-        files = published_files(layout, Path(result.path))
-        warmed = warm_files(files, WarmLimits(memory_share=warm_memory_share), model=spec.name)
+        limits = WarmLimits(memory_share=warm_memory_share)
+        warmed = warm_up(resolved.layout, result, limits, model=spec.name)
     if result.files_unverified:
         click.echo(
             f"Warning: {len(result.files_unverified)} file(s) had no checksum at the source "
@@ -821,9 +826,10 @@ def mirror(
     verified against the Hub's ids, resumable, and uploading nothing already there. DST may be
     oci://registry/repo:tag: a Hub commit is pushed as a ModelPack artifact, an oci:// SRC is
     copied by digest."""
+    from prefetch.backends import backend
     from prefetch.mirror import MirrorConfig, S3Prefix, mirror_hub, mirror_s3
     from prefetch.mirror.upload import make_writer_client
-    from prefetch.sources import SourceSettings, open_source, pool_size
+    from prefetch.sources import SourceSettings, open_source, pool_size, s3_client
     from prefetch.sources.s3 import make_s3_client
 
     if not dst.strip().startswith(("s3://", "oci://")):
@@ -836,7 +842,8 @@ def mirror(
                             attempts, progress, as_json, record)  # fmt: skip
         return
     source_uri, dest_uri = parse_source_uri(src), parse_source_uri(dst)
-    if source_uri.scheme == "s3" and revision:
+    reads = backend(source_uri.scheme)
+    if not reads.has_revisions and revision:
         raise ConfigError("--revision is for hf:// sources")
     size = size_option(part_size, "--part-size")
     assert size is not None
@@ -864,11 +871,11 @@ def mirror(
     sink = NoteWhenStarted(bar, MIRROR_INTERRUPTED)
     t0 = time.monotonic()
     try:
-        if source_uri.scheme == "hf":
+        if reads.mirrors_commits:
             spec = ModelSpec(
                 source=source_uri, revision=revision or None, proxy=proxy, ca_bundle=ca_bundle
             )
-            source = open_source(spec, reach).source
+            source = open_source(spec, reach)
             result = mirror_hub(
                 spec, source, dest, config, progress=sink, stop=stop_on_sigterm(), so_far=record
             )
@@ -877,12 +884,14 @@ def mirror(
                 raise ConfigError("the mirror source and destination are the same prefix")
             spec = ModelSpec(source=source_uri, proxy=proxy, ca_bundle=ca_bundle)
             # the prefix read object by object (a mirror's metadata is copied as it is)
-            opened = open_source(spec, reach, layout="plain")
+            # one client lists the prefix and reads its objects
+            reader = s3_client(spec, reach, lazy=True)
+            reach = dataclasses.replace(reach, s3_client=reader)
             src_prefix = S3Prefix(
-                opened.s3_client, source_uri.location, source_uri.path, retry=transfer.retry
+                reader, source_uri.location, source_uri.path, retry=transfer.retry
             )
             result = mirror_s3(
-                opened.source,
+                open_source(spec, reach, layout="plain"),
                 src_prefix,
                 dest,
                 config,

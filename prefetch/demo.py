@@ -96,11 +96,11 @@ def _pull_from_a_local_server(
         spec = ModelSpec(source=parse_source_uri(uri), name="llama-demo")
         layout = PlainLayout(target)
         reach = SourceSettings(s3_client=client)
-        source = open_source(spec, reach, layout="plain").source
+        source = open_source(spec, reach, layout="plain")
         result = sync(spec, source, layout, TransferConfig(),
                       progress=TerminalProgress(sys.stderr))  # fmt: skip
         report = verify_local(layout)
-        again = sync(spec, open_source(spec, reach, layout="plain").source, layout,
+        again = sync(spec, open_source(spec, reach, layout="plain"), layout,
                      TransferConfig())  # fmt: skip
     return result, report, again
 

@@ -117,6 +117,10 @@ class Snapshot:
     #: bytes fetched to resolve it (an OCI archive layer streamed and unpacked at resolve),
     #: counted in the sync's ``bytes_downloaded``
     fetched_bytes: int = field(default=0, compare=False)
+    #: the layout the source's files must be published in whatever the spec says (an S3
+    #: mirror prefix: ``"hf"``, its files are a Hub commit's), None: the spec's (see
+    #: :func:`prefetch.spec.layout_kind`)
+    layout: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         # every source builds one: a listing that cannot be laid out safely is refused here,

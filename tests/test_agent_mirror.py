@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs
 
 import pytest
 
@@ -15,9 +17,21 @@ from prefetch.agent.config import AgentConfig, parse_config, spec_digest
 from prefetch.agent.reconcile import Agent
 from prefetch.agent.scheduler import Intervals, JobKind
 from prefetch.errors import ConfigError
+from prefetch.sources.s3 import make_s3_client
 
 from .fakes.hubserver import HubServer, make_model_repo
-from .support import AgentProcess, config_text, s3_subprocess_env, wait_for, write_mirror
+from .fakes.s3proxy import S3FaultProxy
+from .support import (
+    HUB_REPO,
+    AgentProcess,
+    AgentThread,
+    config_text,
+    is_ready,
+    model_status,
+    s3_subprocess_env,
+    wait_for,
+    write_mirror,
+)
 from .tls import TestCA
 
 # -- the config keys ------------------------------------------------------------------------------
@@ -140,3 +154,40 @@ def test_the_agent_falls_back_to_the_hub_from_an_empty_mirror_and_returns_once_i
             assert _source_of(agent) == mirror
         finally:
             agent.stop()
+
+
+# -- an S3 mirror prefix: resolved once per sync ---------------------------------------------------
+
+
+def test_the_agent_resolves_an_s3_mirror_prefix_once_per_sync(
+    s3_server: Any, s3_client: Any, bucket: str, hub: HubServer, test_ca: TestCA, tmp_path: Path
+) -> None:
+    """Opening a model's source makes no request; the sync's resolve probes the prefix (one
+    listing of ``snapshots/``) and reads its metadata once. Counted where the requests arrive."""
+    write_mirror(s3_client, bucket, "mirror/", hub)
+    config = tmp_path / "models.yaml"
+    models = [{"name": "tiny", "source": f"s3://{bucket}/mirror/", "hfRepo": HUB_REPO}]
+    config.write_text(config_text(tmp_path / "cache", models))
+    with S3FaultProxy(s3_server.endpoint, test_ca) as proxy:
+        client = make_s3_client(
+            endpoint_url=proxy.endpoint,
+            access_key=s3_server.access_key,
+            secret_key=s3_server.secret_key,
+        )
+        agent = Agent(config, s3_client=client, serve=False, tick=0.2)
+        with AgentThread(agent):
+            wait_for(lambda: is_ready(agent, "tiny"), "tiny ready", dump=agent.status)
+            state = model_status(agent, "tiny")
+    listed = Counter(
+        parse_qs(query)["prefix"][0]
+        for method, key, query in proxy.requests
+        if method == "GET" and key == bucket and "prefix=" in query
+    )
+    metadata = Counter(
+        key.split("/")[1]  # the proxy names an object by its key
+        for method, key, _ in proxy.requests
+        if method == "GET" and key.startswith(("mirror/refs/", "mirror/snapshots/"))
+    )
+    assert state["failures"] == 0  # one sync: the first, and it succeeded
+    assert listed == {"mirror/snapshots/": 1, "mirror/refs/": 1}
+    assert metadata == {"snapshots": 1, "refs": 1}

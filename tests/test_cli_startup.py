@@ -41,3 +41,13 @@ def test_help_of_a_lazy_command_runs() -> None:
     result = CliRunner().invoke(main, ["agent", "--help"])
     assert result.exit_code == 0, result.output
     assert "--config" in result.output
+
+
+def test_the_pipeline_a_pull_runs_loads_no_warm_up_code() -> None:
+    """psutil and the warm-up module are imported for a warm-up only (a no-op pull is timed)."""
+    code = (
+        "import json, sys; import prefetch.cli, prefetch.pipeline; "
+        "print(json.dumps(sorted(m for m in ('psutil', 'prefetch.warm') if m in sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == []

@@ -62,7 +62,7 @@ def pull(
     pool = urllib3.PoolManager(maxsize=16, retries=False)
     options = HubOptions(endpoint=hub.endpoint, token=False, http=pool, retry=FAST.retry)
     try:
-        source = open_source(spec, SourceSettings(s3_client=client, hub=options)).source
+        source = open_source(spec, SourceSettings(s3_client=client, hub=options))
         return sync(spec, source, HfCacheLayout(dest, repo), FAST)
     finally:
         pool.clear()

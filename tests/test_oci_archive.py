@@ -69,7 +69,7 @@ def link(name: str, target: str, kind: bytes = tarfile.SYMTYPE) -> tarfile.TarIn
 def pull(registry: Registry, repo: str, dest: Path, hf_repo: str | None = None):  # type: ignore[no-untyped-def]
     spec = ModelSpec(source=parse_source_uri(f"oci://{registry.host}/{repo}:v1"), hf_repo=hf_repo)
     layout = HfCacheLayout(dest, hf_repo) if hf_repo else PlainLayout(dest)
-    return sync(spec, open_source(spec, SourceSettings(concurrency=4)).source, layout, CONFIG)
+    return sync(spec, open_source(spec, SourceSettings(concurrency=4)), layout, CONFIG)
 
 
 def nothing_published(dest: Path) -> bool:

@@ -60,7 +60,7 @@ def pusher(registry: Registry) -> Pusher:
 
 def pull(uri: str, dest: Path, *, hf_repo: str | None = None, config: TransferConfig = CONFIG):
     spec = ModelSpec(source=parse_source_uri(uri), hf_repo=hf_repo)
-    source = open_source(spec, SourceSettings(concurrency=config.concurrency)).source
+    source = open_source(spec, SourceSettings(concurrency=config.concurrency))
     layout = HfCacheLayout(dest, hf_repo) if hf_repo else PlainLayout(dest)
     return sync(spec, source, layout, config)
 
@@ -338,7 +338,7 @@ def test_an_artifact_pushed_by_skopeo_is_pulled_into_the_hf_layout(registry, tmp
 def test_a_range_past_the_end_is_clamped_to_the_descriptor_size(registry, pusher):
     pusher.modelpack("models/clamp", "v1", {"w.bin": b"0123456789"})
     spec = ModelSpec(source=parse_source_uri(f"oci://{registry.host}/models/clamp:v1"))
-    source = open_source(spec).source
+    source = open_source(spec)
     (file,) = source.resolve(spec).files
     reader = source.open_range(file, 4, file.size + 1000)  # a registry would answer 416
     buf = bytearray(64)
@@ -366,7 +366,7 @@ def test_a_blob_the_mirror_lacks_is_read_from_the_origin(tmp_path_factory, tmp_p
                 source=parse_source_uri(f"oci://{origin.host}/models/part@{pushed.digest}"),
                 mirrors=(parse_source_uri(f"oci://{proxy.host}"),),
             )
-            result = sync(spec, open_source(spec).source, PlainLayout(tmp_path / "d"), CONFIG)
+            result = sync(spec, open_source(spec), PlainLayout(tmp_path / "d"), CONFIG)
         finally:
             proxy.stop()
         assert result.served_by.startswith(f"oci://{proxy.host}/")

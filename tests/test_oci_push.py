@@ -69,7 +69,7 @@ def test_a_hub_commit_is_pushed_as_modelpack_and_pulled_back(registry, hub, tmp_
     pulled = ModelSpec(source=parse_source_uri(f"oci://{registry.host}/mirror/tiny:main"),
                        hf_repo="acme/tiny")  # fmt: skip
     home = tmp_path / "home"
-    sync(pulled, open_source(pulled).source, HfCacheLayout(home, "acme/tiny"), CONFIG)
+    sync(pulled, open_source(pulled), HfCacheLayout(home, "acme/tiny"), CONFIG)
     snap = home / "hub/models--acme--tiny/snapshots" / digest.split(":", 1)[1]
     for f in snapshot.files:
         assert (snap / f.path).read_bytes() == server.file("acme/tiny", f.path).read()
@@ -107,7 +107,7 @@ def test_an_oci_artifact_is_copied_by_digest(registry, hub, tmp_path):
                          http=http, retry=RETRY, concurrency=4)  # fmt: skip
     assert copy.ref == f"v2@{digest}"  # the same manifest bytes, so the same digest
     pulled = ModelSpec(source=parse_source_uri(f"oci://{registry.host}/b/tiny@{digest}"))
-    result = sync(pulled, open_source(pulled).source, PlainLayout(tmp_path / "d"), CONFIG)
+    result = sync(pulled, open_source(pulled), PlainLayout(tmp_path / "d"), CONFIG)
     assert result.files_verified == result.files
 
 

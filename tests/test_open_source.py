@@ -1,6 +1,7 @@
-"""The front door (prefetch.sources.open_source): one table of source URIs opened through the
-CLI's path (``prefetch pull``) and the agent's path, which must open the same thing: the same
-kind of source, serving the same commit, the same spec and the same layout."""
+"""The front door (prefetch.sources.open_source) and the pipeline's resolve: one table of source
+URIs opened and resolved through the CLI's path (``prefetch pull``) and the agent's path, which
+must find the same thing: the same kind of source, serving the same commit, the same spec and
+the same layout."""
 
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ import pytest
 import yaml
 
 from prefetch.agent.config import parse_config
+from prefetch.agent.jobs import model_pipeline
 from prefetch.agent.reconcile import Agent
 from prefetch.agent.source_opener import SourceOpener
 from prefetch.cli import make_config, open_pull_source, pull_spec
 from prefetch.errors import ConfigError
+from prefetch.layout import layout_for
 from prefetch.locals3 import SeaweedS3
-from prefetch.sources import OpenedSource, S3Clients, pool_size
+from prefetch.pipeline import Pipeline, Resolved
+from prefetch.sources import S3Clients, pool_size
+from prefetch.store import Store
 
 from .fakes.hubserver import HubServer
 from .support import (
@@ -51,34 +56,56 @@ def reach(
     monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
 
 
-def via_cli(uri: str, s3: SeaweedS3, *, layout: str | None = None, **flags: Any) -> OpenedSource:
-    """What ``prefetch pull URI DEST [flags]`` opens."""
+def via_cli(
+    uri: str, s3: SeaweedS3, dest: Path, *, layout: str | None = None, **flags: Any
+) -> Found:
+    """What ``prefetch pull URI DEST [flags]`` opens and resolves."""
     options: dict[str, Any] = dict(name="", include=(), exclude=(), revision=None, hf_repo=None,
                                    hf_revision=None, layout_name=layout)  # fmt: skip
     spec, _ = pull_spec(uri, **{**options, **flags})
     config = make_config(4, "64MiB", False, False, 2)
-    return open_pull_source(
+    source = open_pull_source(
         spec, layout, config, s3_endpoint=s3.endpoint, hub_endpoint=None, token=None
     )
+    place = Pipeline(
+        spec, source, lambda s, kind: layout_for(s, dest, layout_name=kind), layout_name=layout
+    )
+    return source, place.resolve(None)
 
 
-def via_agent(uri: str, s3: SeaweedS3, **keys: Any) -> OpenedSource:
-    """What the agent opens for a model ``{source: URI, **keys}`` of its config file."""
+def via_agent(uri: str, s3: SeaweedS3, cache: Path, **keys: Any) -> Found:
+    """What the agent opens and resolves for a model ``{source: URI, **keys}`` of its config
+    file."""
     model = {"name": "m", "source": uri, **keys}
     doc = {"s3": {"endpointUrl": s3.endpoint}, "concurrency": 4, "models": [model]}
     config = parse_config(yaml.safe_dump(doc))
-    return SourceOpener(None, None).open(config.models[0], config)
+    spec = config.models[0]
+    source = SourceOpener(None, None).open(spec, config)
+    return source, model_pipeline(spec, source, Store(cache)).resolve(None)
 
 
-def opened(o: OpenedSource) -> tuple[object, ...]:
-    """What was opened, comparably: the kind of source, the source that serves the snapshot
-    and its commit, the spec's repo id, and the layout."""
-    snapshot = o.snapshot or o.source.resolve(o.spec)
-    return (type(o.source).__name__, snapshot.source, snapshot.repo_id, o.spec.repo_id, o.layout)
+#: What was opened, and what resolving it found.
+Found = tuple[object, Resolved]
+
+
+def opened(found: Found) -> tuple[object, ...]:
+    """What was opened, comparably: the kind of source serving the snapshot (an S3 prefix: the
+    mirror when it is one), the source that serves the snapshot and its commit, the spec's repo
+    id, and the layout."""
+    source, o = found
+    serving = getattr(source, "serving", source)
+    snapshot = o.snapshot
+    return (type(serving).__name__, snapshot.source, snapshot.repo_id, o.spec.repo_id,
+            o.layout_name)  # fmt: skip
 
 
 def test_one_table_of_uris_opens_the_same_through_the_cli_and_the_agent(
-    reach: None, s3_server: SeaweedS3, s3_client: Any, bucket: str, hub: HubServer
+    reach: None,
+    s3_server: SeaweedS3,
+    s3_client: Any,
+    bucket: str,
+    hub: HubServer,
+    tmp_path: Path,
 ) -> None:
     commit = write_mirror(s3_client, bucket, "mirror/", hub)
     put(s3_client, bucket, "plain/config.json", b'{"a": 1}')
@@ -103,20 +130,20 @@ def test_one_table_of_uris_opens_the_same_through_the_cli_and_the_agent(
     ]  # fmt: skip
     for uri, flags, keys, expected in table:
         row = f"{uri} {flags}"
-        assert opened(via_cli(uri, s3_server, **flags)) == expected, row
+        assert opened(via_cli(uri, s3_server, tmp_path / "dest", **flags)) == expected, row
         if keys is not None:
-            assert opened(via_agent(uri, s3_server, **keys)) == expected, row
+            assert opened(via_agent(uri, s3_server, tmp_path / "cache", **keys)) == expected, row
     # the mirror prefix named by itself: the CLI publishes it in the Hub's layout under the
     # repo id its metadata records, at the commit it resolved while probing
-    found = via_cli(mirror, s3_server)
+    found = via_cli(mirror, s3_server, tmp_path / "dest")
     assert opened(found) == ("MirrorSource", mirror, REPO, REPO, "hf")
-    assert found.snapshot is not None and found.snapshot.revision_id == commit
-    assert found.spec.hf_repo == REPO
+    assert found[1].snapshot is not None and found[1].snapshot.revision_id == commit
+    assert found[1].spec.hf_repo == REPO
     # the agent does too, once its config names the repo id (its cache index is read offline,
     # by `prefetch gc` and eviction, so the id cannot come from the network): told so
     told = f"m: hfRepo: s3://{bucket}/mirror/ is a mirror of {REPO}"
     with pytest.raises(ConfigError, match=told):
-        via_agent(mirror, s3_server)
+        via_agent(mirror, s3_server, tmp_path / "cache")
 
 
 def test_pool_size_is_the_reads_in_flight_of_every_stream_plus_spare_for_metadata() -> None:

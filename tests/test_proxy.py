@@ -87,7 +87,7 @@ def _pull_hub(hub: HubServer, dest: Path, proxy: str | None = None) -> None:
     spec = ModelSpec(source=parse_source_uri(f"hf://{REPO}"), proxy=proxy)
     source = open_source(
         spec, SourceSettings(hub=HubOptions(endpoint=hub.endpoint, token=False, pool_size=9))
-    ).source
+    )
     result = sync(spec, source, layout_for(spec, dest), FAST)
     assert result.files_downloaded == len(server_files(hub, REPO))
 
@@ -95,7 +95,7 @@ def _pull_hub(hub: HubServer, dest: Path, proxy: str | None = None) -> None:
 def _pull_s3(server: SeaweedS3, bucket: str, dest: Path, proxy: str | None = None) -> int:
     """Pull s3://bucket/m/ into ``dest``; the number of files."""
     spec = ModelSpec(source=parse_source_uri(f"s3://{bucket}/m/"), proxy=proxy)
-    source = open_source(spec, SourceSettings(s3_endpoint=server.endpoint, concurrency=4)).source
+    source = open_source(spec, SourceSettings(s3_endpoint=server.endpoint, concurrency=4))
     result = sync(spec, source, layout_for(spec, dest), FAST)
     assert result.files_downloaded > 0 and result.bytes_downloaded > 3 * MiB
     return result.files_downloaded

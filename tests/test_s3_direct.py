@@ -409,7 +409,7 @@ def test_a_pull_through_a_mirror_reads_everything_but_a_listing_on_the_seam(
         )
         pool = urllib3.PoolManager(maxsize=4, retries=False)
         options = HubOptions(endpoint=hub.endpoint, token=False, http=pool, retry=FAST.retry)
-        source = open_source(spec, SourceSettings(s3_client=client, hub=options)).source
+        source = open_source(spec, SourceSettings(s3_client=client, hub=options))
         result = sync(spec, source, HfCacheLayout(tmp_path / "cache", HUB_REPO), FAST)
     assert result.files_downloaded == 2 and result.served_by.startswith("s3://")
     if client_kind == "botocore":

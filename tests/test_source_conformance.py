@@ -1,7 +1,9 @@
 """Every source behaves the same when its server misbehaves: one suite, run by every source.
 
 A source joins by adding one :class:`SourceCase` subclass (how to serve a model, how to pull it,
-how to make its server misbehave) to ``CASES``; every behaviour below then runs against it:
+how to make its server misbehave, the scheme of the backend it checks) to ``CASES``; every
+behaviour below then runs against it, and every backend of the registry
+(:mod:`prefetch.backends`) must have one:
 
 * resume: a body cut mid-way, and a pull stopped mid-way, resume without re-fetching finished bytes;
 * throttling: 429 / 503 SlowDown with Retry-After is retried and the pull succeeds;
@@ -37,6 +39,7 @@ from urllib.parse import urlsplit
 import pytest
 import urllib3
 
+from prefetch.backends import source_schemes
 from prefetch.errors import ChecksumMismatchError, SourceChangedError, SourceError
 from prefetch.layout import PlainLayout
 from prefetch.layout.hf import HfCacheLayout
@@ -86,6 +89,8 @@ class SourceCase(ABC):
     """
 
     id: ClassVar[str]
+    #: the scheme of the backend under test (see prefetch.backends)
+    scheme: ClassVar[str]
 
     def __init__(self, model: dict[str, Path]) -> None:
         self.model = model
@@ -158,6 +163,7 @@ class S3Case(SourceCase):
     """SeaweedFS, reached through a fault-injecting proxy; files uploaded as real tools do."""
 
     id = "s3"
+    scheme = "s3"
 
     def __init__(
         self, model: dict[str, Path], s3_server: Any, client: Any, bucket: str, tls: TestCA
@@ -234,6 +240,7 @@ class HubCase(SourceCase):
     """The fake Hub (hub port and CDN port), the model committed on ``main``."""
 
     id = "hub"
+    scheme = "hf"
     repo = "acme/conform"
 
     def __init__(self, model: dict[str, Path], tls: TestCA) -> None:
@@ -359,7 +366,7 @@ class MirrorCase(S3Case):
             mirrors=(parse_source_uri(f"s3://{self.bucket}/{self.prefix}"),),
             hub_fallback=False,
         )
-        source = open_source(spec, SourceSettings(s3_client=self.proxy_client)).source
+        source = open_source(spec, SourceSettings(s3_client=self.proxy_client))
         layout = HfCacheLayout(dest, self.repo)
         return sync(spec, source, layout, config, progress=progress, stop=stop)
 
@@ -373,6 +380,7 @@ class OciCase(SourceCase):
     manifest for the tag (a new blob; the old one stays, content-addressed)."""
 
     id = "oci"
+    scheme = "oci"
     repo = "conform/model"
 
     def __init__(self, model: dict[str, Path], registry: Registry, tls: TestCA) -> None:
@@ -417,6 +425,13 @@ class OciCase(SourceCase):
 
 
 CASES = ["s3", "hub", "mirror", "oci"]
+CASE_CLASSES: tuple[type[SourceCase], ...] = (S3Case, HubCase, MirrorCase, OciCase)
+
+
+def test_every_backend_of_the_registry_has_a_case_here() -> None:
+    """A backend joins the registry and this suite together (see docs/architecture.md)."""
+    assert [c.id for c in CASE_CLASSES] == CASES
+    assert {c.scheme for c in CASE_CLASSES} == set(source_schemes())
 
 
 @pytest.fixture(scope="module")

@@ -84,6 +84,7 @@ from prefetch.agent.config_fields import (
     S3_URI,
     SHARE,
     SIZE,
+    SOURCE_SCHEMES,
     SOURCE_URI,
     TAINT_KEY,
     TEXT,
@@ -106,12 +107,12 @@ from prefetch.agent.config_fields import (
     uri,
 )
 from prefetch.agent.config_fields import parse_listen as parse_listen  # re-exported
+from prefetch.backends import backend
 from prefetch.compile_cache import EXTRA_DIRS, CacheKey
 from prefetch.constants import DEFAULT_LABEL_PREFIX, DEFAULT_LISTEN, DEFAULT_STARTUP_TAINT_KEY
 from prefetch.errors import ConfigError, PrefetchError
 from prefetch.retry import RetryPolicy
 from prefetch.spec import (
-    SOURCE_SCHEMES,
     ModelSpec,
     SourceURI,
     SpecError,
@@ -428,7 +429,7 @@ def _target(value: Any, path: str) -> str:
 
 def _cache_source(value: Any, path: str) -> SourceURI:
     found: SourceURI = uri(SOURCE_SCHEMES)(value, path)
-    if found.scheme != "s3":
+    if not backend(found.scheme).holds_compile_caches:
         raise ConfigError(f"{path}: expected s3://bucket/prefix/")
     return found
 

@@ -21,14 +21,9 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
+from prefetch.backends import mirror_schemes, mirrors_by_source, source_schemes
 from prefetch.errors import ConfigError
-from prefetch.spec import (
-    MIRROR_SCHEMES,
-    MIRRORS_BY_SOURCE,
-    SOURCE_SCHEMES,
-    parse_source_uri,
-    validate_name,
-)
+from prefetch.spec import parse_source_uri, validate_name
 from prefetch.units import (
     DURATION_PATTERN,
     POSITIVE_DURATION_PATTERN,
@@ -37,6 +32,12 @@ from prefetch.units import (
     parse_size,
     size_pattern_at_least,
 )
+
+#: The schemes of a model's ``source``, of its ``mirrors`` (by its source's), and where a mirror
+#: lives: the backends' (see prefetch.backends); the chart's schema is generated from them.
+SOURCE_SCHEMES = source_schemes()
+MIRRORS_BY_SOURCE = mirrors_by_source()
+MIRROR_SCHEMES = mirror_schemes()
 
 Parse = Callable[[Any, str], Any]
 Schema = dict[str, Any]
@@ -440,7 +441,7 @@ def _uri_schema(
 
 
 def mirror_rules() -> list[Schema]:
-    """A model's ``mirrors`` by its source's scheme (:data:`~prefetch.spec.MIRRORS_BY_SOURCE`),
+    """A model's ``mirrors`` by its source's scheme (:data:`MIRRORS_BY_SOURCE`, the backends'),
     ``hfRepo`` not for an hf:// source (it has its own repo id), and ``hubFallback: false``
     only with mirrors."""
     rules: list[Schema] = [

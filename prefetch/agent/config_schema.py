@@ -16,8 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from prefetch.agent.config import BACKOFF, COMPILE_CACHE, MODEL, S3, TOP
-from prefetch.agent.config_fields import NONSPACE, SPACE, SPACE_CHARS, Table
-from prefetch.spec import MIRROR_SCHEMES, SOURCE_SCHEMES
+from prefetch.agent.config_fields import (
+    MIRROR_SCHEMES,
+    NONSPACE,
+    SOURCE_SCHEMES,
+    SPACE,
+    SPACE_CHARS,
+    Table,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 CHART_SCHEMA = REPO / "charts" / "model-prefetch" / "values.schema.json"

@@ -18,10 +18,9 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine
-from pathlib import Path
+from collections.abc import Callable, Coroutine, Iterator
 
-from prefetch.agent.config import AgentConfig
+from prefetch.agent.config import AgentConfig, render_spec_error
 from prefetch.agent.events import (
     EventRecorder,
     WarmingStory,
@@ -47,21 +46,15 @@ from prefetch.errors import (
 from prefetch.layout import Layout
 from prefetch.logjson import scrub, sync_context
 from prefetch.metrics import AgentMetrics
+from prefetch.pipeline import Hooks, Pipeline
+from prefetch.pipeline import warm as warm_up
 from prefetch.sources.base import Source
 from prefetch.spec import ModelSpec
 from prefetch.store import Store
-from prefetch.sync import (
-    SyncResult,
-    VerifyReport,
-    execute,
-    forget_failures,
-    prepare,
-    resolve_within,
-    verify_local,
-)
+from prefetch.sync import Plan, SyncResult, VerifyReport, forget_failures, verify_local
 from prefetch.transfer import Cancelled, TransferConfig
 from prefetch.units import format_bytes
-from prefetch.warm import WarmReport, published_files, warm_files
+from prefetch.warm import WarmReport
 
 # The jobs' lines keep the logger name they have always had, so log queries keep matching.
 log = logging.getLogger("prefetch.agent.reconcile")
@@ -73,7 +66,7 @@ LOCK_TIMEOUT = 60.0
 #: :class:`~prefetch.agent.source_opener.SourceOpener`.
 OpenSource = Callable[[ModelSpec, AgentConfig], Source]
 
-__all__ = ["LOCK_TIMEOUT", "JobParts", "OpenSource", "SyncJob", "VerifyJob"]
+__all__ = ["LOCK_TIMEOUT", "JobParts", "OpenSource", "SyncJob", "VerifyJob", "model_pipeline"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,10 +185,10 @@ class SyncJob:
             parts.events.emit(warm_up_started(name, total, revision=result.revision))
 
         try:
-            files = published_files(parts.store.layout(ms.spec), Path(result.path))
-            report = warm_files(
-                files, config.warm_limits(), stop=stop, model=name, on_start=started
-            )
+            report = warm_up(
+                parts.store.layout(ms.spec), result, config.warm_limits(), stop=stop,
+                model=name, on_start=started,
+            )  # fmt: skip
         except (OSError, PrefetchError) as exc:  # the records could not be read
             report = WarmReport("failed", reason=str(exc))
             log.warning("%s: page-cache warm-up failed: %s", name, exc,
@@ -218,62 +211,33 @@ class SyncJob:
         parts.metrics.observe_warm(name, report.state, report.seconds, report.bytes_read)
 
     def _blocking(self, ms: ModelState, config: AgentConfig, stop: threading.Event) -> SyncResult:
-        """In a worker thread: resolve and plan under the model's lock, make room, sync, all
-        within the attempt's ``syncDeadline``, counted from here (see :func:`_bounded`)."""
+        """In a worker thread: the pipeline (resolve and plan under the model's lock, make
+        room, sync) with the agent's steps as hooks (:class:`_AgentSteps`), all within the
+        attempt's ``syncDeadline``, counted from here (see :func:`_bounded`)."""
         began = time.monotonic()
         parts = self._parts
         store, space = parts.store, parts.space
-        spec, sink = ms.spec, ms.sink
-        assert sink is not None  # start_sync gave the job its sink
+        spec = ms.spec
+        assert ms.sink is not None  # start_sync gave the job its sink
         with space.busy(spec):
-            layout = store.layout(spec)
-            source = parts.open_source(spec, config)
             deadline = config.deadline_for(spec.name)
+            pipeline = model_pipeline(
+                spec,
+                parts.open_source(spec, config),
+                store,
+                hooks=_AgentSteps(parts, ms, config, stop, began),
+            )
             # a stop or the attempt's deadline (before the bytes are known: its least) ends a
             # resolve whose source trickles
-            snapshot = resolve_within(
-                spec, source, deadline.for_bytes(0), layout=layout, stop=stop, flag="syncDeadline"
+            _, result = pipeline.run(
+                config.transfer_config(),
+                progress=ms.sink,
+                stop=stop,
+                delete=True,
+                superseded_grace=config.superseded_grace,
+                lock_timeout=LOCK_TIMEOUT,
+                resolve_seconds=deadline.for_bytes(0),
             )
-            with (
-                # an entry prepare makes only to hold its lock stays (deleting it would pull
-                # the lock from under a waiting pull): the Store does not count an empty entry
-                prepare(spec, source, layout, snapshot=snapshot, lock_timeout=LOCK_TIMEOUT) as plan,
-                contextlib.ExitStack() as room,
-            ):
-                parts.warming.planned(spec.name, plan.snapshot.total_bytes, plan.bytes_to_fetch)
-                if stop.is_set():
-                    raise Cancelled("stopped")
-                if config.is_compile_cache(spec.name) and not any(
-                    f.path == COMPLETE for f in plan.snapshot.files
-                ):  # a push in progress (or one that died): never pull half a cache
-                    raise _NothingPublished(f"{spec.source}: no {COMPLETE}")
-                if ms.ready and not store.copy_intact(spec, ms.digest):
-                    parts.in_loop(parts.drop_ready(ms, "cached files are missing or truncated"))
-                room.enter_context(
-                    space.reserved(
-                        spec,
-                        plan.bytes_needed,
-                        wanted=config.models,
-                        min_free=config.min_free_space,
-                        sink=sink,
-                    )
-                )
-                # nothing to fetch (a refresh that finds the copy current): nothing to bound
-                bound = deadline.for_bytes(plan.bytes_to_fetch) if plan.files else None
-                try:
-                    result = execute(
-                        plan,
-                        _bounded(config.transfer_config(), bound, began),
-                        progress=sink,
-                        delete=True,
-                        stop=stop,
-                        superseded_grace=config.superseded_grace,
-                        check_space=False,  # room was made, keeping minFreeSpace
-                    )
-                except DeadlineExceededError as exc:
-                    if bound is None:
-                        raise
-                    raise _deadline_passed(bound) from exc
             store.record_sync(
                 spec,
                 digest=ms.digest,
@@ -461,6 +425,82 @@ class VerifyJob:
         await asyncio.to_thread(forget_failures, layout, report)
         await asyncio.to_thread(parts.store.record_verify, spec, ok=False)
         ms.refetch = True
+
+
+def model_pipeline(
+    spec: ModelSpec, source: Source, store: Store, *, hooks: Hooks | None = None
+) -> Pipeline:
+    """The pipeline of one model's sync in the agent: into the Store's layout for the spec; an
+    S3 mirror prefix is published in the Hub's layout only under the repo id the config names
+    (its ``hfRepo``), as ``prefetch gc`` and eviction find the model's copy from the config
+    alone (the cache index is read offline)."""
+    return Pipeline(
+        spec,
+        source,
+        lambda s, _kind: store.layout(s),
+        repo_from_mirror=False,
+        flag="syncDeadline",
+        hooks=hooks,
+        refused=lambda exc: render_spec_error(exc, f"{spec.name}: "),
+    )
+
+
+class _AgentSteps(Hooks):
+    """The agent's steps in a sync's pipeline: once planned, report the plan, stop when told,
+    refuse half a compile cache and drop a damaged copy's readiness; make room keeping
+    ``minFreeSpace``; bound the transfer by what is left of the ``syncDeadline``."""
+
+    def __init__(
+        self,
+        parts: JobParts,
+        ms: ModelState,
+        config: AgentConfig,
+        stop: threading.Event,
+        began: float,
+    ) -> None:
+        self._parts, self._ms, self._config = parts, ms, config
+        self._stop, self._began = stop, began
+        self._bound: float | None = None
+
+    def planned(self, plan: Plan) -> None:
+        parts, ms, spec = self._parts, self._ms, self._ms.spec
+        parts.warming.planned(spec.name, plan.snapshot.total_bytes, plan.bytes_to_fetch)
+        if self._stop.is_set():
+            raise Cancelled("stopped")
+        if self._config.is_compile_cache(spec.name) and not any(
+            f.path == COMPLETE for f in plan.snapshot.files
+        ):  # a push in progress (or one that died): never pull half a cache
+            raise _NothingPublished(f"{spec.source}: no {COMPLETE}")
+        if ms.ready and not parts.store.copy_intact(spec, ms.digest):
+            parts.in_loop(parts.drop_ready(ms, "cached files are missing or truncated"))
+
+    def make_room(self, plan: Plan, room: contextlib.ExitStack) -> bool:
+        assert self._ms.sink is not None
+        room.enter_context(
+            self._parts.space.reserved(
+                self._ms.spec,
+                plan.bytes_needed,
+                wanted=self._config.models,
+                min_free=self._config.min_free_space,
+                sink=self._ms.sink,
+            )
+        )
+        return True  # room was made, keeping minFreeSpace
+
+    def transfer_config(self, plan: Plan, config: TransferConfig) -> TransferConfig:
+        # nothing to fetch (a refresh that finds the copy current): nothing to bound
+        deadline = self._config.deadline_for(self._ms.spec.name)
+        self._bound = deadline.for_bytes(plan.bytes_to_fetch) if plan.files else None
+        return _bounded(config, self._bound, self._began)
+
+    @contextlib.contextmanager
+    def executing(self) -> Iterator[None]:
+        try:
+            yield
+        except DeadlineExceededError as exc:
+            if self._bound is None:
+                raise
+            raise _deadline_passed(self._bound) from exc
 
 
 def _bounded(transfer: TransferConfig, bound: float | None, began: float) -> TransferConfig:

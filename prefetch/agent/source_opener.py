@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from prefetch import settings
 from prefetch.agent.config import AgentConfig, render_spec_error
-from prefetch.sources import OpenedSource, S3Clients, SourceSettings, open_source
+from prefetch.sources import S3Clients, SourceSettings, open_source
 from prefetch.sources.base import Source
 from prefetch.spec import ModelSpec, SpecError
 
@@ -31,20 +31,19 @@ class SourceOpener:
         self._hub = hub
 
     def __call__(self, spec: ModelSpec, config: AgentConfig) -> Source:
-        return self.open(spec, config).source
+        return self.open(spec, config)
 
-    def open(self, spec: ModelSpec, config: AgentConfig) -> OpenedSource:
-        """What :func:`~prefetch.sources.open_source` opens for ``spec``; an S3 mirror prefix
-        is published in the Hub's layout only under the repo id the config names (its
-        ``hfRepo``), as ``prefetch gc`` and eviction find the model's copy from the config
-        alone. A model without its own ``caBundle`` gets the config's top-level one."""
+    def open(self, spec: ModelSpec, config: AgentConfig) -> Source:
+        """What :func:`~prefetch.sources.open_source` opens for ``spec`` (resolving is the
+        sync's: an S3 mirror prefix is published in the Hub's layout only under the repo id the
+        config names, see SyncJob). A model without its own ``caBundle`` gets the config's
+        top-level one."""
         if spec.ca_bundle is None and config.ca_bundle is not None:
             spec = replace(spec, ca_bundle=config.ca_bundle)
         reach = SourceSettings(
             s3_endpoint=config.s3_endpoint_url or settings.aws_endpoint_url(),
             concurrency=config.concurrency,
             streams=config.parallel_models,
-            repo_from_mirror=False,
             s3_client=self._s3_client,
             hub=self._hub,
             clients=self._clients,

@@ -42,6 +42,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from prefetch import verify
+from prefetch.backends import backend
 from prefetch.errors import LayoutError
 from prefetch.layout.base import (
     FileRecord,
@@ -277,10 +278,10 @@ class HfCacheLayout:
         else:
             files = {p: b for p, b in previous.items() if (final / p).is_symlink()} | links
         ref = snapshot.requested_revision
-        if ref is None and spec.source.scheme != "hf":
-            # an S3 source: its snapshot is what "main" means offline (a Hub model pinned to a
-            # commit gets no ref, whether the Hub or one of its mirrors served it)
-            ref = "main"
+        if ref is None:
+            # an S3 or OCI source: its snapshot is what "main" means offline (a Hub model pinned
+            # to a commit gets no ref, whether the Hub or one of its mirrors served it)
+            ref = backend(spec.source.scheme).offline_ref
         # every ref this snapshot was pulled for (a branch and a tag may name one commit)
         refs = sorted({*_refs_of(snaps.get(commit, {})), *([ref] if ref else [])})
         snaps[commit] = {"files": dict(sorted(files.items())), "source": snapshot.source,

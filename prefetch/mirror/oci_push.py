@@ -386,10 +386,11 @@ def copy_artifact(source: OciSource, pusher: Pusher, tag: str | None) -> str:
 def parse_destination(dst: str) -> tuple[SourceURI, str]:
     """``oci://registry/repo[:tag]`` as a destination: the repo and the tag (default latest);
     a digest cannot be a destination (it is what the push produces)."""
+    from prefetch.backends import backend
     from prefetch.spec import parse_source_uri
 
     uri = parse_source_uri(dst)
-    if uri.scheme != "oci" or not uri.path:
+    if not backend(uri.scheme).registry or not uri.path:
         raise ConfigError(f"the destination must be oci://registry/repo:tag, not {dst!r}")
     if uri.revision is not None and uri.revision.startswith("sha256:"):
         raise ConfigError(f"the destination {dst!r} names a digest: name a tag (or none)")
@@ -449,22 +450,24 @@ def mirror_command(
     or ``oci://...`` (copied by digest); ``proxy`` is for the source only, ``ca_bundle``
     (``--ca-bundle``) for both ends (:func:`prefetch.settings.ca_bundle`)."""
     from prefetch import settings
+    from prefetch.backends import backend
     from prefetch.sources import SourceSettings, open_source, pool_size
     from prefetch.sources._http import shared_http_pool
     from prefetch.spec import ModelSpec, parse_source_uri
 
     parse_destination(dst)
     source_uri = parse_source_uri(src)
-    if source_uri.scheme not in ("hf", "oci"):
+    how = backend(source_uri.scheme).to_registry
+    if how is None:
         raise ConfigError(f"a registry is mirrored from hf:// or oci://, not {src!r}")
-    if source_uri.scheme == "oci" and revision:
+    if how == "copy" and revision:
         raise ConfigError("--revision is for hf:// sources (name the tag or digest in the URI)")
     reach = SourceSettings(
         hub_endpoint=hub_endpoint, token=token, concurrency=concurrency, retry=retry
     )
     spec = ModelSpec(source=source_uri, revision=revision or None, proxy=proxy, ca_bundle=ca_bundle)
-    source = open_source(spec, reach).source
-    snapshot = source.resolve(spec) if source_uri.scheme == "hf" else None
+    source = open_source(spec, reach)
+    snapshot = source.resolve(spec) if how == "modelpack" else None
     http = shared_http_pool(
         pool_size(concurrency), settings.proxies(), ca_certs=settings.ca_bundle(ca_bundle).path
     )

@@ -1,5 +1,6 @@
-"""Sources: one module per backend behind the protocol in :mod:`prefetch.sources.base`, and the
-one front door that opens them, :func:`open_source`.
+"""Sources: one backend per scheme, declared in :mod:`prefetch.backends`, behind the
+protocol in :mod:`prefetch.sources.base`, and the one front door that opens them,
+:func:`open_source`.
 
 Every entry point (``prefetch pull``, ``prefetch mirror``, the agent) opens a model's source
 here, so a URI behaves the same from each: an ``s3://`` prefix that is ``prefetch mirror``'s
@@ -11,25 +12,27 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from prefetch.backends import backend
 from prefetch.retry import AdaptiveRate, RetryPolicy
-from prefetch.snapshot import Snapshot
 from prefetch.sources.base import RangeReader, Source
-from prefetch.spec import ModelSpec, SpecError, layout_kind
+from prefetch.spec import ModelSpec
 
 if TYPE_CHECKING:
     from prefetch.sources.hf import HubOptions
 
 __all__ = [
-    "OpenedSource",
     "RangeReader",
     "S3Clients",
     "Source",
     "SourceSettings",
+    "hub_source",
     "open_source",
     "pool_size",
+    "s3_client",
+    "shared_pace",
 ]
 
 #: Connections beyond the ranged reads: the metadata calls (listings, HEADs, ref lookups) that
@@ -92,9 +95,6 @@ class SourceSettings:
     and ``token``: the Hub's (see :class:`~prefetch.sources.hf.HubOptions`). ``concurrency``
     and ``streams``: the ranged reads of one sync and the syncs sharing a client, which size
     every pool (:func:`pool_size`). ``retry``: the metadata calls' policy (None: the default).
-    ``repo_from_mirror``: an ``s3://`` mirror prefix without ``hf_repo`` is published under
-    the repo id its metadata records; off, that is a :class:`~prefetch.spec.SpecError` on
-    ``hf_repo`` (the agent, whose cache index is read offline, needs the id in its config).
 
     Clients given here are used as they are: ``s3_client`` for every S3 read (tests pass
     local ones), ``hub`` instead of the Hub options above, ``clients`` to share S3 clients
@@ -109,7 +109,6 @@ class SourceSettings:
     concurrency: int = 16
     streams: int = 1
     retry: RetryPolicy | None = None
-    repo_from_mirror: bool = True
     s3_client: Any = None
     hub: HubOptions | None = None
     clients: S3Clients | None = None
@@ -119,50 +118,24 @@ class SourceSettings:
         return pool_size(self.concurrency, self.streams)
 
 
-@dataclass(frozen=True)
-class OpenedSource:
-    """What :func:`open_source` opened: the ``source``; the ``spec`` to sync (the one given,
-    with ``hf_repo`` from the metadata for a mirror prefix that named none); the ``layout`` to
-    publish in (``"hf"`` or ``"plain"``); the ``snapshot`` when probing already resolved it
-    (sync it instead of resolving again); and ``s3_client``, the S3 client the source reads
-    with (None for the Hub alone)."""
-
-    source: Source
-    spec: ModelSpec
-    layout: str
-    snapshot: Snapshot | None = None
-    s3_client: Any = None
-
-
 def open_source(
     spec: ModelSpec, settings: SourceSettings | None = None, *, layout: str | None = None
-) -> OpenedSource:
-    """Open ``spec``'s source: the one way anything opens one.
+) -> Source:
+    """Open ``spec``'s source through its backend (:mod:`prefetch.backends`): the one
+    way anything opens one. Opening makes no request; resolving makes the snapshot (once per
+    sync, see :class:`prefetch.pipeline.Pipeline`).
 
-    ``layout`` is the layout asked for (``--layout``; None: the spec decides, see
-    :func:`prefetch.spec.layout_kind`). An ``s3://`` source is probed for a mirror prefix
-    unless the plain layout was asked for: a prefix holding ``snapshots/<commit>.json`` is read
-    as the mirror (:class:`~prefetch.sources.mirror.MirrorSource`, one listing of
+    ``layout`` is the layout asked for (``--layout``; None: the spec decides). An ``s3://``
+    source is probed for a mirror prefix when resolved unless the plain layout was asked for:
+    a prefix holding ``snapshots/<commit>.json`` is read as the mirror (one listing of
     ``snapshots/`` more than a plain prefix costs) and published in the Hub's layout. A Hub
     model with ``mirrors`` reads each in order, then the Hub unless ``hub_fallback`` is off."""
     settings = settings or SourceSettings()
-    kind = layout_kind(spec, layout)
-    if spec.source.scheme == "s3":
-        return _open_s3(spec, settings, probe=layout != "plain", kind=kind)
-    if spec.source.scheme == "hf":
-        if not spec.mirrors:
-            return OpenedSource(_hub(spec, settings), spec, kind)
-        client = _s3_client(spec, settings, lazy=False)
-        return OpenedSource(_ordered(spec, settings, client), spec, kind, s3_client=client)
-    if spec.source.scheme == "oci":
-        from prefetch.sources.oci import open_oci_source
-
-        oci = open_oci_source(spec, pool_size=settings.pool, retry=settings.retry)
-        return OpenedSource(oci, spec, kind)
-    raise ValueError(f"no source for scheme {spec.source.scheme!r}")
+    source: Source = backend(spec.source.scheme).open(spec, settings, probe=layout != "plain")
+    return source
 
 
-def _s3_client(spec: ModelSpec, settings: SourceSettings, *, lazy: bool) -> Any:
+def s3_client(spec: ModelSpec, settings: SourceSettings, *, lazy: bool) -> Any:
     """The client reading ``spec``'s S3 source or mirrors: the one given, a shared one, or a new
     one (``lazy``: created when first needed)."""
     if settings.s3_client is not None:
@@ -178,51 +151,10 @@ def _s3_client(spec: ModelSpec, settings: SourceSettings, *, lazy: bool) -> Any:
     )  # fmt: skip
 
 
-def _pace(settings: SourceSettings) -> AdaptiveRate | None:
+def shared_pace(settings: SourceSettings) -> AdaptiveRate | None:
     """The shared request rate to the S3 endpoint in a long-running process (None: the
     client's or the source's own, see S3Source)."""
     return settings.clients.pace(settings.s3_endpoint) if settings.clients is not None else None
-
-
-def _open_s3(spec: ModelSpec, settings: SourceSettings, *, probe: bool, kind: str) -> OpenedSource:
-    """An S3 prefix: read as a mirror when it is one (``probe``), else object by object."""
-    from prefetch.sources.s3 import S3Source
-
-    # one client for the probe and the source (a no-op pull lists without botocore when it
-    # can: see prefetch.sources.s3_direct)
-    client = _s3_client(spec, settings, lazy=True)
-    if probe:
-        from prefetch.sources.mirror import MirrorSource
-
-        mirror = MirrorSource(
-            client,
-            spec.source,
-            retry=settings.retry,
-            pace=_pace(settings),
-            ca_bundle=spec.ca_bundle,
-        )
-        if mirror.is_mirror():
-            snapshot = mirror.resolve(spec)
-            if spec.hf_repo is None:
-                if not settings.repo_from_mirror:
-                    raise SpecError(
-                        "hf_repo",
-                        f"{_literal(spec.source)} is a mirror of {_literal(snapshot.repo_id)} "
-                        "(prefetch mirror's output): name its repo id as {hf_repo} to publish "
-                        "it in the Hugging Face layout",
-                        cross_field=True,
-                    )
-                spec = replace(spec, hf_repo=snapshot.repo_id)
-            return OpenedSource(mirror, spec, "hf", snapshot, s3_client=client)
-    source = S3Source(
-        client, spec.source, retry=settings.retry, pace=_pace(settings), ca_bundle=spec.ca_bundle
-    )
-    return OpenedSource(source, spec, kind, s3_client=client)
-
-
-def _literal(value: object) -> str:
-    """``value`` taken literally inside a SpecError reason (braces doubled)."""
-    return str(value).replace("{", "{{").replace("}", "}}")
 
 
 def _hub_options(settings: SourceSettings) -> HubOptions:
@@ -238,26 +170,8 @@ def _hub_options(settings: SourceSettings) -> HubOptions:
     )
 
 
-def _hub(spec: ModelSpec, settings: SourceSettings) -> Source:
+def hub_source(spec: ModelSpec, settings: SourceSettings) -> Source:
+    """The Hub's source for ``spec``, with the options ``settings`` gives."""
     from prefetch.sources import hf
 
     return hf.open_hub_source(spec, _hub_options(settings))
-
-
-def _ordered(spec: ModelSpec, settings: SourceSettings, client: Any) -> Source:
-    """A Hub model with mirrors: each mirror in order, then the Hub unless ``hub_fallback`` is
-    off (see prefetch.sources.ordered for the fallback rule)."""
-    from prefetch.sources.mirror import MirrorSource
-    from prefetch.sources.ordered import OrderedSource
-
-    retry = settings.retry if settings.hub is None else settings.hub.retry
-    candidates: list[tuple[str, Source]] = [
-        (
-            str(m),
-            MirrorSource(client, m, retry=retry, pace=_pace(settings), ca_bundle=spec.ca_bundle),
-        )
-        for m in spec.mirrors
-    ]
-    if spec.hub_fallback:
-        candidates.append((f"hf://{spec.source.location}", _hub(spec, settings)))
-    return OrderedSource(candidates)

@@ -1,7 +1,7 @@
 """Ordered sources: a Hub model's mirrors first, the Hub after; the one place the fallback lives.
 
-:func:`prefetch.sources.open_source` builds an :class:`OrderedSource` for a model with
-``mirrors``, so ``prefetch pull --mirror`` and the agent fall back by the same rule:
+The Hub backend (:mod:`prefetch.sources.hf_backend`) opens an :class:`OrderedSource` for a
+model with ``mirrors``, so ``prefetch pull --mirror`` and the agent fall back by the same rule:
 
 * resolving tries each source in order and keeps the first that has the revision (a pinned
   commit: the first source that has that commit);
