@@ -175,6 +175,7 @@ class AdaptiveRate:
                 wait = self._take(now)
                 if wait <= 0:
                     self._sent.append(now)
+                    self._sent_rate(now)  # forgets what left the window: bounded, never throttled
                     return now
             if abort is not None:
                 abort()

@@ -209,3 +209,16 @@ def test_the_adaptive_rate_grows_back_along_the_curve() -> None:
         rates.append(pace.rate or 0.0)
     assert rates == sorted(rates)  # never down without a throttle
     assert rates[-1] > 10.0  # back past the rate it was throttled at
+
+
+def test_the_adaptive_rate_remembers_only_its_window_when_never_throttled() -> None:
+    """An agent's pace lives as long as the process: never throttled, it must not keep a
+    timestamp of every request it ever sent (it kept them all until the first throttle)."""
+    t = FakeTime()
+    pace = AdaptiveRate(clock=t.clock, sleep=t.sleep)
+    for _ in range(10_000):
+        pace.acquire()
+        pace.succeeded(t.now)
+        t.now += 0.01  # 100 requests a second, for 100 s
+    assert pace.rate is None
+    assert len(pace._sent) <= 101  # the last WINDOW (1 s) of requests, not all 10,000
