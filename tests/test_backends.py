@@ -1,4 +1,4 @@
-"""The backend registry (prefetch.backends): every scheme's knowledge in its backend, the
+"""The backend registry (prefetch.sources.registry): every scheme's knowledge in its backend, the
 registry cheap to load, and no scheme compared outside a backend."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from prefetch.backends import backend, backends, mirror_schemes, mirrors_by_source
-from prefetch.errors import ConfigError
-from prefetch.spec import parse_source_uri
+from prefetch.pipeline.spec import parse_source_uri
+from prefetch.sources.registry import backend, backends, mirror_schemes, mirrors_by_source
+from prefetch.support.errors import ConfigError
 
 PACKAGE = Path(__file__).resolve().parents[1] / "prefetch"
 
@@ -46,7 +46,7 @@ def test_loading_the_registry_imports_no_backends_code_that_reads_the_network() 
     source's code: a backend imports its source when it opens one."""
     probe = (
         "import json, sys\n"
-        "from prefetch.spec import ModelSpec, parse_source_uri\n"
+        "from prefetch.pipeline.spec import ModelSpec, parse_source_uri\n"
         "for u in ('s3://b-k/m/', 'hf://org/name@main', 'oci://reg.io/org/m:v1'):\n"
         "    str(ModelSpec(source=parse_source_uri(u)))\n"
         "print(json.dumps(sorted(sys.modules)))\n"
@@ -59,9 +59,9 @@ def test_loading_the_registry_imports_no_backends_code_that_reads_the_network() 
     assert heavy == []
     assert sorted(sources) == [
         "prefetch.sources.base",
-        "prefetch.sources.hf_backend",
-        "prefetch.sources.oci_backend",
-        "prefetch.sources.s3_backend",
+        "prefetch.sources.hf.backend",
+        "prefetch.sources.oci.backend",
+        "prefetch.sources.s3.backend",
     ]
 
 

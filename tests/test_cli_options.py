@@ -1,4 +1,4 @@
-"""The flags ``prefetch pull`` and ``prefetch mirror`` share are declared once (prefetch/cli.py's
+"""The flags ``prefetch pull`` and ``prefetch mirror`` share are declared once (prefetch/cli/__init__.py's
 option groups): the same help, default and environment twin in both commands."""
 
 from __future__ import annotations

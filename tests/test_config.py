@@ -14,8 +14,12 @@ from prefetch.agent.config import (
     parse_listen,
     spec_digest,
 )
-from prefetch.constants import DEFAULT_LABEL_PREFIX, DEFAULT_LISTEN, DEFAULT_STARTUP_TAINT_KEY
-from prefetch.errors import ConfigError
+from prefetch.support.constants import (
+    DEFAULT_LABEL_PREFIX,
+    DEFAULT_LISTEN,
+    DEFAULT_STARTUP_TAINT_KEY,
+)
+from prefetch.support.errors import ConfigError
 
 from .tls import TestCA
 

@@ -1,4 +1,4 @@
-"""Environment variables: each read in prefetch.settings only, at call time, bad values named."""
+"""Environment variables: each read in prefetch.support.settings only, at call time, bad values named."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 import prefetch
-from prefetch import settings
 from prefetch.cli import main
-from prefetch.errors import ConfigError
+from prefetch.support import settings
+from prefetch.support.errors import ConfigError
 
 
 @pytest.mark.parametrize(

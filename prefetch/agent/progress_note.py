@@ -1,6 +1,6 @@
 """The progress annotation: one compact JSON document on the agent's Node, for ``prefetch status``.
 
-The annotation (:data:`~prefetch.constants.PROGRESS_ANNOTATION`) says, per configured model, its
+The annotation (:data:`~prefetch.support.constants.PROGRESS_ANNOTATION`) says, per configured model, its
 phase, bytes done and total of the current sync, the download rate and an ETA, plus when it was
 written and whether every required model is ready::
 
@@ -36,11 +36,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NotRequired, Protocol, TypedDict, runtime_checkable
 
+from prefetch.agent.metrics import AgentMetrics
 from prefetch.agent.scheduler import ModelPhase, ModelState
-from prefetch.constants import PROGRESS_ANNOTATION, PROGRESS_INTERVAL
-from prefetch.logjson import scrub
-from prefetch.metrics import AgentMetrics
-from prefetch.units import iso_utc
+from prefetch.support.constants import PROGRESS_ANNOTATION, PROGRESS_INTERVAL
+from prefetch.support.logjson import scrub
+from prefetch.support.units import iso_utc
 
 log = logging.getLogger(__name__)
 
