@@ -145,9 +145,9 @@ class Bench:
             [
                 sys.executable,
                 "-c",
-                "import boto3, s3transfer.manager, huggingface_hub, prefetch.cli, prefetch.pipeline.sync, "
-                "prefetch.sources.s3.source, prefetch.pipeline.transfer; boto3.client('s3', "
-                "region_name='us-east-1')",
+                "import boto3, s3transfer.manager, huggingface_hub, prefetch.cli, "
+                "prefetch.pipeline.sync, prefetch.sources.s3.source, prefetch.pipeline.transfer; "
+                "boto3.client('s3', region_name='us-east-1')",
             ]
         ]
         for name in ("s5cmd", "rclone", "aws", "hf", "curl", "dd"):

@@ -447,8 +447,8 @@ def write_mirror(
     repo_id: str | None = None,
 ) -> str:
     """Write ``repo@revision`` as the Hub server serves it into ``s3://bucket/prefix`` in the
-    mirror format (prefetch/sources/s3_mirror/format.py), directly with boto3 as ``prefetch mirror`` would:
-    blobs named by Hub id, then the commit's metadata, then its refs (``refs``: default
+    mirror format (prefetch/sources/s3_mirror/format.py), directly with boto3 as ``prefetch mirror``
+    would: blobs named by Hub id, then the commit's metadata, then its refs (``refs``: default
     ``(revision,)`` unless it is a sha). ``repo_id`` overrides the recorded repo. Returns the
     commit sha."""
     import base64

@@ -139,7 +139,7 @@ def _kinds(cls: type[BaseException]) -> list[type[BaseException]]:
 
 
 def test_the_agents_failure_labels_and_the_clis_error_reasons_are_one_vocabulary() -> None:
-    from prefetch.cli import error_reason
+    from prefetch.cli.common import error_reason
 
     kinds = _kinds(PrefetchError)
     assert len(kinds) > 20

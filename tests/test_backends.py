@@ -1,4 +1,4 @@
-"""The backend registry (prefetch.sources.registry): every scheme's knowledge in its backend, the
+"""The backend registry (prefetch.pipeline.backends): every scheme's knowledge in its backend, the
 registry cheap to load, and no scheme compared outside a backend."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from prefetch.pipeline.spec import parse_source_uri
-from prefetch.sources.registry import backend, backends, mirror_schemes, mirrors_by_source
+from prefetch.pipeline.backends import backend, backends, mirror_schemes, mirrors_by_source
 from prefetch.support.errors import ConfigError
 
 PACKAGE = Path(__file__).resolve().parents[1] / "prefetch"

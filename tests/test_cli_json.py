@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from prefetch.cli import error_reason, main
+from prefetch.cli import main
+from prefetch.cli.common import error_reason
 from prefetch.pipeline.transfer import Cancelled
 from prefetch.support.errors import (
     BucketNotFoundError,

@@ -87,7 +87,8 @@ def test_every_key_is_in_the_reference_and_the_schema() -> None:
 
 
 def test_source_schemes_come_from_the_spec(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A scheme a backend declares (prefetch.sources.registry) reaches the schema with no other edit."""
+    """A scheme a backend declares (prefetch.pipeline.backends) reaches the schema with no other
+    edit."""
     examples = {"hf": "hf://org/name", "s3": "s3://bkt/p/", "oci": "oci://reg.io/repo:v1"}
     for scheme in SOURCE_SCHEMES:
         doc = {"models": [{"name": "a", "source": examples.get(scheme, f"{scheme}://x")}]}

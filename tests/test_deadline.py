@@ -1,5 +1,5 @@
-"""The one deadline mechanism (prefetch.pipeline.deadline): alarms, watches, the watchdog, deadlines on
-calls; a stop or a deadline interrupts a wait for response headers through the HTTP seam."""
+"""The one deadline mechanism (prefetch.pipeline.deadline): alarms, watches, the watchdog, deadlines
+on calls; a stop or a deadline interrupts a wait for response headers through the HTTP seam."""
 
 from __future__ import annotations
 

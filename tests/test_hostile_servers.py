@@ -437,7 +437,8 @@ def test_a_stop_interrupts_a_describe_waiting_for_response_headers(
 def test_stall_and_deadline_options_and_their_environment_twins(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from prefetch.cli import make_config, pull
+    from prefetch.cli.common import make_config
+    from prefetch.cli.pull import pull
 
     cfg = make_config(16, "64MiB", False, False, 6, "1MiB", "2m", "1h30m")
     assert (cfg.min_rate, cfg.stall_window, cfg.deadline) == (MiB, 120.0, 5400.0)

@@ -1,5 +1,5 @@
-"""prefetch/pipeline/journal.py: what a resume journal records, what a later run replays from it, and what
-survives a writer killed mid-line."""
+"""prefetch/pipeline/journal.py: what a resume journal records, what a later run replays from it,
+and what survives a writer killed mid-line."""
 
 from __future__ import annotations
 

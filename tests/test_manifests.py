@@ -4,8 +4,8 @@ together with the agent, its config and the node bootstrap.
 Validation: built-in kinds against the Kubernetes OpenAPI schemas (kubernetes-validate, strict),
 custom resources against the upstream CRDs in <repo>/../shared/crds (skipped when absent), and
 the output of ``kubectl kustomize`` the same way. Consistency: every value that two places must
-agree on is read from both places (the agent's models.yaml, prefetch.support.constants, the bootstrap
-script, the NodePool, the Dockerfile, pyproject.toml), never restated here.
+agree on is read from both places (the agent's models.yaml, prefetch.support.constants, the
+bootstrap script, the NodePool, the Dockerfile, pyproject.toml), never restated here.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The mirror format (prefetch/sources/s3_mirror/format.py): keys, round trip, and refusal of anything
-malformed before a byte is fetched."""
+"""The mirror format (prefetch/sources/s3_mirror/format.py): keys, round trip, and refusal of
+anything malformed before a byte is fetched."""
 
 from __future__ import annotations
 

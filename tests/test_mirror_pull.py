@@ -1,5 +1,5 @@
-"""Pulling a Hub model through its S3 mirror (prefetch/sources/s3_mirror/source.py, ordered.py): the cache
-is the one a Hub pull makes, huggingface_hub loads it offline, and the fallback rule (a mirror
+"""Pulling a Hub model through its S3 mirror (prefetch/sources/s3_mirror/source.py, ordered.py): the
+cache is the one a Hub pull makes, huggingface_hub loads it offline, and the fallback rule (a mirror
 lacking the commit or unreachable: the next source; wrong bytes or another repo: a failure)."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""prefetch/demo/modelgen.py: the one generator of model files (tests, fake Hub, demo, benchmark)."""
+"""prefetch/demo/modelgen.py: the one generator of model files (tests, fake Hub, demo,
+benchmark)."""
 
 from __future__ import annotations
 

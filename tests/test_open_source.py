@@ -15,7 +15,8 @@ from prefetch.agent.config import parse_config
 from prefetch.agent.jobs import model_pipeline
 from prefetch.agent.loop import Agent
 from prefetch.agent.source_opener import SourceOpener
-from prefetch.cli import make_config, open_pull_source, pull_spec
+from prefetch.cli.common import make_config
+from prefetch.cli.pull import open_pull_source, pull_spec
 from prefetch.demo.locals3 import SeaweedS3
 from prefetch.pipeline import Pipeline, Resolved
 from prefetch.pipeline.layout import layout_for

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import urllib3
 
-from prefetch.cli import pull_spec
+from prefetch.cli.pull import pull_spec
 from prefetch.demo.modelgen import generate_model, tree_bytes, upload_model
 from prefetch.pipeline.layout.hf import HfCacheLayout
 from prefetch.pipeline.retry import RetryPolicy

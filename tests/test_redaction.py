@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from prefetch.cli import fail
+from prefetch.cli.common import fail
 from prefetch.support.errors import LayoutError
 from prefetch.support.logjson import setup_logging
 from prefetch.support.redact import RedactingFilter, printable, redact

@@ -1,4 +1,5 @@
-"""Environment variables: each read in prefetch.support.settings only, at call time, bad values named."""
+"""Environment variables: each read in prefetch.support.settings only, at call time, bad values
+named."""
 
 from __future__ import annotations
 

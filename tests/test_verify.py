@@ -1,5 +1,5 @@
-"""prefetch/pipeline/verify.py: the hashers, CRC combination per range, composite checksums, which checks a
-file gets (checks_for / inline_check), value encoding, and check()'s errors."""
+"""prefetch/pipeline/verify.py: the hashers, CRC combination per range, composite checksums, which
+checks a file gets (checks_for / inline_check), value encoding, and check()'s errors."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Page-cache warm-up (prefetch.pipeline.warm), checked through the kernel: ``mincore`` says which pages
-of a file are resident, before and after."""
+"""Page-cache warm-up (prefetch.pipeline.warm), checked through the kernel: ``mincore`` says which
+pages of a file are resident, before and after."""
 
 from __future__ import annotations
 

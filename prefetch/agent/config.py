@@ -52,8 +52,8 @@ another model's repo) are rejected, naming both; merge their include patterns in
 A model's ``pin`` is written into the cache's records each time the config loads, so pinning (or
 unpinning) a model that is already cached takes effect at once, with no download.
 
-Every error is a :class:`~prefetch.support.errors.ConfigError` whose message starts with the file and the
-field path (``models[1].source: ...``). Unknown keys and duplicate model names are rejected.
+Every error is a :class:`~prefetch.support.errors.ConfigError` whose message starts with the file
+and the field path (``models[1].source: ...``). Unknown keys and duplicate model names are rejected.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ from prefetch.pipeline.spec import (
 from prefetch.pipeline.transfer import TransferConfig
 from prefetch.pipeline.warm import DEFAULT_MEMORY_SHARE, DEFAULT_READ_RATE, WarmLimits
 from prefetch.publish.compile_cache import EXTRA_DIRS, CacheKey
-from prefetch.sources.registry import backend
+from prefetch.pipeline.backends import backend
 from prefetch.support import settings
 from prefetch.support.constants import (
     DEFAULT_LABEL_PREFIX,
@@ -177,8 +177,8 @@ class CompileCacheEntry:
     #: ``push: true``: the host directory the vLLM pod writes this cache into (``pushFrom``),
     #: published from there once per key when finished (:mod:`prefetch.agent.cache_push`).
     push_from: Path | None = None
-    #: ``extraDirs``: the opt-in JIT caches (:data:`~prefetch.publish.compile_cache.EXTRA_DIRS`) kept
-    #: beside vLLM's under its cache root, published with it under the same key.
+    #: ``extraDirs``: the opt-in JIT caches (:data:`~prefetch.publish.compile_cache.EXTRA_DIRS`)
+    #: kept beside vLLM's under its cache root, published with it under the same key.
     extra_dirs: tuple[str, ...] = ()
 
     def spec(self, node_gpu: str | None) -> tuple[ModelSpec, CacheKey] | None:

@@ -7,8 +7,8 @@ Why a table of our own rather than pydantic or msgspec: the agent imports this a
 and a pydantic model of the file made ``import prefetch.agent.config`` cost 161 ms instead of
 94 ms; msgspec cost nothing but reports only the first error, with its path inside the
 message. A :class:`Kind` holds a parser and the schema of exactly what it accepts, both
-written from the same constants (the unit tables of :mod:`prefetch.support.units`, the URI schemes of
-:mod:`prefetch.pipeline.spec`); tests/test_config_schema.py checks, key by key, that they agree.
+written from the same constants (the unit tables of :mod:`prefetch.support.units`, the URI schemes
+of :mod:`prefetch.pipeline.spec`); tests/test_config_schema.py checks, key by key, that they agree.
 
 Adding a key is one :class:`Field` line in its :class:`Table` (and reading it where it is
 used). Rules about several fields at once (a duplicate model name, ``hfRepo`` only for S3 and
@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from prefetch.pipeline.spec import parse_source_uri, validate_name
-from prefetch.sources.registry import mirror_schemes, mirrors_by_source, source_schemes
+from prefetch.pipeline.backends import mirror_schemes, mirrors_by_source, source_schemes
 from prefetch.support.errors import ConfigError
 from prefetch.support.units import (
     DURATION_PATTERN,
@@ -34,7 +34,7 @@ from prefetch.support.units import (
 )
 
 #: The schemes of a model's ``source``, of its ``mirrors`` (by its source's), and where a mirror
-#: lives: the backends' (see prefetch.sources.registry); the chart's schema is generated from them.
+#: lives: the backends' (see prefetch.pipeline.backends); the chart's schema is generated from them.
 SOURCE_SCHEMES = source_schemes()
 MIRRORS_BY_SOURCE = mirrors_by_source()
 MIRROR_SCHEMES = mirror_schemes()
@@ -388,8 +388,8 @@ def _nullable(schema: Schema) -> Schema:
 
 
 #: Each scheme's URIs, as far as a pattern can say it without the environment: a subset of
-#: what :func:`prefetch.pipeline.spec.parse_source_uri` and ModelSpec accept (odd spellings they take,
-#: like ``S3://`` or a blank inside, are refused). ``${NAME}`` in a registry host is read from
+#: what :func:`prefetch.pipeline.spec.parse_source_uri` and ModelSpec accept (odd spellings they
+#: take, like ``S3://`` or a blank inside, are refused). ``${NAME}`` in a registry host is read from
 #: the agent's environment, so the agent alone can judge it. A scheme added to
 #: SOURCE_SCHEMES without a shape here is checked by its ``scheme://`` only.
 _SEGMENT = r"[A-Za-z0-9_]+([.-][A-Za-z0-9_]+)*"

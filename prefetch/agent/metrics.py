@@ -3,7 +3,8 @@
 Names start with ``model_prefetch_``; counters end in ``_total``; units are ``_bytes`` and
 ``_seconds``; labels are low-cardinality only (``model``, ``source`` = s3|hf, ``reason``,
 ``state``, ``result``), never a file or a chunk. The engine feeds the transfer metrics through
-:class:`MetricsSink`, a :class:`~prefetch.pipeline.progress.ProgressSink`. The metrics (prefix left out):
+:class:`MetricsSink`, a :class:`~prefetch.pipeline.progress.ProgressSink`. The metrics (prefix left
+out):
 
 * transfer, by model and source: ``downloaded_bytes_total``, ``files_downloaded_total``,
   ``chunks_downloaded_total``, ``retries_total``; ``download_rate_bytes_per_second`` (model, a
@@ -14,9 +15,9 @@ Names start with ``model_prefetch_``; counters end in ``_total``; units are ``_b
   ``model_size_bytes``, ``model_remaining_bytes``, ``sync_duration_seconds`` (histogram),
   ``sync_failures_total`` (reason), ``last_success_timestamp_seconds``, ``verifications_total``
   (result = ok | failed), ``sync_phase_duration_seconds`` (histogram by phase, one of
-  :data:`prefetch.pipeline.sync.SYNC_PHASES`, for each sync that changed the cache), ``warmups_total``
-  (result: a :class:`prefetch.pipeline.warm.WarmReport` state), ``warm_duration_seconds`` and
-  ``warm_bytes`` (the last warm-up).
+  :data:`prefetch.pipeline.sync.SYNC_PHASES`, for each sync that changed the cache),
+  ``warmups_total`` (result: a :class:`prefetch.pipeline.warm.WarmReport` state),
+  ``warm_duration_seconds`` and ``warm_bytes`` (the last warm-up).
 * the node and its cache: ``all_required_ready``, ``cache_free_bytes``, ``cache_used_bytes``,
   ``evictions_total`` (reason = disk_pressure | gc), ``evicted_bytes_total`` (reason),
   ``node_gate_errors_total``, ``node_progress_writes_total`` (result = ok | failed),

@@ -17,7 +17,8 @@ the node is already right. A change goes out as one JSON Patch whose first opera
 ``/metadata/resourceVersion``, so a write that landed between our GET and our PATCH makes the
 API server refuse the patch (422) instead of us overwriting it; the gate then reads the node again
 and recomputes. Conflicts, throttling, server errors and connection failures are retried with
-exponential backoff and jitter; what persists becomes a :class:`~prefetch.support.errors.NodeGateError`.
+exponential backoff and jitter; what persists becomes a
+:class:`~prefetch.support.errors.NodeGateError`.
 
 The Kubernetes client is synchronous; the agent's asyncio loop calls :meth:`NodeGate.apply`
 through ``asyncio.to_thread``. RBAC needed: ``nodes`` ``get`` and ``patch``.
@@ -225,9 +226,10 @@ class NodeGate:
 
     *api* is a ``CoreV1Api`` the caller built (in a cluster: :func:`in_cluster_gate`; in tests: a
     client pointed at a local stub). ``max_attempts`` bounds the GET/PATCH rounds of one
-    :meth:`apply`; between rounds the gate sleeps as :class:`prefetch.pipeline.retry.RetryPolicy` says:
-    a random time up to ``backoff * 2**(n-1)`` seconds capped at ``max_backoff`` (full jitter),
-    or the server's ``Retry-After`` (same cap). ``request_timeout`` bounds each HTTP request.
+    :meth:`apply`; between rounds the gate sleeps as :class:`prefetch.pipeline.retry.RetryPolicy`
+    says: a random time up to ``backoff * 2**(n-1)`` seconds capped at ``max_backoff`` (full
+    jitter), or the server's ``Retry-After`` (same cap). ``request_timeout`` bounds each HTTP
+    request.
     """
 
     def __init__(

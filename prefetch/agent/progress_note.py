@@ -1,7 +1,7 @@
 """The progress annotation: one compact JSON document on the agent's Node, for ``prefetch status``.
 
-The annotation (:data:`~prefetch.support.constants.PROGRESS_ANNOTATION`) says, per configured model, its
-phase, bytes done and total of the current sync, the download rate and an ETA, plus when it was
+The annotation (:data:`~prefetch.support.constants.PROGRESS_ANNOTATION`) says, per configured model,
+its phase, bytes done and total of the current sync, the download rate and an ETA, plus when it was
 written and whether every required model is ready::
 
     {"v":1,"at":"2026-12-03T18:10:00Z","ready":false,"prefix":"model-prefetch.io",

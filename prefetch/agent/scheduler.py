@@ -29,7 +29,8 @@ from prefetch.support.logjson import scrub
 
 
 def failure_reason(exc: BaseException) -> str:
-    """The ``reason`` label of a failure: the package's one vocabulary (``prefetch.support.errors``)."""
+    """The ``reason`` label of a failure: the package's one vocabulary
+    (``prefetch.support.errors``)."""
     return error_reason(exc)
 
 

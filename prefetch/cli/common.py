@@ -50,8 +50,8 @@ def fail(exc: PrefetchError) -> None:
 
 #: ``error_reason`` in a failed command's ``--json`` object: a stable name per kind of failure,
 #: for scripts (the ``error`` line is for people and may change): the package's one vocabulary
-#: (:data:`prefetch.support.errors.ERROR_REASONS`, which the agent's failure labels use too), plus the
-#: command line's own usage errors.
+#: (:data:`prefetch.support.errors.ERROR_REASONS`, which the agent's failure labels use too), plus
+#: the command line's own usage errors.
 ERROR_REASONS: tuple[tuple[type[BaseException], str], ...] = (
     (click.ClickException, "config"),
     *errors.ERROR_REASONS,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from prefetch.cli import ca_bundle_option, json_even_on_failure
+from prefetch.cli.common import ca_bundle_option, json_even_on_failure
 from prefetch.cli.help import HelpGroup
 from prefetch.publish.compile_cache import DEFAULT_LEASE, DEFAULT_SETTLE, CacheKey, PushResult, push
 

@@ -1,8 +1,8 @@
 """``prefetch status``: read the Nodes with the user's kubeconfig and say how each is warming.
 
 Per node it combines the agent's progress note (the annotation
-:data:`~prefetch.support.constants.PROGRESS_ANNOTATION`, see :mod:`prefetch.agent.progress_note`) with
-what is on the Node now: each model's ready label and the startup taint. A node without the
+:data:`~prefetch.support.constants.PROGRESS_ANNOTATION`, see :mod:`prefetch.agent.progress_note`)
+with what is on the Node now: each model's ready label and the startup taint. A node without the
 annotation is still listed, as ``no agent report``: a GPU node whose agent never reported (the
 DaemonSet does not select it, its pod cannot start, RBAC forbids the patch) is what an operator
 needs to see; narrow the list to the GPU nodes with ``-l``. A note older than three write

@@ -16,7 +16,7 @@ from prefetch.pipeline.spec_terms import (
     literal,
     validate_revision,
 )
-from prefetch.sources.registry import SourceURI, backend, parse_uri
+from prefetch.pipeline.backends import SourceURI, backend, parse_uri
 from prefetch.support.errors import ConfigError
 from prefetch.support.settings import parse_proxy
 
@@ -101,10 +101,11 @@ class ModelSpec:
     #: the environment's HTTP(S)_PROXY. NO_PROXY applies either way (settings.proxies).
     proxy: str | None = None
     #: How to reach the source too: the CA bundle chosen for it (``--ca-bundle``, a config's
-    #: ``caBundle``), first in :func:`prefetch.support.settings.ca_bundle`'s order; None: the rest of it.
+    #: ``caBundle``), first in :func:`prefetch.support.settings.ca_bundle`'s order; None: the rest
+    #: of it.
     ca_bundle: str | None = None
-    #: hf:// sources: S3 mirrors (see prefetch.sources.s3_mirror.format) tried in order before the Hub; the
-    #: model's identity (repo id, revision, layout) stays the hf:// source.
+    #: hf:// sources: S3 mirrors (see prefetch.sources.s3_mirror.format) tried in order before the
+    #: Hub; the model's identity (repo id, revision, layout) stays the hf:// source.
     mirrors: tuple[SourceURI, ...] = ()
     #: hf:// sources with mirrors: go to the Hub when no mirror has the commit (or none answers).
     hub_fallback: bool = True

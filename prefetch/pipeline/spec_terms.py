@@ -1,6 +1,6 @@
 """The words a spec's rules are stated in: :class:`SpecError` (a rule broken, naming the field
 at fault) and the checks every backend's rules share. Below :mod:`prefetch.pipeline.spec` and the
-backends (:mod:`prefetch.sources.registry`), which both state their rules with them."""
+backends (:mod:`prefetch.pipeline.backends`), which both state their rules with them."""
 
 from __future__ import annotations
 

@@ -14,9 +14,9 @@ fsync before publishing is cheap. Unaligned writes, small files and filesystems 
 use the buffered descriptor. A sequential checksum (sha256 of a Hub LFS file) is computed while
 the file downloads, by a hash worker reading back each newly contiguous run of chunks.
 
-One watchdog (:class:`prefetch.pipeline.deadline.Watchdog`) enforces the stall rule (under ``min_rate``
-bytes/s over ``stall_window``: retried from the last byte written), the ``deadline`` (then a
-DeadlineExceededError, partials kept) and a stop. Why not short socket timeouts: a timed-out
+One watchdog (:class:`prefetch.pipeline.deadline.Watchdog`) enforces the stall rule (under
+``min_rate`` bytes/s over ``stall_window``: retried from the last byte written), the ``deadline``
+(then a DeadlineExceededError, partials kept) and a stop. Why not short socket timeouts: a timed-out
 socket file cannot be read again (``SocketIO`` refuses, http.client's buffer state is lost), and
 a timeout shorter than a healthy server's pauses turns slow servers into errors;
 ``shutdown(SHUT_RDWR)`` from another thread wakes a blocked ``recv`` at once, covers the wait for
@@ -782,8 +782,8 @@ def retry_read(
     """Run ``read`` (one ranged request that resumes from ``position()`` when called again)
     until it succeeds, retrying transient failures with the policy's backoff. The one retry loop
     of every driver of ranged reads (the pull engine, the mirror); unlike
-    :func:`prefetch.pipeline.retry.call_with_retries` a stop during the wait is :class:`Cancelled` (the
-    pull or mirror is resumable), not the transient error."""
+    :func:`prefetch.pipeline.retry.call_with_retries` a stop during the wait is :class:`Cancelled`
+    (the pull or mirror is resumable), not the transient error."""
     attempt = 1
     while True:
         if stop.is_set():

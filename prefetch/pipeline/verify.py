@@ -76,8 +76,8 @@ ALGORITHMS = frozenset(_CRC) | frozenset(_HASHLIB) | {"git-sha1"}
 #: Strongest first; Verify uses the first checksum of a file whose algorithm is known.
 STRENGTH = ("sha256", "sha1", "git-sha1", "crc64nvme", "crc32c", "md5", "crc32")
 #: Origins of checksums that do not come from the server that serves the bytes: always checked.
-#: "mirror": a mirror's metadata (prefetch.sources.s3_mirror.format), recorded when the blob was mirrored
-#: and checked against the Hub, so an object altered since then fails both of its checks.
+#: "mirror": a mirror's metadata (prefetch.sources.s3_mirror.format), recorded when the blob was
+#: mirrored and checked against the Hub, so an object altered since then fails both of its checks.
 INDEPENDENT_ORIGINS = frozenset({"sidecar", "mirror"})
 READ_BUFFER = 4 * 1024 * 1024
 

@@ -387,7 +387,7 @@ def parse_destination(dst: str) -> tuple[SourceURI, str]:
     """``oci://registry/repo[:tag]`` as a destination: the repo and the tag (default latest);
     a digest cannot be a destination (it is what the push produces)."""
     from prefetch.pipeline.spec import parse_source_uri
-    from prefetch.sources.registry import backend
+    from prefetch.pipeline.backends import backend
 
     uri = parse_source_uri(dst)
     if not backend(uri.scheme).registry or not uri.path:
@@ -452,7 +452,7 @@ def mirror_command(
     from prefetch.pipeline.spec import ModelSpec, parse_source_uri
     from prefetch.sources import SourceSettings, open_source, pool_size
     from prefetch.sources.http.transport import shared_http_pool
-    from prefetch.sources.registry import backend
+    from prefetch.pipeline.backends import backend
     from prefetch.support import settings
 
     parse_destination(dst)

@@ -1,4 +1,4 @@
-"""Sources: one backend per scheme, declared in :mod:`prefetch.sources.registry`, behind the
+"""Sources: one backend per scheme, declared in :mod:`prefetch.pipeline.backends`, behind the
 protocol in :mod:`prefetch.sources.base`, and the one front door that opens them,
 :func:`open_source`.
 
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from prefetch.pipeline.retry import AdaptiveRate, RetryPolicy
 from prefetch.pipeline.spec import ModelSpec
 from prefetch.sources.base import RangeReader, Source
-from prefetch.sources.registry import backend
+from prefetch.pipeline.backends import backend
 
 if TYPE_CHECKING:
     from prefetch.sources.hf.source import HubOptions
@@ -121,7 +121,7 @@ class SourceSettings:
 def open_source(
     spec: ModelSpec, settings: SourceSettings | None = None, *, layout: str | None = None
 ) -> Source:
-    """Open ``spec``'s source through its backend (:mod:`prefetch.sources.registry`): the one
+    """Open ``spec``'s source through its backend (:mod:`prefetch.pipeline.backends`): the one
     way anything opens one. Opening makes no request; resolving makes the snapshot (once per
     sync, see :class:`prefetch.pipeline.Pipeline`).
 

@@ -6,10 +6,10 @@ the node's story (:mod:`prefetch.agent.events`) ``event``, ``seconds``, ``source
 exception adds ``error`` (type and message) and ``traceback``. A line written while a sync runs
 carries that sync's ``sync_id`` (:func:`sync_context`), also from the engine's worker threads
 (their pools start with :func:`inherit_context`). Every record passes
-:class:`prefetch.support.redact.RedactingFilter` and the formatters scrub again: nothing that looks like a
-credential (presigned URL signatures, bearer tokens, Hub tokens, AWS secret keys) is written, and a
-message is one line, control characters escaped. The code never logs secrets on purpose; this is
-the last line of defence against a library's debug log.
+:class:`prefetch.support.redact.RedactingFilter` and the formatters scrub again: nothing that looks
+like a credential (presigned URL signatures, bearer tokens, Hub tokens, AWS secret keys) is written,
+and a message is one line, control characters escaped. The code never logs secrets on purpose; this
+is the last line of defence against a library's debug log.
 """
 
 from __future__ import annotations

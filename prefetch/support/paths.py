@@ -2,8 +2,8 @@
 
 A source's listing names the files the tool will create under DEST, so a hostile or broken server
 (or bucket) must not be able to name a file outside DEST, inside the tool's own state, or over
-another listed file. :func:`check_listing` runs when a :class:`~prefetch.pipeline.snapshot.Snapshot` is
-built, which every source's ``resolve`` does, so a new source gets the rules for free and a bad
+another listed file. :func:`check_listing` runs when a :class:`~prefetch.pipeline.snapshot.Snapshot`
+is built, which every source's ``resolve`` does, so a new source gets the rules for free and a bad
 listing is refused before any byte is fetched. :func:`ref_name_problem` holds git's ref-name rules
 (``git check-ref-format``) as far as they matter for a revision that becomes a file under
 ``refs/``. Offending names appear in messages as ``repr`` gives them: control characters escaped.

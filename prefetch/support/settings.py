@@ -2,7 +2,8 @@
 
 Each function reads its variable when called (never at import), from ``environ`` when given and
 from ``os.environ`` otherwise, so a test or a long-running agent sees the environment as it is
-now. A value that cannot be meant raises :class:`~prefetch.support.errors.ConfigError` naming the variable.
+now. A value that cannot be meant raises :class:`~prefetch.support.errors.ConfigError` naming the
+variable.
 
 Not here: the variables the CLI's options read through click (``envvar=`` beside each option:
 ``PREFETCH_CONCURRENCY``, ``PREFETCH_CHUNK_SIZE``, ``PREFETCH_CONFIG``, ``NODE_NAME``...), which

@@ -37,8 +37,8 @@ Usage::
 
 Run standalone for benchmarks: ``python tests/fakes/hubserver.py --repo acme/m --dir DIR`` prints
 one JSON line (endpoint, cdn_endpoint, sha) and serves until interrupted. Model files come from
-:mod:`prefetch.demo.modelgen`; :func:`make_model_dir` and :func:`write_random_file` here add only the
-digest memo that spares the server a re-hash.
+:mod:`prefetch.demo.modelgen`; :func:`make_model_dir` and :func:`write_random_file` here add only
+the digest memo that spares the server a re-hash.
 """
 
 from __future__ import annotations

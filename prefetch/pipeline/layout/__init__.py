@@ -41,7 +41,8 @@ from prefetch.support.paths import STATE_DIR
 
 
 def layout_name_for(spec: ModelSpec, layout_name: str | None = None) -> str:
-    """The layout a model is published in (the rule is :func:`prefetch.pipeline.spec.layout_kind`)."""
+    """The layout a model is published in (the rule is
+    :func:`prefetch.pipeline.spec.layout_kind`)."""
     return layout_kind(spec, layout_name)
 
 

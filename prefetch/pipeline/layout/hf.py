@@ -58,7 +58,7 @@ from prefetch.pipeline.layout.base import (
 )
 from prefetch.pipeline.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.pipeline.spec import ModelSpec
-from prefetch.sources.registry import backend
+from prefetch.pipeline.backends import backend
 from prefetch.support.errors import LayoutError
 from prefetch.support.paths import STATE_DIR, path_problem
 

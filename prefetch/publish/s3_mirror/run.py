@@ -1,11 +1,11 @@
 """``prefetch mirror``: a Hub commit, or another mirror, into an S3 mirror prefix.
 
 The order of writes is what makes a mirror safe to read while it is written and after a crash
-(:mod:`prefetch.sources.s3_mirror.format`): blobs first, each checked before its object exists; a commit's
-metadata only once every blob it names is there; the ref last. Keys are the Hub's ids, so a blob
-already present with the right size and a CRC64NVME is not sent again: mirroring the same commit
-twice uploads nothing, and a moved branch adds only its new blobs, a new ``snapshots/<commit>.json``
-and the ref, leaving the old commit whole.
+(:mod:`prefetch.sources.s3_mirror.format`): blobs first, each checked before its object exists; a
+commit's metadata only once every blob it names is there; the ref last. Keys are the Hub's ids, so a
+blob already present with the right size and a CRC64NVME is not sent again: mirroring the same
+commit twice uploads nothing, and a moved branch adds only its new blobs, a new
+``snapshots/<commit>.json`` and the ref, leaving the old commit whole.
 """
 
 from __future__ import annotations

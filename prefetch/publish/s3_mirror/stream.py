@@ -2,8 +2,8 @@
 
 Each file becomes one object. A part is read from the source by a ranged request into a pooled
 buffer (the engine's rules apply: retries from the last byte, the stall rule, the deadline and
-stop, through :class:`prefetch.pipeline.deadline.Watchdog`), CRC64NVME'd, and uploaded as a part of a
-FULL_OBJECT CRC64NVME multipart upload (files of one part are one PutObject instead, sent only
+stop, through :class:`prefetch.pipeline.deadline.Watchdog`), CRC64NVME'd, and uploaded as a part of
+a FULL_OBJECT CRC64NVME multipart upload (files of one part are one PutObject instead, sent only
 after they were checked). The file's own checks (the Hub's sha256 or git blob sha1, a mirror's
 recorded ids) need the bytes in file order while parts finish in any order: a part that lands
 before its turn keeps its buffer until the parts before it are hashed. Only when every check
@@ -102,8 +102,8 @@ _WHOLE_CRC = Checksum("crc64nvme", "", encoding="base64")
 
 def streamable_checks(checksums: tuple[Checksum, ...]) -> tuple[Checksum, ...]:
     """The checks a streamed file can be held to before its object is made: every one
-    :func:`prefetch.pipeline.verify.checks_for` picks that needs the bytes in order (sha256, sha1, git
-    blob sha1, MD5 of a single-part object) or is a whole-object CRC64NVME (joined from the
+    :func:`prefetch.pipeline.verify.checks_for` picks that needs the bytes in order (sha256, sha1,
+    git blob sha1, MD5 of a single-part object) or is a whole-object CRC64NVME (joined from the
     parts' CRCs); composite checksums and other CRCs are not computed while streaming."""
     return tuple(
         c
@@ -221,9 +221,9 @@ _Task = _Open | _Part | _Hash | _Finish
 
 class PartStreamer:
     """Runs one batch of :class:`BlobUpload` through read -> CRC -> upload -> hash -> complete,
-    on the coordinator of :class:`prefetch.pipeline.transfer.Transfer` (:mod:`prefetch.pipeline.coordinator`): the
-    calling thread holds the state and the first error, the network work runs on
-    ``concurrency`` threads. One streamer runs once.
+    on the coordinator of :class:`prefetch.pipeline.transfer.Transfer`
+    (:mod:`prefetch.pipeline.coordinator`): the calling thread holds the state and the first error,
+    the network work runs on ``concurrency`` threads. One streamer runs once.
     """
 
     def __init__(

@@ -1,9 +1,9 @@
 """The mirror's S3 destination: the few write calls it makes, each retried and translated.
 
-The boto3 client is passed in (built by :func:`prefetch.sources.s3.source.make_s3_client`, so boto3's
-own retries are off and retrying lives in :mod:`prefetch.pipeline.retry`); this module never imports an
-SDK. Every object is written with a CRC64NVME checksum the caller computed from the bytes it
-streamed: a one-request object as PutObject with ``ChecksumCRC64NVME``, a larger one as a
+The boto3 client is passed in (built by :func:`prefetch.sources.s3.source.make_s3_client`, so
+boto3's own retries are off and retrying lives in :mod:`prefetch.pipeline.retry`); this module never
+imports an SDK. Every object is written with a CRC64NVME checksum the caller computed from the bytes
+it streamed: a one-request object as PutObject with ``ChecksumCRC64NVME``, a larger one as a
 multipart upload of type FULL_OBJECT whose parts carry their own CRC and whose completion
 carries the whole object's, so S3 itself refuses an object whose stored bytes are not the ones
 we checked (BadDigest).

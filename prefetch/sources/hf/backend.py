@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import SplitResult
 
 from prefetch.pipeline.spec_terms import HF_REPO, SpecError, escape, literal, validate_revision
-from prefetch.sources.registry import Backend, SourceURI, SpecFields
+from prefetch.pipeline.backends import Backend, SourceURI, SpecFields
 from prefetch.support.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -18,12 +18,12 @@
   everywhere ``Content-Range`` (and ``Content-Length``) must be exactly the range asked for out of
   the size the listing stated, and ranged requests must get 206.
 
-Both go through one pool (:mod:`prefetch.sources.http.transport`), so the proxy rule is the same for the
-listing as for the bytes, and the token rule too (a next page or redirect off the endpoint's
+Both go through one pool (:mod:`prefetch.sources.http.transport`), so the proxy rule is the same for
+the listing as for the bytes, and the token rule too (a next page or redirect off the endpoint's
 origin gets no token). Bodies are read with ``readinto`` straight into the engine's buffer (one
 copy from the socket). The token is found as huggingface_hub finds it (:func:`hub_token`).
-Errors are translated to :mod:`prefetch.support.errors` by one table (:func:`hub_error`); the token never
-appears in a message, and neither do the signed query strings of CDN URLs.
+Errors are translated to :mod:`prefetch.support.errors` by one table (:func:`hub_error`); the token
+never appears in a message, and neither do the signed query strings of CDN URLs.
 """
 
 from __future__ import annotations

@@ -131,9 +131,9 @@ def _interrupt_socket(sock: object) -> Callable[[], None]:
 
 class _WatchedHTTPConnection(urllib3.connection.HTTPConnection):
     """A connection whose wait for response headers a watch can interrupt: the calling
-    thread's watches (:mod:`prefetch.pipeline.deadline`: a ranged read the engine watches, a metadata
-    call under a deadline, a resolve a stop interrupts) get the socket, so a stop, a stall or a
-    deadline shuts it down instead of waiting out the read timeout (60 s). The socket stays
+    thread's watches (:mod:`prefetch.pipeline.deadline`: a ranged read the engine watches, a
+    metadata call under a deadline, a resolve a stop interrupts) get the socket, so a stop, a stall
+    or a deadline shuts it down instead of waiting out the read timeout (60 s). The socket stays
     attached until the watch ends, so the body read is covered too."""
 
     # The ignore: urllib3's own getresponse narrows http.client's return type to urllib3's

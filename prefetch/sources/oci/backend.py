@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import SplitResult
 
 from prefetch.pipeline.spec_terms import SpecError, escape, literal
-from prefetch.sources.registry import Backend, SourceURI, SpecFields
+from prefetch.pipeline.backends import Backend, SourceURI, SpecFields
 from prefetch.support import settings as env
 from prefetch.support.errors import ConfigError
 

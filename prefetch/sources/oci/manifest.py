@@ -146,7 +146,8 @@ def index_entries(doc: dict[str, object], what: str) -> list[IndexEntry]:
 
 def parse_model_manifest(doc: dict[str, object], digest: str, what: str) -> ModelManifest:
     """A model artifact's manifest, or InvalidListingError naming why it is not one: the layers
-    as files, each path checked (see :mod:`prefetch.support.paths`) by the snapshot built from them."""
+    as files, each path checked (see :mod:`prefetch.support.paths`) by the snapshot built from
+    them."""
     media_type = document_type(doc, None)
     if media_type not in (OCI_MANIFEST, DOCKER_MANIFEST):
         raise InvalidListingError(f"{what}: {media_type!r} is not an image manifest")

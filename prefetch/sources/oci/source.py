@@ -25,8 +25,8 @@
   ``metadata_timeout`` (:data:`METADATA_TIMEOUT`; a mirror's :data:`MIRROR_METADATA_TIMEOUT`,
   so a mirror that trickles falls back to the next source as one that fails does), and an
   archive layer unpacked at resolve within that plus its size at :data:`ARCHIVE_FLOOR_RATE`:
-  the one deadline mechanism (:func:`prefetch.pipeline.deadline.call_with_deadline`) aborts the request
-  in flight, whose socket timeout a byte every few seconds would reset for ever.
+  the one deadline mechanism (:func:`prefetch.pipeline.deadline.call_with_deadline`) aborts the
+  request in flight, whose socket timeout a byte every few seconds would reset for ever.
 * Authentication: :mod:`prefetch.sources.oci.auth` (docker config, helpers, the token flow); a
   401 mid-pull (an expired token) fetches a new token once and sends the request again.
 

@@ -1,8 +1,8 @@
 """The S3 backend: ``s3://bucket/prefix``, read object by object and published plain, or in the
 Hub's layout under ``hf_repo``. A prefix that is ``prefetch mirror``'s output (the S3 mirror) is
 found when it is resolved and read as the mirror (see :mod:`prefetch.sources.s3.prefix`). The
-sources themselves (:mod:`prefetch.sources.s3.source`, :mod:`prefetch.sources.s3_mirror.source`) are imported
-when opened."""
+sources themselves (:mod:`prefetch.sources.s3.source`, :mod:`prefetch.sources.s3_mirror.source`) are
+imported when opened."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import SplitResult
 
 from prefetch.pipeline.spec_terms import COMMIT_SHA, SpecError
-from prefetch.sources.registry import Backend, SourceURI, SpecFields
+from prefetch.pipeline.backends import Backend, SourceURI, SpecFields
 from prefetch.support.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -8,8 +8,8 @@ plain static keys of the environment or of the client's settings (``AWS_ACCESS_K
 every other), ListObjectsV2 and the object GETs and HEADs are signed here (SigV4,
 ``hashlib``/``hmac``), sent on the shared urllib3 pool (with the source's proxy), and the
 listing's XML parsed by ``s3_xml`` (TLS verified with the bundle
-:func:`prefetch.support.settings.ca_bundle` decides, as botocore's client is). Anything else (a profile,
-IRSA, IMDS, FIPS or dual-stack endpoints, an access point ARN...) leaves
+:func:`prefetch.support.settings.ca_bundle` decides, as botocore's client is). Anything else (a
+profile, IRSA, IMDS, FIPS or dual-stack endpoints, an access point ARN...) leaves
 :func:`direct_settings` returning None, and botocore lists (and signs the object requests:
 :mod:`prefetch.sources.s3.sdk`). The botocore client is only created when something needs
 it, see ``LazyS3Client`` in s3.py.

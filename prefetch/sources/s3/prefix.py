@@ -1,6 +1,7 @@
-"""An ``s3://`` prefix as opened: read object by object (:class:`~prefetch.sources.s3.source.S3Source`)
-unless resolving finds it is ``prefetch mirror``'s output, then read as the mirror
-(:class:`~prefetch.sources.s3_mirror.source.MirrorSource`) and published in the Hub's layout.
+"""An ``s3://`` prefix as opened: read object by object
+(:class:`~prefetch.sources.s3.source.S3Source`) unless resolving finds it is ``prefetch mirror``'s
+output, then read as the mirror (:class:`~prefetch.sources.s3_mirror.source.MirrorSource`) and
+published in the Hub's layout.
 
 The probe is part of the resolve, the one place a snapshot is made: one listing of
 ``snapshots/`` more than a plain prefix costs, once per resolve (so once per sync)."""

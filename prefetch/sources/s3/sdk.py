@@ -9,7 +9,8 @@ identity, SSO, instance roles...): the listing, and the signer of every object r
   ``before-sign`` event, asked per request for its signer (``RequestSigner.get_auth_instance``,
   which freezes the credentials then, so refreshable ones keep refreshing as under botocore),
   whose credentials sign with botocore's public ``S3SigV4Auth``;
-* **sending** is the transport seam (:mod:`prefetch.sources.http.transport`), like every other request.
+* **sending** is the transport seam (:mod:`prefetch.sources.http.transport`), like every other
+request.
 
 Anything this cannot reproduce (no SigV4 on the listing, another signing service such as S3
 Outposts or Object Lambda, S3 Express session auth, a CA bundle of botocore's own) leaves

@@ -1,14 +1,15 @@
 """S3 source: list, describe (HEAD with checksums) and ranged GETs pinned to the ETag.
 
-S3 is addressing plus a signer, on the one transport seam (:mod:`prefetch.sources.http.transport`): every
-object request (HEAD, whole-object GET, ranged GET, part-size HEAD, metadata reads) is built by
-an :class:`~prefetch.sources.s3.direct.S3Bucket` and signed by one of two signers: static keys
+S3 is addressing plus a signer, on the one transport seam (:mod:`prefetch.sources.http.transport`):
+every object request (HEAD, whole-object GET, ranged GET, part-size HEAD, metadata reads) is built
+by an :class:`~prefetch.sources.s3.direct.S3Bucket` and signed by one of two signers: static keys
 (SigV4 here, :mod:`prefetch.sources.s3.direct`: no botocore import, no client) or botocore's
 credential chain (its public ``S3SigV4Auth``, :mod:`prefetch.sources.s3.sdk`), whose
 addressing comes from the listing botocore made. What stays on botocore's client: the listing
 when the keys are not static, keys with "." / ".." segments and what the seam cannot sign (see
 s3_botocore), through :class:`~prefetch.sources.s3.sdk.BotocoreObjects`, answered in the
-same shape. boto3's retries are off (:func:`make_s3_client`): retrying lives in prefetch.pipeline.retry.
+same shape. boto3's retries are off (:func:`make_s3_client`): retrying lives in
+prefetch.pipeline.retry.
 """
 
 from __future__ import annotations
@@ -152,8 +153,8 @@ def make_s3_client(
     them, even over HTTPS, when the caller supplies the body's checksum itself); only for
     callers whose every body carries a checksum S3 verifies. None: botocore's rule (and the
     AWS config file's ``payload_signing_enabled``). ``ca_bundle``: the CA bundle a flag or
-    config key chose; TLS is verified with the one :func:`prefetch.support.settings.ca_bundle` decides
-    from it and the environment (botocore alone ignores ``SSL_CERT_FILE`` and
+    config key chose; TLS is verified with the one :func:`prefetch.support.settings.ca_bundle`
+    decides from it and the environment (botocore alone ignores ``SSL_CERT_FILE`` and
     ``REQUESTS_CA_BUNDLE``, so it is always told)."""
     trust = settings.ca_bundle(ca_bundle, aws_profile=profile)
     import boto3

@@ -14,8 +14,8 @@ between the two, pure (no I/O) so both sides and the tests share one definition:
 
 Content addressing is why commits share unchanged files, why a moved branch only adds blobs and
 why an old commit keeps working. Anything malformed is refused with
-:class:`~prefetch.support.errors.InvalidListingError` naming where it was read, so a broken or hostile
-mirror never gets a file fetched, let alone published.
+:class:`~prefetch.support.errors.InvalidListingError` naming where it was read, so a broken or
+hostile mirror never gets a file fetched, let alone published.
 """
 
 from __future__ import annotations

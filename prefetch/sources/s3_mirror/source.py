@@ -1,17 +1,17 @@
 """Mirror source: a Hub repo's commits as ``prefetch mirror`` laid them out under an S3 prefix.
 
 Resolving reads ``refs/<rev>`` (unless the revision is a commit sha) and that commit's
-``snapshots/<commit>.json`` (see :mod:`prefetch.sources.s3_mirror.format`), and returns the snapshot a Hub
-pull of the same revision would: the Hub's commit, repo id and ref, each file named by its Hub
+``snapshots/<commit>.json`` (see :mod:`prefetch.sources.s3_mirror.format`), and returns the snapshot
+a Hub pull of the same revision would: the Hub's commit, repo id and ref, each file named by its Hub
 id, so the Hugging Face layout publishes exactly what it publishes from the Hub. The bytes are
-read through :class:`~prefetch.sources.s3.source.S3Source` (ranged GETs pinned to the ETag, the retries,
-the stall and range rules); each file carries the two checks its metadata recorded, the Hub id
-and the object's CRC64NVME, so an object altered after mirroring is a checksum failure.
+read through :class:`~prefetch.sources.s3.source.S3Source` (ranged GETs pinned to the ETag, the
+retries, the stall and range rules); each file carries the two checks its metadata recorded, the Hub
+id and the object's CRC64NVME, so an object altered after mirroring is a checksum failure.
 
 A mirror that lacks the ref or the commit raises a
 :class:`~prefetch.support.errors.NotFoundError` (the caller may try the next source); a mirror of
-another repo raises :class:`~prefetch.support.errors.ConfigError` (a configuration mistake to fix, not
-a reason to fall back).
+another repo raises :class:`~prefetch.support.errors.ConfigError` (a configuration mistake to fix,
+not a reason to fall back).
 """
 
 from __future__ import annotations

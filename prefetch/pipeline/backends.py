@@ -9,9 +9,9 @@ Nothing outside a backend compares a scheme: :mod:`prefetch.pipeline.spec`, the 
 The declarations are modules of :mod:`prefetch.sources` named in :data:`DECLARATIONS`, each
 defining ``BACKEND``; they are loaded by name when the registry is first asked, as plugins are:
 this module sits below everything that checks a spec and knows no backend's code. A declaration
-imports only the vocabulary (this module, :mod:`prefetch.pipeline.spec_terms`), so loading the registry
-stays cheap; what reads the network (botocore, urllib3 pools, the OCI client) is imported when a
-backend opens a source. Adding a backend: a declaration module named here, and a case of the
+imports only the vocabulary (this module, :mod:`prefetch.pipeline.spec_terms`), so loading the
+registry stays cheap; what reads the network (botocore, urllib3 pools, the OCI client) is imported
+when a backend opens a source. Adding a backend: a declaration module named here, and a case of the
 conformance suite (tests/test_source_conformance.py).
 """
 
@@ -60,8 +60,8 @@ class SourceURI:
 
 
 class SpecFields(Protocol):
-    """What a backend reads of a :class:`~prefetch.pipeline.spec.ModelSpec` (its shape, named here as the
-    spec is above the registry)."""
+    """What a backend reads of a :class:`~prefetch.pipeline.spec.ModelSpec` (its shape, named here
+    as the spec is above the registry)."""
 
     @property
     def source(self) -> SourceURI: ...
