@@ -40,6 +40,7 @@ import pytest
 import urllib3
 
 from prefetch.demo.modelgen import GeneratedFile, make_model_dir, random_bytes, upload_model
+from prefetch.pipeline.backends import source_schemes
 from prefetch.pipeline.layout import PlainLayout
 from prefetch.pipeline.layout.hf import HfCacheLayout
 from prefetch.pipeline.progress import NullProgress
@@ -52,7 +53,6 @@ from prefetch.sources import SourceSettings, open_source
 from prefetch.sources.hf.source import HubOptions, open_hub_source
 from prefetch.sources.http.transport import watched_pools
 from prefetch.sources.oci.source import open_oci_source
-from prefetch.pipeline.backends import source_schemes
 from prefetch.sources.s3.source import S3Source, make_s3_client
 from prefetch.sources.s3_mirror.format import (
     MirrorCommit,

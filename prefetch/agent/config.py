@@ -106,6 +106,7 @@ from prefetch.agent.config_fields import (
     uri,
 )
 from prefetch.agent.config_fields import parse_listen as parse_listen  # re-exported
+from prefetch.pipeline.backends import backend
 from prefetch.pipeline.retry import RetryPolicy
 from prefetch.pipeline.spec import (
     ModelSpec,
@@ -117,7 +118,6 @@ from prefetch.pipeline.spec import (
 from prefetch.pipeline.transfer import TransferConfig
 from prefetch.pipeline.warm import DEFAULT_MEMORY_SHARE, DEFAULT_READ_RATE, WarmLimits
 from prefetch.publish.compile_cache import EXTRA_DIRS, CacheKey
-from prefetch.pipeline.backends import backend
 from prefetch.support import settings
 from prefetch.support.constants import (
     DEFAULT_LABEL_PREFIX,

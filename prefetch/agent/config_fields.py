@@ -21,8 +21,8 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from prefetch.pipeline.spec import parse_source_uri, validate_name
 from prefetch.pipeline.backends import mirror_schemes, mirrors_by_source, source_schemes
+from prefetch.pipeline.spec import parse_source_uri, validate_name
 from prefetch.support.errors import ConfigError
 from prefetch.support.units import (
     DURATION_PATTERN,

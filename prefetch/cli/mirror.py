@@ -106,10 +106,10 @@ def mirror(
     verified against the Hub's ids, resumable, and uploading nothing already there. DST may be
     oci://registry/repo:tag: a Hub commit is pushed as a ModelPack artifact, an oci:// SRC is
     copied by digest."""
+    from prefetch.pipeline.backends import backend
     from prefetch.publish.s3_mirror import MirrorConfig, S3Prefix, mirror_hub, mirror_s3
     from prefetch.publish.s3_mirror.upload import make_writer_client
     from prefetch.sources import SourceSettings, open_source, pool_size, s3_client
-    from prefetch.pipeline.backends import backend
     from prefetch.sources.s3.source import make_s3_client
 
     if not dst.strip().startswith(("s3://", "oci://")):

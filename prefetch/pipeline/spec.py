@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from prefetch.pipeline.backends import SourceURI, backend, parse_uri
 from prefetch.pipeline.spec_terms import (
     COMMIT_SHA,
     HF_REPO,
@@ -16,7 +17,6 @@ from prefetch.pipeline.spec_terms import (
     literal,
     validate_revision,
 )
-from prefetch.pipeline.backends import SourceURI, backend, parse_uri
 from prefetch.support.errors import ConfigError
 from prefetch.support.settings import parse_proxy
 

@@ -386,8 +386,8 @@ def copy_artifact(source: OciSource, pusher: Pusher, tag: str | None) -> str:
 def parse_destination(dst: str) -> tuple[SourceURI, str]:
     """``oci://registry/repo[:tag]`` as a destination: the repo and the tag (default latest);
     a digest cannot be a destination (it is what the push produces)."""
-    from prefetch.pipeline.spec import parse_source_uri
     from prefetch.pipeline.backends import backend
+    from prefetch.pipeline.spec import parse_source_uri
 
     uri = parse_source_uri(dst)
     if not backend(uri.scheme).registry or not uri.path:
@@ -449,10 +449,10 @@ def mirror_command(
     """``prefetch mirror SRC oci://...``: SRC is ``hf://org/name[@rev]`` (pushed as ModelPack)
     or ``oci://...`` (copied by digest); ``proxy`` is for the source only, ``ca_bundle``
     (``--ca-bundle``) for both ends (:func:`prefetch.support.settings.ca_bundle`)."""
+    from prefetch.pipeline.backends import backend
     from prefetch.pipeline.spec import ModelSpec, parse_source_uri
     from prefetch.sources import SourceSettings, open_source, pool_size
     from prefetch.sources.http.transport import shared_http_pool
-    from prefetch.pipeline.backends import backend
     from prefetch.support import settings
 
     parse_destination(dst)

@@ -15,10 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from prefetch.pipeline.backends import backend
 from prefetch.pipeline.retry import AdaptiveRate, RetryPolicy
 from prefetch.pipeline.spec import ModelSpec
 from prefetch.sources.base import RangeReader, Source
-from prefetch.pipeline.backends import backend
 
 if TYPE_CHECKING:
     from prefetch.sources.hf.source import HubOptions

@@ -42,6 +42,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from prefetch.pipeline import verify
+from prefetch.pipeline.backends import backend
 from prefetch.pipeline.layout.base import (
     FileRecord,
     RecordBook,
@@ -58,7 +59,6 @@ from prefetch.pipeline.layout.base import (
 )
 from prefetch.pipeline.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.pipeline.spec import ModelSpec
-from prefetch.pipeline.backends import backend
 from prefetch.support.errors import LayoutError
 from prefetch.support.paths import STATE_DIR, path_problem
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 from urllib.parse import SplitResult
 
-from prefetch.pipeline.spec_terms import HF_REPO, SpecError, escape, literal, validate_revision
 from prefetch.pipeline.backends import Backend, SourceURI, SpecFields
+from prefetch.pipeline.spec_terms import HF_REPO, SpecError, escape, literal, validate_revision
 from prefetch.support.errors import ConfigError
 
 if TYPE_CHECKING:

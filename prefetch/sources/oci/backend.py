@@ -10,8 +10,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 from urllib.parse import SplitResult
 
-from prefetch.pipeline.spec_terms import SpecError, escape, literal
 from prefetch.pipeline.backends import Backend, SourceURI, SpecFields
+from prefetch.pipeline.spec_terms import SpecError, escape, literal
 from prefetch.support import settings as env
 from prefetch.support.errors import ConfigError
 

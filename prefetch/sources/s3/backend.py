@@ -10,8 +10,8 @@ import re
 from typing import TYPE_CHECKING
 from urllib.parse import SplitResult
 
-from prefetch.pipeline.spec_terms import COMMIT_SHA, SpecError
 from prefetch.pipeline.backends import Backend, SourceURI, SpecFields
+from prefetch.pipeline.spec_terms import COMMIT_SHA, SpecError
 from prefetch.support.errors import ConfigError
 
 if TYPE_CHECKING:
