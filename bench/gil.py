@@ -22,7 +22,7 @@ Modes, each a fresh subprocess, alternated over ``--runs`` rounds against one lo
                       client the CLI makes (a LazyS3Client): with static keys, as here, every
                       request is signed and sent without botocore (prefetch/sources/s3/direct.py)
   prefetch-lean       the same on a boto3 client (as with IRSA or a profile): botocore's
-                      credentials and signer, the request on the transport seam (s3_botocore.py)
+                      credentials and signer, the request on the transport seam (sources/s3/sdk.py)
   prefetch-botocore   the same with every request through botocore (S3Source.signed_requests=False)
   awscrt              awscrt.s3.S3Client, one GET_OBJECT per object straight to a file
                       (recv_filepath: parts, parallelism and writes all native), part 8 MiB,

@@ -173,7 +173,7 @@ class SyncResult:
     #: bytes the resolve fetched (see Snapshot.fetched_bytes), in ``bytes_downloaded``
     _resolve_bytes: int = field(default=0, repr=False)
 
-    def to_json(self) -> dict[str, Any]:  # cli.py writes into its "timings"
+    def to_json(self) -> dict[str, Any]:  # the pull command writes into its "timings"
         out = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
         return {**out, "timings": self.timings.to_json()}
 
@@ -222,7 +222,7 @@ def check_free_space(layout: Layout, needed: int) -> None:
     """Fail before starting when ``needed`` bytes (see :func:`bytes_needed`) cannot fit."""
     staging = layout.staging_dir()
     staging.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(staging).free  # (stdlib: psutil costs start-up, see cli.py)
+    free = shutil.disk_usage(staging).free  # (stdlib: psutil costs start-up, see prefetch/cli)
     if needed + SPACE_MARGIN > free:
         raise InsufficientSpaceError(
             f"not enough free space under {layout.root}: the pull needs "

@@ -1,4 +1,4 @@
-"""A forward proxy's credentials and refusals, for the urllib3 pools of :mod:`._http`.
+"""A forward proxy's credentials and refusals, for the urllib3 pools of :mod:`.transport`.
 
 urllib3's ``ProxyManager`` connects to ``http://user:password@proxy:3128`` but sends no
 ``Proxy-Authorization`` of its own: :func:`proxy_headers` makes the Basic one from the URL's

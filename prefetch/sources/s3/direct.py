@@ -7,12 +7,12 @@ plain static keys of the environment or of the client's settings (``AWS_ACCESS_K
 ``AWS_SECRET_ACCESS_KEY`` [/ ``AWS_SESSION_TOKEN``]: botocore's first provider, which wins over
 every other), ListObjectsV2 and the object GETs and HEADs are signed here (SigV4,
 ``hashlib``/``hmac``), sent on the shared urllib3 pool (with the source's proxy), and the
-listing's XML parsed by ``s3_xml`` (TLS verified with the bundle
+listing's XML parsed by ``listing`` (TLS verified with the bundle
 :func:`prefetch.support.settings.ca_bundle` decides, as botocore's client is). Anything else (a
 profile, IRSA, IMDS, FIPS or dual-stack endpoints, an access point ARN...) leaves
 :func:`direct_settings` returning None, and botocore lists (and signs the object requests:
 :mod:`prefetch.sources.s3.sdk`). The botocore client is only created when something needs
-it, see ``LazyS3Client`` in s3.py.
+it, see ``LazyS3Client`` in source.py.
 
 Addressing is the one botocore uses for the same settings where it matters: a custom endpoint
 (``AWS_ENDPOINT_URL``, ``--endpoint-url``) path-style (``endpoint/bucket``), AWS itself
@@ -209,7 +209,7 @@ class S3Bucket:
     """One bucket's ``list_objects_v2`` and object requests (GET, HEAD): S3 as addressing (where
     a key is: ``base_url(region)``) plus a :class:`Signer`, sent on the transport seam. The
     signer is static keys (:class:`StaticKeySigner`) or botocore's credential chain
-    (``s3_botocore.BotocoreSigner``): the same requests, the same answers."""
+    (``sdk.BotocoreSigner``): the same requests, the same answers."""
 
     def __init__(
         self,

@@ -7,7 +7,7 @@ by an :class:`~prefetch.sources.s3.direct.S3Bucket` and signed by one of two sig
 credential chain (its public ``S3SigV4Auth``, :mod:`prefetch.sources.s3.sdk`), whose
 addressing comes from the listing botocore made. What stays on botocore's client: the listing
 when the keys are not static, keys with "." / ".." segments and what the seam cannot sign (see
-s3_botocore), through :class:`~prefetch.sources.s3.sdk.BotocoreObjects`, answered in the
+sdk), through :class:`~prefetch.sources.s3.sdk.BotocoreObjects`, answered in the
 same shape. boto3's retries are off (:func:`make_s3_client`): retrying lives in
 prefetch.pipeline.retry.
 """
