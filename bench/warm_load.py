@@ -89,7 +89,7 @@ def run_child(argv: list[str], env: dict[str, str], work: Path) -> tuple[str, fl
 
 
 def resident(dest: Path) -> int:
-    from prefetch.pipeline.warm import resident_bytes
+    from prefetch.pipeline.warmup import resident_bytes
 
     return sum(resident_bytes(p) for p in dest.rglob("*.safetensors"))
 

@@ -47,7 +47,7 @@ def test_the_pipeline_a_pull_runs_loads_no_warm_up_code() -> None:
     """psutil and the warm-up module are imported for a warm-up only (a no-op pull is timed)."""
     code = (
         "import json, sys; import prefetch.cli, prefetch.pipeline; "
-        "print(json.dumps(sorted(m for m in ('psutil', 'prefetch.pipeline.warm') "
+        "print(json.dumps(sorted(m for m in ('psutil', 'prefetch.pipeline.warmup') "
         "if m in sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

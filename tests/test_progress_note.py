@@ -348,7 +348,7 @@ def test_a_hung_annotation_write_never_stalls_the_reconcile_loop(tmp_path: Path)
 
 def test_the_note_shows_the_warm_up_and_the_compile_cache_state_and_a_change_is_written() -> None:
     from prefetch.agent.progress_note import note_shape
-    from prefetch.pipeline.warm import WarmReport
+    from prefetch.pipeline.warmup import WarmReport
 
     model = ready("llama", 2 * GiB)
     cache = ready("llama-compile", 0)

@@ -116,7 +116,7 @@ from prefetch.pipeline.spec import (
     publish_revision,
 )
 from prefetch.pipeline.transfer import TransferConfig
-from prefetch.pipeline.warm import DEFAULT_MEMORY_SHARE, DEFAULT_READ_RATE, WarmLimits
+from prefetch.pipeline.warmup import DEFAULT_MEMORY_SHARE, DEFAULT_READ_RATE, WarmLimits
 from prefetch.publish.compile_cache import EXTRA_DIRS, CacheKey
 from prefetch.support import settings
 from prefetch.support.constants import (

@@ -44,7 +44,7 @@ from prefetch.pipeline.spec import ModelSpec
 from prefetch.pipeline.store import Store
 from prefetch.pipeline.sync import Plan, SyncResult, VerifyReport, forget_failures, verify_local
 from prefetch.pipeline.transfer import Cancelled, TransferConfig
-from prefetch.pipeline.warm import WarmReport
+from prefetch.pipeline.warmup import WarmReport
 from prefetch.publish.compile_cache import COMPLETE
 from prefetch.sources.base import Source
 from prefetch.support.errors import (

@@ -16,7 +16,7 @@ out):
   ``sync_failures_total`` (reason), ``last_success_timestamp_seconds``, ``verifications_total``
   (result = ok | failed), ``sync_phase_duration_seconds`` (histogram by phase, one of
   :data:`prefetch.pipeline.sync.SYNC_PHASES`, for each sync that changed the cache),
-  ``warmups_total`` (result: a :class:`prefetch.pipeline.warm.WarmReport` state),
+  ``warmups_total`` (result: a :class:`prefetch.pipeline.warmup.WarmReport` state),
   ``warm_duration_seconds`` and ``warm_bytes`` (the last warm-up).
 * the node and its cache: ``all_required_ready``, ``cache_free_bytes``, ``cache_used_bytes``,
   ``evictions_total`` (reason = disk_pressure | gc), ``evicted_bytes_total`` (reason),
@@ -301,7 +301,7 @@ class AgentMetrics:
             self.sync_phase_duration.labels(model, phase).observe(timings.get(phase, 0.0))
 
     def observe_warm(self, model: str, result: str, seconds: float, nbytes: int) -> None:
-        """One page-cache warm-up (:class:`prefetch.pipeline.warm.WarmReport`)."""
+        """One page-cache warm-up (:class:`prefetch.pipeline.warmup.WarmReport`)."""
         self.warmups.labels(model, result).inc()
         self.warm_duration.labels(model).set(seconds)
         self.warm_bytes.labels(model).set(nbytes)

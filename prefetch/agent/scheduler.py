@@ -23,7 +23,7 @@ from prefetch.agent.metrics import MetricsSink
 from prefetch.pipeline.retry import RetryPolicy
 from prefetch.pipeline.spec import ModelSpec
 from prefetch.pipeline.sync import SyncResult
-from prefetch.pipeline.warm import WarmReport
+from prefetch.pipeline.warmup import WarmReport
 from prefetch.support.errors import error_reason
 from prefetch.support.logjson import scrub
 

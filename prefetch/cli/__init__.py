@@ -12,11 +12,8 @@ import logging
 import click
 
 from prefetch import __version__
+from prefetch.cli import demo, mirror, pull, verify
 from prefetch.cli.common import _LazyGroup
-from prefetch.cli.demo import demo
-from prefetch.cli.mirror import mirror
-from prefetch.cli.pull import pull
-from prefetch.cli.verify import verify_cmd
 from prefetch.support.redact import install_filter
 
 
@@ -55,7 +52,7 @@ def main(verbose: int) -> None:
             logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-main.add_command(pull)
-main.add_command(verify_cmd)
-main.add_command(mirror)
-main.add_command(demo)
+main.add_command(pull.pull)
+main.add_command(verify.verify_cmd)
+main.add_command(mirror.mirror)
+main.add_command(demo.demo)

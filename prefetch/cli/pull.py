@@ -251,7 +251,7 @@ def pull(
     spec = resolved.spec
     warmed = None
     if warm:
-        from prefetch.pipeline.warm import WarmLimits
+        from prefetch.pipeline.warmup import WarmLimits
 
         limits = WarmLimits(memory_share=warm_memory_share)
         warmed = warm_up(resolved.layout, result, limits, model=spec.name)

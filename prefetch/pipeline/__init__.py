@@ -29,7 +29,7 @@ from prefetch.pipeline.transfer import TransferConfig
 from prefetch.sources.base import Source
 
 if TYPE_CHECKING:
-    from prefetch.pipeline.warm import WarmLimits, WarmReport
+    from prefetch.pipeline.warmup import WarmLimits, WarmReport
 
 __all__ = ["Hooks", "Pipeline", "Resolved"]
 
@@ -180,7 +180,7 @@ def warm(
 ) -> WarmReport:
     """The last stage: read the model's published files into the page cache (its module, and
     psutil, imported only for a warm-up: a no-op pull does without)."""
-    from prefetch.pipeline.warm import published_files, warm_files
+    from prefetch.pipeline.warmup import published_files, warm_files
 
     files = published_files(layout, Path(result.path))
     return warm_files(files, limits, stop=stop, model=model, on_start=on_start)
