@@ -93,9 +93,13 @@ _ISOLATED_IMPORT = """
 import sys, types
 from pathlib import Path
 import prefetch
-# the package as a bare namespace: importing a submodule must not need its __init__
+# the package as a bare namespace: importing a submodule must not need its __init__ (nor the
+# pipeline's, which imports the layouts)
+pipeline = types.ModuleType("prefetch.pipeline")
+pipeline.__path__ = [str(Path(prefetch.__file__).parent / "pipeline")]
+sys.modules["prefetch.pipeline"] = pipeline
 package = types.ModuleType("prefetch.pipeline.layout")
-package.__path__ = [str(Path(prefetch.__file__).parent / "layout")]
+package.__path__ = [str(Path(prefetch.__file__).parent / "pipeline" / "layout")]
 sys.modules["prefetch.pipeline.layout"] = package
 import importlib
 importlib.import_module(sys.argv[1])
