@@ -46,7 +46,7 @@ def test_help_of_a_lazy_command_runs() -> None:
 def test_the_pipeline_a_pull_runs_loads_no_warm_up_code() -> None:
     """psutil and the warm-up module are imported for a warm-up only (a no-op pull is timed)."""
     code = (
-        "import json, sys; import prefetch.cli, prefetch.pipeline; "
+        "import json, sys; import prefetch.cli, prefetch.pipeline.compose; "
         "print(json.dumps(sorted(m for m in ('psutil', 'prefetch.pipeline.warmup') "
         "if m in sys.modules)))"
     )

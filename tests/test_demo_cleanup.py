@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from prefetch.demo import BUCKET, PREFIX, equivalent_command
 from prefetch.demo.locals3 import SeaweedS3
 from prefetch.demo.modelgen import generate_model, upload_model
+from prefetch.demo.run import BUCKET, PREFIX, equivalent_command
 from prefetch.support.executables import find_executable
 
 from .support import REPO_ROOT

@@ -18,7 +18,7 @@ from prefetch.agent.source_opener import SourceOpener
 from prefetch.cli.common import make_config
 from prefetch.cli.pull import open_pull_source, pull_spec
 from prefetch.demo.locals3 import SeaweedS3
-from prefetch.pipeline import Pipeline, Resolved
+from prefetch.pipeline.compose import Pipeline, Resolved
 from prefetch.pipeline.layout import layout_for
 from prefetch.pipeline.store import Store
 from prefetch.sources import S3Clients, pool_size

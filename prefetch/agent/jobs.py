@@ -37,8 +37,8 @@ from prefetch.agent.gate_driver import GateDriver
 from prefetch.agent.metrics import AgentMetrics
 from prefetch.agent.scheduler import ModelState, Scheduler
 from prefetch.agent.space import SpaceManager
-from prefetch.pipeline import Hooks, Pipeline
-from prefetch.pipeline import warm as warm_up
+from prefetch.pipeline.compose import Hooks, Pipeline
+from prefetch.pipeline.compose import warm as warm_up
 from prefetch.pipeline.layout import Layout
 from prefetch.pipeline.spec import ModelSpec
 from prefetch.pipeline.store import Store

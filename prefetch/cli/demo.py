@@ -43,7 +43,7 @@ def demo(size: str, dest: str | None, keep: bool, as_json: bool) -> None:
 
     It prints the `prefetch pull` command that does the same by hand and where its data is, and
     removes that data at the end unless --keep (on an error or Ctrl-C too)."""
-    from prefetch.demo import run_demo
+    from prefetch.demo.run import run_demo
 
     total = size_option(size, "--size")
     assert total is not None

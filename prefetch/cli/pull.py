@@ -217,8 +217,8 @@ def pull(
     oci://registry/repo:tag or @sha256:digest) into DEST, verified and resumable. With the hf
     layout DEST is an HF_HOME: vLLM with HF_HOME=DEST and HF_HUB_OFFLINE=1 loads the model from
     it."""
-    from prefetch.pipeline import Pipeline
-    from prefetch.pipeline import warm as warm_up
+    from prefetch.pipeline.compose import Pipeline
+    from prefetch.pipeline.compose import warm as warm_up
     from prefetch.pipeline.layout import layout_for
 
     config = make_config(**transfer)

@@ -123,7 +123,7 @@ def open_source(
 ) -> Source:
     """Open ``spec``'s source through its backend (:mod:`prefetch.pipeline.backends`): the one
     way anything opens one. Opening makes no request; resolving makes the snapshot (once per
-    sync, see :class:`prefetch.pipeline.Pipeline`).
+    sync, see :class:`prefetch.pipeline.compose.Pipeline`).
 
     ``layout`` is the layout asked for (``--layout``; None: the spec decides). An ``s3://``
     source is probed for a mirror prefix when resolved unless the plain layout was asked for:
