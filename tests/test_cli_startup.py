@@ -52,3 +52,16 @@ def test_the_pipeline_a_pull_runs_loads_no_warm_up_code() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []
+
+
+def test_the_top_level_help_loads_no_cluster_client() -> None:
+    """``prefetch --help`` lists ``status`` without loading the kubernetes client its report
+    reads the cluster with (the command imports it when it runs)."""
+    code = (
+        "import json, sys; from prefetch.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(json.dumps(sorted(m for m in ('kubernetes', 'prefetch.cli.status_report') "
+        "if m in sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.splitlines()[-1]) == []
