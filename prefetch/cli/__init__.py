@@ -13,12 +13,12 @@ import click
 
 from prefetch import __version__
 from prefetch.cli import demo, mirror, pull, verify
-from prefetch.cli.common import _LazyGroup
+from prefetch.cli.common import LazyGroup
 from prefetch.support.redact import install_filter
 
 
 @click.group(
-    cls=_LazyGroup,
+    cls=LazyGroup,
     # imported when they run (or --help lists them): they bring kubernetes, prometheus_client,
     # psutil, which a `prefetch pull` does not need
     lazy_commands={

@@ -180,7 +180,7 @@ class _Group(HelpGroup):
             ctx.exit(1)
 
 
-class _LazyGroup(_Group):
+class LazyGroup(_Group):
     """A group some of whose commands are imported only when they run (or ``--help`` lists
     them): the agent's commands bring kubernetes, prometheus_client and psutil, which a
     ``prefetch pull`` does not need (start-up: see bench/README.md)."""
