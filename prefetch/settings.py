@@ -119,6 +119,13 @@ def gcs_access_token(environ: Mapping[str, str] | None = None) -> str | None:
     return token.strip() or None
 
 
+def google_application_credentials(environ: Mapping[str, str] | None = None) -> str | None:
+    """``GOOGLE_APPLICATION_CREDENTIALS``: a credentials JSON named explicitly. google-auth
+    reads it itself; a ``gs://`` source asks only whether it is set (an emulator's endpoint is
+    read anonymously unless credentials are named)."""
+    return _environ(environ).get("GOOGLE_APPLICATION_CREDENTIALS", "").strip() or None
+
+
 def in_kubernetes(environ: Mapping[str, str] | None = None) -> bool:
     """``KUBERNETES_SERVICE_HOST`` is set: the process runs in a pod (the node gate may work)."""
     return bool(_environ(environ).get("KUBERNETES_SERVICE_HOST"))

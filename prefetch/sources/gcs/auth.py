@@ -2,7 +2,8 @@
 
 In order: an access token given as it is (``GOOGLE_OAUTH_ACCESS_TOKEN``, see
 :func:`prefetch.settings.gcs_access_token`); none for an emulator
-(``STORAGE_EMULATOR_HOST``, as Google's libraries do); else Application Default Credentials as
+(``STORAGE_EMULATOR_HOST``, as Google's libraries do) unless ``GOOGLE_APPLICATION_CREDENTIALS``
+names credentials for it; else Application Default Credentials as
 google-auth finds them (``GOOGLE_APPLICATION_CREDENTIALS``'s service-account or external-account
 JSON, gcloud's user credentials, GKE Workload Identity through the metadata server), refreshed by
 google-auth on the seam's pool. No credentials found at all: anonymous requests, which a public
@@ -159,7 +160,7 @@ def gcs_auth(endpoint: str | None, http: HttpClient) -> GcsAuth:
     ``http`` (the seam's pool, with its proxies and CA bundle)."""
     token = settings.gcs_access_token()
     if token is not None:
-        return StaticToken(token, "GOOGLE_OAUTH_ACCESS_TOKEN")
-    if endpoint is not None:
+        return StaticToken(token, "the access token of GOOGLE_OAUTH_ACCESS_TOKEN")
+    if endpoint is not None and settings.google_application_credentials() is None:
         return Anonymous("no credentials (an emulator: STORAGE_EMULATOR_HOST)")
     return ApplicationDefault(http)
