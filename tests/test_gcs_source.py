@@ -159,6 +159,22 @@ def test_a_generation_gone_mid_pull_is_a_changed_object(
     snapshot = source.resolve(spec)
     gcs.put("bkt", "m/part-3.bin", b"new content")
     file = snapshot.file("part-3.bin")
-    with pytest.raises(SourceChangedError, match="generation .* is gone"):
+    with pytest.raises(SourceChangedError, match=r"generation .* is gone"):
         source.open_range(file, 0, 10)
     assert "generation=" in gcs.requests[-1].path
+
+
+def test_two_objects_of_one_generation_and_size_are_two_blobs_in_the_hub_layout(
+    gcs: ScriptedGcs, tmp_path: Path
+) -> None:
+    """A generation is unique per object, not per bucket: equal-sized shards uploaded in the
+    same microsecond may share one, and must not share a blob."""
+    gcs.put("bkt", "same/a.bin", b"A" * 5000, generation=77)
+    gcs.put("bkt", "same/b.bin", b"B" * 5000, generation=77)
+    home = tmp_path / "home"
+    proc = run_cli("pull", "gs://bkt/same", str(home), "--hf-repo", "acme/same", "--json",
+                   env=env_for(gcs, tmp_path))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    snapshot = Path(json.loads(proc.stdout)["path"])
+    assert (snapshot / "a.bin").read_bytes() == b"A" * 5000
+    assert (snapshot / "b.bin").read_bytes() == b"B" * 5000

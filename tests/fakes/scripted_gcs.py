@@ -72,11 +72,13 @@ class ScriptedGcs:
         self.endpoint = ca.url(self._server.server_address[1], role)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
-    def put(self, bucket: str, name: str, data: bytes) -> int:
+    def put(self, bucket: str, name: str, data: bytes, generation: int | None = None) -> int:
+        """Store ``data`` as a new generation (``generation``: this one, which Cloud Storage
+        may give two objects uploaded in the same microsecond)."""
         with self._lock:
             self._generation += 1
-            self.objects[(bucket, name)] = (data, self._generation)
-            return self._generation
+            self.objects[(bucket, name)] = (data, generation or self._generation)
+            return generation or self._generation
 
     def __enter__(self) -> ScriptedGcs:
         self._thread.start()
