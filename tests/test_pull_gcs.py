@@ -18,7 +18,7 @@ from prefetch.modelgen import generate_model, make_model_dir, tree_bytes
 
 from .fakes.gcs import GcsEmulator, tls_front
 from .fakes.s3proxy import S3FaultProxy
-from .support import clean_env, hf_check, journaled_bytes, run_cli
+from .support import AgentProcess, clean_env, config_text, hf_check, journaled_bytes, run_cli
 from .tls import TestCA
 
 MiB = 1024 * 1024
@@ -157,3 +157,28 @@ def test_a_bad_bucket_or_prefix_is_one_error_line(
     assert proc.returncode != 0
     assert proc.stderr.splitlines()[0].startswith(message.format(bucket=gcs_bucket))
     assert "Traceback" not in proc.stderr
+
+
+def test_the_agent_syncs_a_gs_model_to_ready(
+    gcs_emulator: GcsEmulator, gcs_bucket: str, front: S3FaultProxy, tmp_path: Path
+) -> None:
+    files = make_model_dir(tmp_path / "src", seed=5, shard_sizes=(1 * MiB + 3,))
+    gcs_emulator.upload_dir(gcs_bucket, "tiny/", files)
+    cache = tmp_path / "cache"
+    config = tmp_path / "models.yaml"
+    models = [{"name": "tiny", "source": f"gs://{gcs_bucket}/tiny", "hfRepo": "acme/tiny"}]
+    config.write_text(config_text(cache, models))
+    agent = AgentProcess(config, gcs_env(front, tmp_path), tmp_path / "agent.log")
+    try:
+        assert agent.ready_then_terminated()["models"][0]["state"] == "ready"
+    finally:
+        agent.stop()
+    out = hf_check(
+        cache,
+        """
+        path = hf.snapshot_download("acme/tiny")
+        out["shard"] = len(open(path + "/model.safetensors", "rb").read())
+        out["config"] = open(path + "/config.json").read()
+        """,
+    )
+    assert out == {"shard": 1 * MiB + 3, "config": files["config.json"].read_text()}

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
 from urllib.parse import parse_qs, unquote, urlsplit
 
-import google_crc32c
+from awscrt import checksums
 
 from ..tls import TestCA
 from .tlsserver import TLSThreadingHTTPServer
@@ -148,7 +148,7 @@ class ScriptedGcs:
         items = []
         for name in page:
             data, generation = self.objects[(bucket, name)]
-            crc = google_crc32c.value(data).to_bytes(4, "big")
+            crc = checksums.crc32c(data).to_bytes(4, "big")
             items.append({"name": name, "size": str(len(data)), "generation": str(generation),
                           "crc32c": base64.b64encode(crc).decode()})  # fmt: skip
         doc: dict[str, object] = {"items": items}
