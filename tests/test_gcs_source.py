@@ -178,3 +178,38 @@ def test_two_objects_of_one_generation_and_size_are_two_blobs_in_the_hub_layout(
     snapshot = Path(json.loads(proc.stdout)["path"])
     assert (snapshot / "a.bin").read_bytes() == b"A" * 5000
     assert (snapshot / "b.bin").read_bytes() == b"B" * 5000
+
+
+def test_without_google_auth_application_default_credentials_name_the_extra(
+    gcs: ScriptedGcs, tmp_path: Path
+) -> None:
+    """No token and no emulator: Application Default Credentials, which need google-auth
+    (a package named ``google`` shadowing the namespace stands for its absence)."""
+    shadow = tmp_path / "shadow" / "google"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("")
+    env = env_for(gcs, tmp_path)
+    del env["STORAGE_EMULATOR_HOST"]
+    env["PYTHONPATH"] = f"{shadow.parent}:{env['PYTHONPATH']}"
+    proc = run_cli("pull", "gs://bkt/m", str(tmp_path / "d"), env=env)
+    assert proc.returncode != 0
+    assert proc.stderr.splitlines()[:2] == [
+        "Error: reading gs:// with Application Default Credentials needs google-auth",
+        "Hint: pip install 'model-prefetch[gcs]' (google-auth)",
+    ]
+
+
+def test_with_no_credentials_anywhere_requests_go_anonymous(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A public bucket needs none: google-auth finding nothing is not an error."""
+    from prefetch.sources._http import make_http_pool
+    from prefetch.sources.gcs.auth import ApplicationDefault
+
+    for name in ("GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_OAUTH_ACCESS_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "no-gcloud"))
+    monkeypatch.setenv("NO_GCE_CHECK", "True")  # google-auth's switch: no metadata server here
+    auth = ApplicationDefault(make_http_pool(2))
+    assert auth.header() is None
+    assert auth.origin.startswith("no credentials")
