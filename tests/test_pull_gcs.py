@@ -182,3 +182,17 @@ def test_the_agent_syncs_a_gs_model_to_ready(
         """,
     )
     assert out == {"shard": 1 * MiB + 3, "config": files["config.json"].read_text()}
+
+
+@pytest.mark.slow
+def test_the_gcs_benchmark_reports_both_ways_side_by_side(gcs_emulator: GcsEmulator) -> None:
+    """bench/gcs.py runs (a tiny size): the seam and google-cloud-storage, pull and no-op."""
+    pytest.importorskip("google.cloud.storage")
+    bench = Path(__file__).resolve().parent.parent / "bench" / "gcs.py"
+    proc = subprocess.run([sys.executable, str(bench), "--size", "4MiB", "--rounds", "1"],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split("|")[1].strip() for line in proc.stdout.splitlines() if line[:2] == "| "]
+    assert rows[1:7] == ["prefetch", "prefetch no-op", "prefetch 32MiB chunks",
+                         "prefetch 32MiB chunks no-op", "google-cloud-storage",
+                         "google-cloud-storage no-op"]  # fmt: skip
