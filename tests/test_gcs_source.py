@@ -74,6 +74,9 @@ def test_the_listing_is_read_page_by_page_with_the_token(gcs: ScriptedGcs, tmp_p
     assert len(listings) == 3 and "pageToken=2" in listings[1] and "pageToken=4" in listings[2]
     assert all("fields=items" in p and "prefix=m%2F" in p for p in listings)
     assert all(r.headers.get("Authorization") == f"Bearer {TOKEN}" for r in gcs.requests)
+    media = [r for r in gcs.requests if "alt=media" in r.path]
+    # stored gzip-encoded bytes are fetched as stored (no decompressive transcoding)
+    assert media and all(r.headers.get("Accept-Encoding") == "gzip" for r in media)
     assert json.loads(proc.stdout)["checksum_algorithms"] == {"crc32c": len(FILES)}
 
 
