@@ -75,8 +75,8 @@ def run(args: list[str], env: dict[str, str]) -> tuple[float, float]:
 
 
 def main() -> None:
-    from prefetch.modelgen import generate_model
-    from prefetch.units import parse_size
+    from prefetch.demo.modelgen import generate_model
+    from prefetch.support.units import parse_size
     from tests.fakes.gcs import GcsEmulator
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from prefetch.errors import SourceChangedError
-from prefetch.layout import PlainLayout
-from prefetch.retry import RetryPolicy
+from prefetch.pipeline.layout import PlainLayout
+from prefetch.pipeline.retry import RetryPolicy
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.sync import sync
+from prefetch.pipeline.transfer import TransferConfig
 from prefetch.sources import SourceSettings, open_source
-from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.sync import sync
-from prefetch.transfer import TransferConfig
+from prefetch.support.errors import SourceChangedError
 
 from .fakes.scripted_gcs import ScriptedGcs
 from .support import clean_env, run_cli
@@ -206,8 +206,8 @@ def test_with_no_credentials_anywhere_requests_go_anonymous(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A public bucket needs none: google-auth finding nothing is not an error."""
-    from prefetch.sources._http import make_http_pool
     from prefetch.sources.gcs.auth import ApplicationDefault
+    from prefetch.sources.http.transport import make_http_pool
 
     for name in ("GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_OAUTH_ACCESS_TOKEN"):
         monkeypatch.delenv(name, raising=False)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from prefetch.modelgen import generate_model, make_model_dir, tree_bytes
+from prefetch.demo.modelgen import generate_model, make_model_dir, tree_bytes
 
 from .fakes.gcs import GcsEmulator, tls_front
 from .fakes.s3proxy import S3FaultProxy

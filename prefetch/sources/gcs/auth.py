@@ -1,7 +1,7 @@
 """Credentials for Cloud Storage: the ``Authorization`` header each request carries.
 
 In order: an access token given as it is (``GOOGLE_OAUTH_ACCESS_TOKEN``, see
-:func:`prefetch.settings.gcs_access_token`); none for an emulator
+:func:`prefetch.support.settings.gcs_access_token`); none for an emulator
 (``STORAGE_EMULATOR_HOST``, as Google's libraries do) unless ``GOOGLE_APPLICATION_CREDENTIALS``
 names credentials for it; else Application Default Credentials as
 google-auth finds them (``GOOGLE_APPLICATION_CREDENTIALS``'s service-account or external-account
@@ -10,7 +10,8 @@ google-auth on the seam's pool. No credentials found at all: anonymous requests,
 bucket answers (a private one's 401/403 then says no credentials were found).
 
 Token exchange is google-auth's, never written here. A token is never logged or put in a message;
-the source sends it only to the Cloud Storage endpoint's origin (see ``_http.send``).
+the source sends it only to the Cloud Storage endpoint's origin (see
+``prefetch.sources.http.transport.send``).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from __future__ import annotations
 import threading
 from typing import Any, Protocol
 
-from prefetch import settings
-from prefetch.errors import AccessDeniedError, ConfigError, TransientSourceError
-from prefetch.sources._http import HttpClient
+from prefetch.sources.http.transport import HttpClient
+from prefetch.support import settings
+from prefetch.support.errors import AccessDeniedError, ConfigError, TransientSourceError
 
 #: Read-only access to objects is all a pull needs.
 SCOPES = ("https://www.googleapis.com/auth/devstorage.read_only",)

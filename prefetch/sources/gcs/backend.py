@@ -8,14 +8,14 @@ import re
 from typing import TYPE_CHECKING
 from urllib.parse import SplitResult
 
-from prefetch.backends import Backend, SourceURI, SpecFields
-from prefetch.errors import ConfigError
-from prefetch.spec_terms import SpecError
+from prefetch.pipeline.backends import Backend, SourceURI, SpecFields
+from prefetch.pipeline.spec_terms import SpecError
+from prefetch.support.errors import ConfigError
 
 if TYPE_CHECKING:
+    from prefetch.pipeline.spec import ModelSpec
     from prefetch.sources import SourceSettings
     from prefetch.sources.base import Source
-    from prefetch.spec import ModelSpec
 
 #: Cloud Storage's bucket names: 3 to 63 characters (222 with dots), lower-case letters,
 #: digits, "-", "_" and ".", beginning and ending with a letter or digit.

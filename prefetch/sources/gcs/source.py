@@ -28,22 +28,13 @@ from urllib.parse import quote, urlencode
 
 import urllib3
 
-from prefetch import settings
-from prefetch.deadline import SCOPE, Alarms, call_with_deadline
-from prefetch.errors import (
-    AccessDeniedError,
-    BucketNotFoundError,
-    InvalidListingError,
-    NoMatchingFilesError,
-    SourceChangedError,
-    SourceError,
-    ThrottledError,
-)
-from prefetch.retry import AdaptiveRate, RetryPolicy, call_with_retries
-from prefetch.safejson import load_json
-from prefetch.snapshot import Checksum, RemoteFile, Snapshot, listing_digest
+from prefetch.pipeline.deadline import SCOPE, Alarms, call_with_deadline
+from prefetch.pipeline.retry import AdaptiveRate, RetryPolicy, call_with_retries
+from prefetch.pipeline.snapshot import Checksum, RemoteFile, Snapshot, listing_digest
+from prefetch.pipeline.spec import ModelSpec, SourceURI
 from prefetch.sources import SourceSettings
-from prefetch.sources._http import (
+from prefetch.sources.gcs.auth import CREDENTIALS_HINT, GcsAuth, gcs_auth
+from prefetch.sources.http.transport import (
     BodyReader,
     HttpClient,
     Sent,
@@ -56,8 +47,17 @@ from prefetch.sources._http import (
     status_error,
     transport_error,
 )
-from prefetch.sources.gcs.auth import CREDENTIALS_HINT, GcsAuth, gcs_auth
-from prefetch.spec import ModelSpec, SourceURI
+from prefetch.support import settings
+from prefetch.support.errors import (
+    AccessDeniedError,
+    BucketNotFoundError,
+    InvalidListingError,
+    NoMatchingFilesError,
+    SourceChangedError,
+    SourceError,
+    ThrottledError,
+)
+from prefetch.support.safejson import load_json
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
