@@ -27,13 +27,13 @@ def test_every_backend_parses_what_it_prints() -> None:
 
 def test_an_unknown_scheme_names_every_backends_uris_in_one_order() -> None:
     with pytest.raises(ConfigError) as e:
-        parse_source_uri("gs://bucket/x")
+        parse_source_uri("ftp://bucket/x")
     assert str(e.value) == (
-        "unsupported source URI 'gs://bucket/x': expected s3://bucket/prefix, hf://org/name or "
-        "oci://registry/repo:tag"
+        "unsupported source URI 'ftp://bucket/x': expected s3://bucket/prefix, hf://org/name, "
+        "oci://registry/repo:tag or gs://bucket/prefix"
     )
-    with pytest.raises(ValueError, match="no backend for scheme 'gs'"):
-        backend("gs")
+    with pytest.raises(ValueError, match="no backend for scheme 'ftp'"):
+        backend("ftp")
 
 
 def test_mirrors_are_declared_by_the_backends() -> None:
@@ -47,7 +47,7 @@ def test_loading_the_registry_imports_no_backends_code_that_reads_the_network() 
     probe = (
         "import json, sys\n"
         "from prefetch.pipeline.spec import ModelSpec, parse_source_uri\n"
-        "for u in ('s3://b-k/m/', 'hf://org/name@main', 'oci://reg.io/org/m:v1'):\n"
+        "for u in ('s3://b-k/m/', 'hf://org/name@main', 'oci://reg.io/org/m:v1', 'gs://b-k/m/'):\n"
         "    str(ModelSpec(source=parse_source_uri(u)))\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
@@ -59,6 +59,8 @@ def test_loading_the_registry_imports_no_backends_code_that_reads_the_network() 
     assert heavy == []
     assert sorted(sources) == [
         "prefetch.sources.base",
+        "prefetch.sources.gcs",
+        "prefetch.sources.gcs.backend",
         "prefetch.sources.hf",  # the backends' packages: a docstring each
         "prefetch.sources.hf.backend",
         "prefetch.sources.oci",
@@ -70,7 +72,7 @@ def test_loading_the_registry_imports_no_backends_code_that_reads_the_network() 
 
 #: A scheme compared as a literal: ``.scheme == "s3"``, ``scheme != "hf"``, ``scheme in ("hf",
 #: "oci")`` (http and https are URL schemes, not backends').
-_COMPARISON = re.compile(r"""scheme\s*(==|!=|not in|in)\s*\(?["'](s3|hf|oci)["']""")
+_COMPARISON = re.compile(r"""scheme\s*(==|!=|not in|in)\s*\(?["'](s3|hf|oci|gs)["']""")
 
 
 #: The folders of prefetch.sources that belong to no backend: the HTTP plumbing. The package's

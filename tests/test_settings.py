@@ -86,3 +86,22 @@ def test_no_module_but_settings_reads_the_environment() -> None:
             if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv"):
                 readers.append(f"{path.relative_to(package)}:{node.lineno}")
     assert readers == []
+
+
+def test_storage_emulator_host_is_host_port_or_a_url() -> None:
+    assert settings.gcs_endpoint({}) is None
+    assert settings.gcs_endpoint({"STORAGE_EMULATOR_HOST": "127.0.0.1:9023"}) == (
+        "http://127.0.0.1:9023"
+    )
+    url = {"STORAGE_EMULATOR_HOST": "https://gcs.internal:8443/"}
+    assert settings.gcs_endpoint(url) == "https://gcs.internal:8443"
+    with pytest.raises(ConfigError, match="STORAGE_EMULATOR_HOST"):
+        settings.gcs_endpoint({"STORAGE_EMULATOR_HOST": "ftp://x"})
+
+
+def test_a_gcs_access_token_is_googles_variable_then_gclouds() -> None:
+    assert settings.gcs_access_token({}) is None
+    assert settings.gcs_access_token({"GOOGLE_OAUTH_ACCESS_TOKEN": " ", "X": "y"}) is None
+    both = {"GOOGLE_OAUTH_ACCESS_TOKEN": "a", "CLOUDSDK_AUTH_ACCESS_TOKEN": "b"}
+    assert settings.gcs_access_token(both) == "a"
+    assert settings.gcs_access_token({"CLOUDSDK_AUTH_ACCESS_TOKEN": "b"}) == "b"

@@ -17,7 +17,9 @@ behaviour below then runs against it, and every backend of the registry
 The model comes from :mod:`prefetch.demo.modelgen` (one shard big enough for several chunks plus the
 small JSON files). The S3 case serves it from the session's SeaweedFS through
 :class:`tests.fakes.s3proxy.S3FaultProxy` (real S3 checksums and conditional reads, faults injected
-on the wire); the Hub case from :class:`tests.fakes.hubserver.HubServer` and its faults.
+on the wire); the GCS case from gcp-storage-emulator behind the same proxy (tests/fakes/gcs.py,
+which adds the generation check the emulator lacks); the Hub case from
+:class:`tests.fakes.hubserver.HubServer` and its faults.
 
 Every case is served over HTTPS with the session's private CA (tests/tls.py), each server under
 its own test host name, and the client trusts that CA explicitly (S3: ``AWS_CA_BUNDLE``, set
@@ -29,12 +31,13 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import pytest
 import urllib3
@@ -50,6 +53,8 @@ from prefetch.pipeline.sync import SyncResult, sync
 from prefetch.pipeline.transfer import Cancelled, TransferConfig
 from prefetch.pipeline.verify import new_hasher
 from prefetch.sources import SourceSettings, open_source
+from prefetch.sources.gcs.auth import Anonymous
+from prefetch.sources.gcs.source import GcsClient, GcsSource
 from prefetch.sources.hf.source import HubOptions, open_hub_source
 from prefetch.sources.http.transport import watched_pools
 from prefetch.sources.oci.source import open_oci_source
@@ -63,6 +68,7 @@ from prefetch.sources.s3_mirror.format import (
 )
 from prefetch.support.errors import ChecksumMismatchError, SourceChangedError, SourceError
 
+from .fakes.gcs import GcsEmulator, tls_front
 from .fakes.hubserver import HubFile, HubServer
 from .fakes.registry import Registry
 from .fakes.s3proxy import S3FaultProxy
@@ -430,8 +436,60 @@ class OciCase(SourceCase):
     fetches_from_start = S3Case.fetches_from_start
 
 
-CASES = ["s3", "hub", "mirror", "oci"]
-CASE_CLASSES: tuple[type[SourceCase], ...] = (S3Case, HubCase, MirrorCase, OciCase)
+class GcsCase(SourceCase):
+    """gcp-storage-emulator through the same fault proxy (the TLS front of tests/fakes/gcs.py,
+    which answers a media GET of a generation that is gone with 404, as Cloud Storage does and
+    the emulator does not); read anonymously, as an emulator is."""
+
+    id = "gcs"
+    scheme = "gs"
+
+    def __init__(self, model: dict[str, Path], emulator: GcsEmulator, tls: TestCA) -> None:
+        super().__init__(model)
+        self.emulator, self.tls = emulator, tls
+        self.bucket = f"conform-{next(_gcs_buckets)}"
+        emulator.create_bucket(self.bucket)
+        emulator.upload_dir(self.bucket, "m/", model)
+        self.proxy = tls_front(emulator, tls).__enter__()
+
+    def close(self) -> None:
+        self.proxy.__exit__(None, None, None)
+
+    @property
+    def url(self) -> str:
+        return self.proxy.endpoint
+
+    def key(self, path: str) -> str:
+        return f"v1/b/{self.bucket}/o/{quote('m/' + path, safe='')}"
+
+    def replace(self, path: str, data: bytes) -> None:
+        self.emulator.upload(self.bucket, f"m/{path}", data)
+
+    def pull(self, dest, config=CONFIG, *, progress=None, stop=None):  # type: ignore[no-untyped-def]
+        spec = ModelSpec(source=parse_source_uri(f"gs://{self.bucket}/m/"))
+        pool = self.tls_pool()
+        try:
+            client = GcsClient(self.proxy.endpoint, pool, Anonymous("the emulator"),
+                               urllib3.Timeout(connect=10, read=60))  # fmt: skip
+            source = GcsSource(client, spec.source, retry=config.retry)
+            return sync(spec, source, PlainLayout(dest), config, progress=progress, stop=stop)
+        finally:
+            pool.clear()
+
+    published = S3Case.published
+    partial_dir = S3Case.partial_dir
+    cut = S3Case.cut
+    refuse = S3Case.refuse
+    ignore_range = S3Case.ignore_range
+    trickle = S3Case.trickle
+    corrupt = S3Case.corrupt
+    fetches_from_start = S3Case.fetches_from_start
+
+
+_gcs_buckets = itertools.count()
+
+CASES = ["s3", "hub", "mirror", "oci", "gcs"]
+CASE_CLASSES: tuple[type[SourceCase], ...] = (S3Case, HubCase, MirrorCase, OciCase, GcsCase)
 
 
 def test_every_backend_of_the_registry_has_a_case_here() -> None:
@@ -452,6 +510,8 @@ def case(
     made: SourceCase
     if request.param == "oci":
         made = OciCase(model, request.getfixturevalue("registry"), test_ca)
+    elif request.param == "gcs":
+        made = GcsCase(model, request.getfixturevalue("gcs_emulator"), test_ca)
     elif request.param in ("s3", "mirror"):
         server = request.getfixturevalue("s3_server")
         client = request.getfixturevalue("s3_client")

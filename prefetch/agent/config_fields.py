@@ -413,6 +413,7 @@ _SOURCE_SHAPES = {
     "s3": r"s3://[a-z0-9][a-z0-9._-]{1,254}(/[!-~]*)?",
     "hf": rf"hf://{_HF_ORG}(/{_SEGMENT})?(@{_REF_PART}(/{_REF_PART})*)?",
     "oci": rf"oci://{_OCI_HOST}/{_OCI_REPO}{_OCI_REF}?",
+    "gs": r"gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[!-~]*)?",
 }
 _PATH_SEGMENT = r"[A-Za-z0-9._~!$&'()*+,;=:@%-]+"
 #: Mirrors are written as the agent spells them back but for an S3 prefix's last ``/`` (a
@@ -500,6 +501,7 @@ def revision_rules() -> list[Schema]:
         {"if": _source_is("oci://[^/]*/[^:@]*$"), "then": {"properties": {"revision": tag}}},
         {"if": _source_is("oci://[^/]*/.*[:@]"), "then": _NULL},
         {"if": _source_is("s3://"), "then": {"anyOf": [_NULL, mirror]}},
+        {"if": _source_is("gs://"), "then": _NULL},
     ]
 
 

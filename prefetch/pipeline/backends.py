@@ -45,6 +45,7 @@ DECLARATIONS = (
     "prefetch.sources.hf.backend",
     "prefetch.sources.s3.backend",
     "prefetch.sources.oci.backend",
+    "prefetch.sources.gcs.backend",
 )
 
 

@@ -96,6 +96,37 @@ def aws_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     return {k: v for k, v in _environ(environ).items() if k.startswith("AWS_")}
 
 
+def gcs_endpoint(environ: Mapping[str, str] | None = None) -> str | None:
+    """``STORAGE_EMULATOR_HOST``: a Cloud Storage emulator or another endpoint (None: Google's,
+    https://storage.googleapis.com), the variable Google's own libraries honour; written
+    ``host:port`` it means ``http://host:port``, as they read it."""
+    value = _environ(environ).get("STORAGE_EMULATOR_HOST", "").strip()
+    if not value:
+        return None
+    if "://" not in value:
+        value = f"http://{value}"
+    parts = urlsplit(value)
+    if parts.scheme.lower() not in ("http", "https") or not parts.netloc:
+        raise ConfigError(f"STORAGE_EMULATOR_HOST: {value!r} is not host:port or an http(s) URL")
+    return value.rstrip("/")
+
+
+def gcs_access_token(environ: Mapping[str, str] | None = None) -> str | None:
+    """``GOOGLE_OAUTH_ACCESS_TOKEN``: an OAuth access token for Cloud Storage, used as it is
+    instead of Application Default Credentials (the name Google's Terraform provider reads;
+    gcloud's own is ``CLOUDSDK_AUTH_ACCESS_TOKEN``, read second). Blank means none."""
+    env = _environ(environ)
+    token = env.get("GOOGLE_OAUTH_ACCESS_TOKEN") or env.get("CLOUDSDK_AUTH_ACCESS_TOKEN") or ""
+    return token.strip() or None
+
+
+def google_application_credentials(environ: Mapping[str, str] | None = None) -> str | None:
+    """``GOOGLE_APPLICATION_CREDENTIALS``: a credentials JSON named explicitly. google-auth
+    reads it itself; a ``gs://`` source asks only whether it is set (an emulator's endpoint is
+    read anonymously unless credentials are named)."""
+    return _environ(environ).get("GOOGLE_APPLICATION_CREDENTIALS", "").strip() or None
+
+
 def in_kubernetes(environ: Mapping[str, str] | None = None) -> bool:
     """``KUBERNETES_SERVICE_HOST`` is set: the process runs in a pod (the node gate may work)."""
     return bool(_environ(environ).get("KUBERNETES_SERVICE_HOST"))
