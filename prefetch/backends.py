@@ -45,6 +45,7 @@ DECLARATIONS = (
     "prefetch.sources.hf_backend",
     "prefetch.sources.s3_backend",
     "prefetch.sources.oci_backend",
+    "prefetch.sources.file.backend",
 )
 
 

@@ -36,7 +36,7 @@ from prefetch.errors import (
 from prefetch.layout import Layout, RecordedFile, model_lock
 from prefetch.progress import NullProgress, ProgressSink
 from prefetch.snapshot import Checksum, RemoteFile, Snapshot
-from prefetch.sources.base import RemembersArchives, Source
+from prefetch.sources.base import ReadsLocalTree, RemembersArchives, Source
 from prefetch.spec import ModelSpec
 from prefetch.transfer import (
     Cancelled,
@@ -431,6 +431,8 @@ def resolve_within(
     is told where ``layout`` keeps what it unpacked before, and what is published there; it
     writes its records once the resolve succeeded (a failed one leaves the destination as it
     was)."""
+    if isinstance(source, ReadsLocalTree):
+        source.refuse_destination((layout.root, layout.lock_path().parent))
     archives = source if isinstance(source, RemembersArchives) else None
     if archives is not None:
         archives.remember_archives(archive_records(layout), layout.is_current)
