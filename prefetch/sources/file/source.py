@@ -62,6 +62,8 @@ _TRANSIENT = frozenset({errno.EIO, errno.ETIMEDOUT, errno.EAGAIN, errno.EINTR})
 #: copy_file_range refusals that mean "not here" (across filesystems, a kernel or filesystem
 #: without it): the engine falls back to pread and pwrite.
 _NO_COPY_RANGE = frozenset({errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
+#: copy_file_range errors that are the destination's, not the source's.
+_WRITE_SIDE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 _NOATIME = getattr(os, "O_NOATIME", 0)
 
 
@@ -311,6 +313,8 @@ class _FileReader:
             if exc.errno in _NO_COPY_RANGE:
                 self._copy_refused = True
                 return None
+            if exc.errno in _WRITE_SIDE:
+                raise  # the destination's (the engine names it: out of space...)
             raise _read_error(self._what, exc) from exc
         return self._advance(n)
 
