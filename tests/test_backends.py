@@ -29,8 +29,8 @@ def test_an_unknown_scheme_names_every_backends_uris_in_one_order() -> None:
     with pytest.raises(ConfigError) as e:
         parse_source_uri("gs://bucket/x")
     assert str(e.value) == (
-        "unsupported source URI 'gs://bucket/x': expected s3://bucket/prefix, hf://org/name or "
-        "oci://registry/repo:tag"
+        "unsupported source URI 'gs://bucket/x': expected s3://bucket/prefix, hf://org/name, "
+        "oci://registry/repo:tag or file:///path/to/dir"
     )
     with pytest.raises(ValueError, match="no backend for scheme 'gs'"):
         backend("gs")
@@ -47,7 +47,8 @@ def test_loading_the_registry_imports_no_backends_code_that_reads_the_network() 
     probe = (
         "import json, sys\n"
         "from prefetch.spec import ModelSpec, parse_source_uri\n"
-        "for u in ('s3://b-k/m/', 'hf://org/name@main', 'oci://reg.io/org/m:v1'):\n"
+        "for u in ('s3://b-k/m/', 'hf://org/name@main', 'oci://reg.io/org/m:v1',\n"
+        "          'file:///mnt/models/m/'):\n"
         "    str(ModelSpec(source=parse_source_uri(u)))\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
@@ -59,6 +60,8 @@ def test_loading_the_registry_imports_no_backends_code_that_reads_the_network() 
     assert heavy == []
     assert sorted(sources) == [
         "prefetch.sources.base",
+        "prefetch.sources.file",
+        "prefetch.sources.file.backend",
         "prefetch.sources.hf_backend",
         "prefetch.sources.oci_backend",
         "prefetch.sources.s3_backend",
@@ -67,15 +70,18 @@ def test_loading_the_registry_imports_no_backends_code_that_reads_the_network() 
 
 #: A scheme compared as a literal: ``.scheme == "s3"``, ``scheme != "hf"``, ``scheme in ("hf",
 #: "oci")`` (http and https are URL schemes, not backends').
-_COMPARISON = re.compile(r"""scheme\s*(==|!=|not in|in)\s*\(?["'](s3|hf|oci)["']""")
+_COMPARISON = re.compile(r"""scheme\s*(==|!=|not in|in)\s*\(?["'](s3|hf|oci|file)["']""")
 
 
 #: The modules of prefetch.sources that belong to no backend: the front door, the protocol, the
-#: fallback over several sources and the HTTP plumbing (every other one is a backend's).
+#: fallback over several sources and the HTTP plumbing (every other one is a backend's, as is
+#: every module of a subpackage of prefetch.sources: prefetch/sources/file/).
 _SHARED = ("__init__.py", "base.py", "ordered.py", "_http.py")
 
 
 def _outside_backends(path: Path) -> bool:
+    if path.parent.parent == PACKAGE / "sources":
+        return False
     return path.parent != PACKAGE / "sources" or path.name in _SHARED
 
 
