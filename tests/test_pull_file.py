@@ -470,3 +470,37 @@ def test_file_uris_read_as_written() -> None:
     assert ModelSpec(source=uri).name == "llama-1"
     with pytest.raises(Exception, match="file:// sources have no revisions"):
         ModelSpec(source=uri, revision="main")
+
+
+# -- the agent --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hf_repo", [None, "acme/local"])
+def test_the_agent_syncs_a_directory_to_ready(
+    model: dict[str, Path], tmp_path: Path, hf_repo: str | None
+) -> None:
+    from prefetch.agent.reconcile import Agent
+
+    from .support import AgentThread, config_text, is_ready, model_status, wait_for
+
+    src = tmp_path / "src"
+    sha256sums(src, sorted(model))
+    before = tree_state(src)
+    entry: dict[str, Any] = {"name": "local", "source": f"file://{src}/"}
+    if hf_repo:
+        entry["hfRepo"] = hf_repo
+    config = tmp_path / "models.yaml"
+    config.write_text(config_text(tmp_path / "cache", [entry]))
+    agent = Agent(config, serve=False, tick=0.2)
+    with AgentThread(agent):
+        wait_for(lambda: is_ready(agent, "local"), "local ready", dump=agent.status)
+        status = model_status(agent, "local")
+    assert status["state"] == "ready" and status["last_error"] is None
+    cache = tmp_path / "cache"
+    published = (
+        repo_dir(cache, hf_repo) / "snapshots" / status["revision"]
+        if hf_repo
+        else cache / "models" / "local"
+    )
+    assert tree_bytes(published) == {p: f.read_bytes() for p, f in model.items()}
+    assert tree_state(src) == before
