@@ -504,3 +504,11 @@ def test_the_agent_syncs_a_directory_to_ready(
     )
     assert tree_bytes(published) == {p: f.read_bytes() for p, f in model.items()}
     assert tree_state(src) == before
+
+
+def test_prefetch_mirror_refuses_a_directory_in_one_line(tmp_path: Path) -> None:
+    proc = run_cli("mirror", f"file://{tmp_path}", "s3://bucket/m/", env=clean_env(tmp_path))
+    assert error_lines(proc) == [
+        f"Error: prefetch mirror does not read 'file://{tmp_path}': its sources are hf://, "
+        "s3://, oci://"
+    ]
