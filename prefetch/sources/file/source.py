@@ -382,7 +382,7 @@ def parse_sidecar(body: bytes, where: Path | str) -> dict[str, str]:
 def _denied(path: Path, doing: str) -> AccessDeniedError:
     return AccessDeniedError(
         f"{path}: permission denied ({doing} as uid {os.geteuid()})",
-        hint="make it readable to this user (the agent runs as uid 65532)",
+        hint="make it readable to this user (the chart's agent runs as uid 65532)",
     )
 
 
