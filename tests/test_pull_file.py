@@ -256,6 +256,11 @@ def test_links_inside_the_root_are_copied_links_out_of_it_refused(tmp_path: Path
     (src / "gone.bin").symlink_to("nowhere")
     with pytest.raises(InvalidListingError, match=r"gone\.bin: a dangling symbolic link"):
         pull(src, tmp_path / "d4")
+    (src / "gone.bin").unlink()
+    (src / "loop.bin").symlink_to("loop.bin")
+    with pytest.raises(InvalidListingError, match=r"loop\.bin: a symbolic link that cannot be "
+                       "followed"):  # fmt: skip
+        pull(src, tmp_path / "d5")
 
 
 def test_a_fifo_is_refused_by_name_unless_the_patterns_leave_it_out(tmp_path: Path) -> None:
@@ -512,3 +517,44 @@ def test_prefetch_mirror_refuses_a_directory_in_one_line(tmp_path: Path) -> None
         f"Error: prefetch mirror does not read 'file://{tmp_path}': its sources are hf://, "
         "s3://, oci://"
     ]
+
+
+#: ``prefetch`` with every read and kernel copy slowed down: a pull that can be killed mid-way
+SLOW_PULL = (
+    "import os, sys, time\n"
+    "def slow(real):\n"
+    "    def call(*args):\n"
+    "        time.sleep(0.05)\n"
+    "        return real(*args)\n"
+    "    return call\n"
+    "os.preadv = slow(os.preadv)\n"
+    "os.copy_file_range = slow(os.copy_file_range)\n"
+    "from prefetch.cli import main\n"
+    "main()\n"
+)
+
+
+def test_kill_9_mid_pull_then_resume_copies_only_what_was_in_flight(tmp_path: Path) -> None:
+    from .support import journaled_bytes, kill_9_when
+
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    src.mkdir()
+    data = os.urandom(24 * MiB)
+    (src / "model.safetensors").write_bytes(data)
+    sha256sums(src, ["model.safetensors"])
+    before = tree_state(src)
+    args = ["pull", f"file://{src}", str(dest), "--json", "--concurrency", "2",
+            "--chunk-size", "1MiB"]  # fmt: skip
+    env = clean_env(tmp_path / "home")
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_PULL, *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    partial = dest / ".prefetch" / "partial"
+    kill_9_when(proc, lambda: journaled_bytes(partial) >= 8 * MiB, "pull", interval=0.005)
+    second = run_cli(*args, env=env)
+    assert second.returncode == 0, second.stderr
+    summary = json.loads(second.stdout)
+    assert summary["resumed_bytes"] >= 8 * MiB
+    assert summary["bytes_downloaded"] <= 24 * MiB - summary["resumed_bytes"]
+    assert summary["files_verified"] == 1 and summary["checksum_algorithms"] == {"sha256": 1}
+    assert (dest / "model.safetensors").read_bytes() == data
+    assert tree_state(src) == before

@@ -180,6 +180,8 @@ class FileSource:
                     st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue  # gone since it was listed: not part of the snapshot
+                except PermissionError:  # a folder readable but not searchable (no x bit)
+                    raise _denied(self.root / prefix, "cannot reach its entries") from None
                 if stat.S_ISDIR(st.st_mode):
                     stack.append((Path(entry.path), rel + "/"))
                 elif stat.S_ISREG(st.st_mode):
@@ -214,6 +216,10 @@ class FileSource:
             st = os.stat(target)
         except FileNotFoundError:
             raise InvalidListingError(f"{self.root / rel}: a dangling symbolic link") from None
+        except OSError as exc:  # a loop (ELOOP), a target this user may not reach
+            raise InvalidListingError(
+                f"{self.root / rel}: a symbolic link that cannot be followed: {exc.strerror}"
+            ) from None
         if stat.S_ISDIR(st.st_mode):
             log.warning("%s: a link to a directory, not followed", self.root / rel)
             return None
