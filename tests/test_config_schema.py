@@ -88,7 +88,8 @@ def test_every_key_is_in_the_reference_and_the_schema() -> None:
 
 def test_source_schemes_come_from_the_spec(monkeypatch: pytest.MonkeyPatch) -> None:
     """A scheme a backend declares (prefetch.backends) reaches the schema with no other edit."""
-    examples = {"hf": "hf://org/name", "s3": "s3://bkt/p/", "oci": "oci://reg.io/repo:v1"}
+    examples = {"hf": "hf://org/name", "s3": "s3://bkt/p/", "oci": "oci://reg.io/repo:v1",
+                "file": "file:///mnt/models/m/"}  # fmt: skip
     for scheme in SOURCE_SCHEMES:
         doc = {"models": [{"name": "a", "source": examples.get(scheme, f"{scheme}://x")}]}
         assert schema_accepts(doc), scheme

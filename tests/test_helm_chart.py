@@ -503,6 +503,8 @@ REFUSED_BY_THE_AGENT = [
     ("warmMemoryShare", 0),
     ("s3", {"endpointUrl": "minio:9000"}),
     ("models", [{"name": "a", "source": "ftp://host/model"}]),
+    ("models", [{"name": "a", "source": "file://host/model"}]),
+    ("models", [{"name": "a", "source": "file:///"}]),
     ("models", [{"name": "a", "source": "hf://org/name", "mirrors": ["hf://org/other"]}]),
     ("models", [{"name": "a", "source": "hf://org/name", "include": [""]}]),
     ("models", [{"name": "a", "source": "hf://org/name", "mirrors": ["oci://registry.io"]}]),
