@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A ``file://`` pull from a real directory next to ``cp -r`` and ``rsync``: wall and CPU per GB.
 
-One generated model (``prefetch.modelgen.generate_model``: shards, JSON files, small files) in
+One generated model (``prefetch.demo.modelgen.generate_model``: shards, JSON files, small files) in
 a directory of this machine's disk, copied into a fresh destination on the same disk by each
 variant in turn (A B C ..., A B C ...), after one unmeasured run of each:
 
@@ -45,8 +45,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from prefetch.modelgen import generate_model  # noqa: E402
-from prefetch.units import parse_size  # noqa: E402
+from prefetch.demo.modelgen import generate_model  # noqa: E402
+from prefetch.support.units import parse_size  # noqa: E402
 
 #: prefetch with copy_file_range refused, as a kernel without it (or across filesystems) does
 NO_COPY_RANGE = (
@@ -79,7 +79,9 @@ def warm_code(argv: list[str], env: dict[str, str]) -> None:
     """Read the tool's own code back in after the page cache was dropped (a node's agent or
     a user's shell has it warm): only the source's bytes are read cold."""
     if argv[0] == sys.executable:
-        code = "import prefetch.cli, prefetch.transfer, prefetch.sources.file.source, awscrt"
+        code = (
+            "import prefetch.cli, prefetch.pipeline.transfer, prefetch.sources.file.source, awscrt"
+        )
         subprocess.run([sys.executable, "-c", code], env=env, check=True)
         subprocess.run([sys.executable, "-m", "prefetch.cli", "pull", "--help"], env=env,
                        check=True, capture_output=True)  # fmt: skip

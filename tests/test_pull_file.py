@@ -17,21 +17,21 @@ from typing import Any
 
 import pytest
 
-from prefetch.errors import (
+from prefetch.demo.modelgen import make_model_dir
+from prefetch.pipeline.layout import HfCacheLayout, PlainLayout, repo_dir
+from prefetch.pipeline.retry import RetryPolicy
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.sync import SyncResult, sync
+from prefetch.pipeline.transfer import TransferConfig
+from prefetch.sources import SourceSettings, open_source
+from prefetch.sources.file.source import FileSource, parse_sidecar
+from prefetch.support.errors import (
     ChecksumMismatchError,
     ConfigError,
     InvalidListingError,
     NotFoundError,
     SourceChangedError,
 )
-from prefetch.layout import HfCacheLayout, PlainLayout, repo_dir
-from prefetch.modelgen import make_model_dir
-from prefetch.retry import RetryPolicy
-from prefetch.sources import SourceSettings, open_source
-from prefetch.sources.file.source import FileSource, parse_sidecar
-from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.sync import SyncResult, sync
-from prefetch.transfer import TransferConfig
 
 from .support import clean_env, hf_check, run_cli
 
@@ -484,7 +484,7 @@ def test_file_uris_read_as_written() -> None:
 def test_the_agent_syncs_a_directory_to_ready(
     model: dict[str, Path], tmp_path: Path, hf_repo: str | None
 ) -> None:
-    from prefetch.agent.reconcile import Agent
+    from prefetch.agent.loop import Agent
 
     from .support import AgentThread, config_text, is_ready, model_status, wait_for
 

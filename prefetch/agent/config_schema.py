@@ -24,7 +24,7 @@ from prefetch.agent.config_fields import (
     SPACE_CHARS,
     Table,
 )
-from prefetch.backends import backend
+from prefetch.pipeline.backends import backend
 
 REPO = Path(__file__).resolve().parents[2]
 CHART_SCHEMA = REPO / "charts" / "model-prefetch" / "values.schema.json"

@@ -9,14 +9,14 @@ import posixpath
 from typing import TYPE_CHECKING
 from urllib.parse import SplitResult
 
-from prefetch.backends import Backend, SourceURI, SpecFields
-from prefetch.errors import ConfigError
-from prefetch.spec_terms import COMMIT_SHA, SpecError
+from prefetch.pipeline.backends import Backend, SourceURI, SpecFields
+from prefetch.pipeline.spec_terms import COMMIT_SHA, SpecError
+from prefetch.support.errors import ConfigError
 
 if TYPE_CHECKING:
+    from prefetch.pipeline.spec import ModelSpec
     from prefetch.sources import SourceSettings
     from prefetch.sources.base import Source
-    from prefetch.spec import ModelSpec
 
 _PREFIX = "file://"
 

@@ -3,8 +3,8 @@
 Listing walks the directory; every regular file is one :class:`RemoteFile` whose ``version``
 is its identity ``<inode>-<mtime_ns>-<size>``: a file replaced (new inode), rewritten (new
 mtime) or truncated (new size) is another version, so its partial download and resume journal
-(named by path and version, see :func:`prefetch.transfer.staged_name`) are not resumed from.
-Every ranged read checks the identity twice: when it opens the file, and with ``fstat`` on the
+(named by path and version, see :func:`prefetch.pipeline.transfer.staged_name`) are not resumed
+from. Every ranged read checks the identity twice: when it opens the file, and with ``fstat`` on the
 same descriptor once its last byte is read; a change between them (or a file shorter than
 listed) is :class:`SourceChangedError`, as a replaced S3 object is. (The limit: a write in the
 same clock tick as the listed modification, ~4 ms, keeps the mtime; a file still being written
@@ -36,7 +36,9 @@ import re
 import stat
 from pathlib import Path
 
-from prefetch.errors import (
+from prefetch.pipeline.snapshot import Checksum, RemoteFile, Snapshot, listing_digest
+from prefetch.pipeline.spec import SIDECAR_MANIFEST, ModelSpec, SourceURI
+from prefetch.support.errors import (
     AccessDeniedError,
     ConfigError,
     InvalidListingError,
@@ -46,9 +48,7 @@ from prefetch.errors import (
     SourceError,
     TransientSourceError,
 )
-from prefetch.paths import STATE_DIR
-from prefetch.snapshot import Checksum, RemoteFile, Snapshot, listing_digest
-from prefetch.spec import SIDECAR_MANIFEST, ModelSpec, SourceURI
+from prefetch.support.paths import STATE_DIR
 
 log = logging.getLogger(__name__)
 
