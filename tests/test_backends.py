@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from prefetch.pipeline.backends import backend, backends, mirror_schemes, mirrors_by_source
+from prefetch.pipeline.backends import (
+    backend,
+    backends,
+    mirror_schemes,
+    mirrors_by_source,
+    source_schemes,
+)
 from prefetch.pipeline.spec import parse_source_uri
 from prefetch.support.errors import ConfigError
 
@@ -30,7 +36,7 @@ def test_an_unknown_scheme_names_every_backends_uris_in_one_order() -> None:
         parse_source_uri("ftp://bucket/x")
     assert str(e.value) == (
         "unsupported source URI 'ftp://bucket/x': expected s3://bucket/prefix, hf://org/name, "
-        "oci://registry/repo:tag or gs://bucket/prefix"
+        "oci://registry/repo:tag, gs://bucket/prefix or file:///path/to/dir"
     )
     with pytest.raises(ValueError, match="no backend for scheme 'ftp'"):
         backend("ftp")
@@ -47,7 +53,8 @@ def test_loading_the_registry_imports_no_backends_code_that_reads_the_network() 
     probe = (
         "import json, sys\n"
         "from prefetch.pipeline.spec import ModelSpec, parse_source_uri\n"
-        "for u in ('s3://b-k/m/', 'hf://org/name@main', 'oci://reg.io/org/m:v1', 'gs://b-k/m/'):\n"
+        "for u in ('s3://b-k/m/', 'hf://org/name@main', 'oci://reg.io/org/m:v1', 'gs://b-k/m/',\n"
+        "          'file:///mnt/models/m/'):\n"
         "    str(ModelSpec(source=parse_source_uri(u)))\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
@@ -59,9 +66,11 @@ def test_loading_the_registry_imports_no_backends_code_that_reads_the_network() 
     assert heavy == []
     assert sorted(sources) == [
         "prefetch.sources.base",
+        "prefetch.sources.file",  # the backends' packages: a docstring each
+        "prefetch.sources.file.backend",
         "prefetch.sources.gcs",
         "prefetch.sources.gcs.backend",
-        "prefetch.sources.hf",  # the backends' packages: a docstring each
+        "prefetch.sources.hf",
         "prefetch.sources.hf.backend",
         "prefetch.sources.oci",
         "prefetch.sources.oci.backend",
@@ -72,7 +81,9 @@ def test_loading_the_registry_imports_no_backends_code_that_reads_the_network() 
 
 #: A scheme compared as a literal: ``.scheme == "s3"``, ``scheme != "hf"``, ``scheme in ("hf",
 #: "oci")`` (http and https are URL schemes, not backends').
-_COMPARISON = re.compile(r"""scheme\s*(==|!=|not in|in)\s*\(?["'](s3|hf|oci|gs)["']""")
+_COMPARISON = re.compile(
+    r"""scheme\s*(==|!=|not in|in)\s*\(?["'](""" + "|".join(source_schemes()) + r""")["']"""
+)
 
 
 #: The folders of prefetch.sources that belong to no backend: the HTTP plumbing. The package's

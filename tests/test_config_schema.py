@@ -90,7 +90,7 @@ def test_source_schemes_come_from_the_spec(monkeypatch: pytest.MonkeyPatch) -> N
     """A scheme a backend declares (prefetch.pipeline.backends) reaches the schema with no other
     edit."""
     examples = {"hf": "hf://org/name", "s3": "s3://bkt/p/", "oci": "oci://reg.io/repo:v1",
-                "gs": "gs://bkt/p/"}  # fmt: skip
+                "gs": "gs://bkt/p/", "file": "file:///mnt/models/m/"}  # fmt: skip
     for scheme in SOURCE_SCHEMES:
         doc = {"models": [{"name": "a", "source": examples.get(scheme, f"{scheme}://x")}]}
         assert schema_accepts(doc), scheme

@@ -65,6 +65,10 @@ EVERYTHING: dict[str, Any] = {
     "podLabels": {"team": "ml"},
     "commonLabels": {"cost-center": "ml"},
     "extraEnv": [{"name": "PREFETCH_LOG_LEVEL", "value": "debug"}],
+    "extraVolumes": [
+        {"name": "models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}
+    ],
+    "extraVolumeMounts": [{"name": "models", "mountPath": "/mnt/models", "readOnly": True}],
     "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}},
     "warmPageCache": {"memoryLimit": "17Gi"},
     "config": {
@@ -437,6 +441,7 @@ EVERY_SCHEME: dict[str, Any] = {
                 "mirrors": "s3://mirror/hf/Qwen/Qwen2.5-0.5B/",
             },
             {"name": "plain", "source": "s3://bucket/models/plain/"},
+            {"name": "local", "source": "file:///mnt/models/local/", "hfRepo": "org/local"},
         ]
     },
     "mirror": {
@@ -465,7 +470,7 @@ def test_every_source_scheme_and_registry_mirror_renders_and_is_read_by_the_agen
         d for d in render(EVERY_SCHEME) if d["kind"] == "ConfigMap" and "models.yaml" in d["data"]
     ]
     config = parse_config(cm["data"]["models.yaml"])
-    assert [m.source.scheme for m in config.models] == ["oci", "hf", "s3"]
+    assert [m.source.scheme for m in config.models] == ["oci", "hf", "s3", "file"]
     assert [str(m) for m in config.models[0].mirrors] == ["oci://127.0.0.1:30020"]
 
 
@@ -498,6 +503,8 @@ REFUSED_BY_THE_AGENT = [
     ("warmMemoryShare", 0),
     ("s3", {"endpointUrl": "minio:9000"}),
     ("models", [{"name": "a", "source": "ftp://host/model"}]),
+    ("models", [{"name": "a", "source": "file://host/model"}]),
+    ("models", [{"name": "a", "source": "file:///"}]),
     ("models", [{"name": "a", "source": "hf://org/name", "mirrors": ["hf://org/other"]}]),
     ("models", [{"name": "a", "source": "hf://org/name", "include": [""]}]),
     ("models", [{"name": "a", "source": "hf://org/name", "mirrors": ["oci://registry.io"]}]),
@@ -801,6 +808,8 @@ def test_everything_values_reach_the_objects() -> None:
     assert refs == {"hub-and-s3"}
     assert mu.env_value(c, "PREFETCH_LOG_LEVEL") == "debug"
     spec = mu.pod_spec(ds)
+    assert spec["volumes"][-1] == EVERYTHING["extraVolumes"][0]  # a file:// source's volume
+    assert c["volumeMounts"][-1] == EVERYTHING["extraVolumeMounts"][0]
     assert spec["priorityClassName"] == "gpu-critical"
     assert spec["nodeSelector"] == {"karpenter.sh/nodepool": "gpu"}
     kinds = {d["kind"] for d in docs}

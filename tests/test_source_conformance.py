@@ -20,6 +20,9 @@ small JSON files). The S3 case serves it from the session's SeaweedFS through
 on the wire); the GCS case from gcp-storage-emulator behind the same proxy (tests/fakes/gcs.py,
 which adds the generation check the emulator lacks); the Hub case from
 :class:`tests.fakes.hubserver.HubServer` and its faults.
+on the wire); the Hub case from :class:`tests.fakes.hubserver.HubServer` and its faults; the
+file case from a directory, its faults injected in its reads (see :class:`FileCase` for the
+behaviours that do not fit a local directory).
 
 Every case is served over HTTPS with the session's private CA (tests/tls.py), each server under
 its own test host name, and the client trusts that CA explicitly (S3: ``AWS_CA_BUNDLE``, set
@@ -492,6 +495,153 @@ CASES = ["s3", "hub", "mirror", "oci", "gcs"]
 CASE_CLASSES: tuple[type[SourceCase], ...] = (S3Case, HubCase, MirrorCase, OciCase, GcsCase)
 
 
+class _FileFaults:
+    """Faults of a local read, armed per model path: the wire of a directory is ``pread``."""
+
+    def __init__(self) -> None:
+        self.cut: dict[str, list[int]] = {}  # path -> [after_bytes, times left]
+        self.flip: dict[str, list[int]] = {}  # path -> [offset, times left]
+        self.from_start: dict[str, int] = {}
+
+    def armed(self, path: str) -> bool:
+        return any(f.get(path, [0, 0])[1] > 0 for f in (self.cut, self.flip))
+
+
+class _FaultyReader:
+    """A FileSource reader whose bytes the armed faults cut short or corrupt; it copies in
+    the kernel (``copy_to``) only while no fault is armed for its file, as the engine would."""
+
+    def __init__(self, inner: Any, path: str, start: int, faults: _FileFaults) -> None:
+        self.inner, self.path, self.pos, self.faults = inner, path, start, faults
+        self.body = 0  # bytes this "request" delivered
+        self.flipped = False
+
+    def readinto(self, buf: memoryview, /) -> int:
+        cut = self.faults.cut.get(self.path)
+        if cut is not None and cut[1] > 0:
+            if self.body >= cut[0]:
+                cut[1] -= 1
+                return 0  # the engine's "connection closed": retried from this byte
+            buf = buf[: cut[0] - self.body]
+        n = int(self.inner.readinto(buf))
+        flip = self.faults.flip.get(self.path)
+        if flip is not None and flip[1] > 0 and self.pos <= flip[0] < self.pos + n:
+            buf[flip[0] - self.pos] ^= 0xFF
+            if not self.flipped:
+                flip[1] -= 1
+                self.flipped = True
+        self.pos += n
+        self.body += n
+        return n
+
+    def copy_to(self, fd: int, offset: int, length: int) -> int | None:
+        if self.faults.armed(self.path):
+            return None
+        n = self.inner.copy_to(fd, offset, length)
+        if n:
+            self.pos += n
+        return n  # type: ignore[no-any-return]  # (the inner reader's, typed there)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class _FaultyFileSource:
+    """A FileSource whose ranged reads go through :class:`_FaultyReader`."""
+
+    def __init__(self, inner: Any, faults: _FileFaults) -> None:
+        self.inner, self.faults = inner, faults
+
+    def refuse_destination(self, folders: tuple[Path, ...]) -> None:
+        self.inner.refuse_destination(folders)
+
+    def resolve(self, spec: ModelSpec) -> Any:
+        return self.inner.resolve(spec)
+
+    def describe(self, file: Any) -> Any:
+        return self.inner.describe(file)
+
+    def open_range(self, file: Any, start: int, end: int) -> _FaultyReader:
+        reader = self.inner.open_range(file, start, end)
+        if start == 0:
+            self.faults.from_start[file.path] = self.faults.from_start.get(file.path, 0) + 1
+        return _FaultyReader(reader, file.path, start, self.faults)
+
+
+class FileCase(SourceCase):
+    """A directory (``file://``) with a ``SHA256SUMS`` sidecar, read through a fault-injecting
+    wrapper of its reads (a cut short read, a flipped byte). A replaced file is written whole
+    and renamed over the old one, its sum updated (what a publisher of the directory does).
+
+    What does not fit a local directory, and is skipped: TLS (there is no server); throttling
+    (a read answers no status; a soft NFS mount's EIO/ETIMEDOUT is retried as transient
+    instead); an ignored or wrong Range (``pread`` reads exactly the offsets asked for); a
+    stall (a read does not trickle, and a read blocked on a hung hard-mounted NFS server
+    sleeps in the kernel, where the watchdog cannot interrupt it)."""
+
+    id = "file"
+    scheme = "file"
+
+    def __init__(self, model: dict[str, Path], root: Path) -> None:
+        super().__init__(model)
+        self.root = root
+        for rel, path in model.items():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_bytes(path.read_bytes())
+        self.write_sums()
+        self.faults = _FileFaults()
+
+    def write_sums(self) -> None:
+        lines = [
+            f"{hashlib.sha256((self.root / rel).read_bytes()).hexdigest()}  {rel}\n"
+            for rel in sorted(self.model)
+        ]
+        (self.root / "SHA256SUMS").write_text("".join(lines))
+
+    def close(self) -> None:
+        pass
+
+    @property
+    def url(self) -> str:
+        pytest.skip("a local directory has no server: there is no TLS to check")
+
+    def replace(self, path: str, data: bytes) -> None:
+        staged = self.root / (path + ".new")
+        staged.write_bytes(data)
+        staged.replace(self.root / path)
+        self.write_sums()
+
+    def pull(self, dest, config=CONFIG, *, progress=None, stop=None):  # type: ignore[no-untyped-def]
+        spec = ModelSpec(source=parse_source_uri(f"file://{self.root}"))
+        source = _FaultyFileSource(open_source(spec), self.faults)
+        return sync(spec, source, PlainLayout(dest), config, progress=progress, stop=stop)
+
+    published = S3Case.published
+    partial_dir = S3Case.partial_dir
+
+    def cut(self, path: str, after_bytes: int, times: int) -> None:
+        self.faults.cut[path] = [after_bytes, times]
+
+    def refuse(self, path: str, status: int, retry_after: int, times: int) -> None:
+        pytest.skip("a local read answers no status: nothing throttles it")
+
+    def ignore_range(self, path: str) -> None:
+        pytest.skip("pread reads exactly the offsets asked for: there is no Range to ignore")
+
+    def trickle(self, path: str, times: int) -> None:
+        pytest.skip("a local read does not trickle (a hung NFS read blocks in the kernel)")
+
+    def corrupt(self, path: str, offset: int, times: int | None) -> None:
+        self.faults.flip[path] = [offset, 1 << 30 if times is None else times]
+
+    def fetches_from_start(self, path: str) -> int:
+        return self.faults.from_start.get(path, 0)
+
+
+CASES = ["s3", "hub", "mirror", "oci", "file"]
+CASE_CLASSES: tuple[type[SourceCase], ...] = (S3Case, HubCase, MirrorCase, OciCase, FileCase)
+
+
 def test_every_backend_of_the_registry_has_a_case_here() -> None:
     """A backend joins the registry and this suite together (see docs/architecture.md)."""
     assert [c.id for c in CASE_CLASSES] == CASES
@@ -508,7 +658,10 @@ def case(
     request: pytest.FixtureRequest, model: dict[str, Path], test_ca: TestCA
 ) -> Iterator[SourceCase]:
     made: SourceCase
-    if request.param == "oci":
+    if request.param == "file":
+        root = request.getfixturevalue("tmp_path") / "file-source"
+        made = FileCase(model, root)
+    elif request.param == "oci":
         made = OciCase(model, request.getfixturevalue("registry"), test_ca)
     elif request.param == "gcs":
         made = GcsCase(model, request.getfixturevalue("gcs_emulator"), test_ca)

@@ -414,6 +414,7 @@ _SOURCE_SHAPES = {
     "hf": rf"hf://{_HF_ORG}(/{_SEGMENT})?(@{_REF_PART}(/{_REF_PART})*)?",
     "oci": rf"oci://{_OCI_HOST}/{_OCI_REPO}{_OCI_REF}?",
     "gs": r"gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[!-~]*)?",
+    "file": rf"file://(localhost)?/[^{SPACE_CHARS}]+",
 }
 _PATH_SEGMENT = r"[A-Za-z0-9._~!$&'()*+,;=:@%-]+"
 #: Mirrors are written as the agent spells them back but for an S3 prefix's last ``/`` (a

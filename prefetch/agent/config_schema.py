@@ -24,6 +24,7 @@ from prefetch.agent.config_fields import (
     SPACE_CHARS,
     Table,
 )
+from prefetch.pipeline.backends import backend
 
 REPO = Path(__file__).resolve().parents[2]
 CHART_SCHEMA = REPO / "charts" / "model-prefetch" / "values.schema.json"
@@ -79,7 +80,8 @@ def chart_schema(current: Schema) -> Schema:
     out: Schema = json.loads(json.dumps(current))
     out["properties"]["config"] = config_schema()
     job = out["properties"]["mirror"]["properties"]["jobs"]["items"]["properties"]
-    job["source"]["pattern"] = _uri_pattern(SOURCE_SCHEMES)
+    mirrored = tuple(s for s in SOURCE_SCHEMES if backend(s).mirrored_from)
+    job["source"]["pattern"] = _uri_pattern(mirrored)  # what ``prefetch mirror`` reads
     job["destination"]["pattern"] = _uri_pattern(MIRROR_SCHEMES)
     return out
 

@@ -106,7 +106,7 @@ def mirror(
     verified against the Hub's ids, resumable, and uploading nothing already there. DST may be
     oci://registry/repo:tag: a Hub commit is pushed as a ModelPack artifact, an oci:// SRC is
     copied by digest."""
-    from prefetch.pipeline.backends import backend
+    from prefetch.pipeline.backends import backend, backends
     from prefetch.publish.s3_mirror import MirrorConfig, S3Prefix, mirror_hub, mirror_s3
     from prefetch.publish.s3_mirror.upload import make_writer_client
     from prefetch.sources import SourceSettings, open_source, pool_size, s3_client
@@ -117,12 +117,18 @@ def mirror(
             f"the mirror destination must be s3://bucket/prefix or oci://registry/repo:tag, "
             f"not {dst!r}"
         )
+    reads = backend(parse_source_uri(src).scheme)
+    if not reads.mirrored_from:
+        raise ConfigError(
+            f"prefetch mirror does not read {src!r}: its sources are "
+            + ", ".join(f"{b.scheme}://" for b in backends() if b.mirrored_from),
+            hint="upload a directory with the bucket's own tools (aws s3 sync, oras push)",
+        )
     if dst.strip().startswith("oci://"):  # a registry: a ModelPack artifact, or a copy
         _mirror_to_registry(src, dst, revision, token, endpoint, proxy, ca_bundle, concurrency,
                             attempts, progress, as_json, record)  # fmt: skip
         return
     source_uri, dest_uri = parse_source_uri(src), parse_source_uri(dst)
-    reads = backend(source_uri.scheme)
     if not reads.has_revisions and revision:
         raise ConfigError("--revision is for hf:// sources")
     size = size_option(part_size, "--part-size")

@@ -46,6 +46,7 @@ DECLARATIONS = (
     "prefetch.sources.s3.backend",
     "prefetch.sources.oci.backend",
     "prefetch.sources.gcs.backend",
+    "prefetch.sources.file.backend",
 )
 
 
@@ -100,6 +101,8 @@ class Backend:
     #: how ``prefetch mirror`` puts it into a registry: ``"modelpack"`` (a resolved snapshot
     #: pushed as a ModelPack artifact), ``"copy"`` (the artifact copied by digest); None: not
     to_registry: str | None = None
+    #: ``prefetch mirror`` reads it (a Hub commit, an S3 prefix, a registry's artifact)
+    mirrored_from: bool = True
     #: compile caches are published here (``compileCaches[].source``)
     holds_compile_caches: bool = False
 

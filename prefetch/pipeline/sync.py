@@ -38,7 +38,7 @@ from prefetch.pipeline.transfer import (
     no_space,
     staged_name,
 )
-from prefetch.sources.base import RemembersArchives, Source
+from prefetch.sources.base import ReadsLocalTree, RemembersArchives, Source
 from prefetch.support.errors import (
     ChecksumMismatchError,
     DeadlineExceededError,
@@ -431,6 +431,8 @@ def resolve_within(
     is told where ``layout`` keeps what it unpacked before, and what is published there; it
     writes its records once the resolve succeeded (a failed one leaves the destination as it
     was)."""
+    if isinstance(source, ReadsLocalTree):
+        source.refuse_destination((layout.root, layout.lock_path().parent))
     archives = source if isinstance(source, RemembersArchives) else None
     if archives is not None:
         archives.remember_archives(archive_records(layout), layout.is_current)

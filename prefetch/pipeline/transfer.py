@@ -702,12 +702,20 @@ class Transfer:
             self._watchdog, f"{job.file.path} bytes {cursor.pos}-{end - 1}",
             partial(self._source.open_range, job.file, cursor.pos, end),
         )  # fmt: skip
+        assert cursor.hasher is not None
+        # a local file's reader copies in the kernel when no hash needs the bytes on the way
+        copy = None if cursor.hasher.needs_bytes else getattr(reader, "copy_to", None)
         try:
             while cursor.pos < end:
                 if self._stop.is_set():
                     raise Cancelled("stopped")
                 # fill the buffer (full buffers keep O_DIRECT writes aligned), never past a chunk
                 want = min(len(view), job.chunks[cursor.indices[cursor.k]][1] - cursor.pos)
+                if copy is not None:
+                    copied = self._copy(job, copy, watch, want, cursor)
+                    if copied:
+                        continue
+                    copy = None  # the kernel cannot copy here: read and write instead
                 got = Filled()
                 try:
                     fill_watched(
@@ -721,14 +729,45 @@ class Transfer:
             self._watchdog.unwatch(watch)
             reader.close()
 
+    def _copy(
+        self,
+        job: _FileJob,
+        copy: Callable[[int, int, int], int | None],
+        watch: Watch,
+        want: int,
+        cursor: _Cursor,
+    ) -> bool:
+        """Copy the next ``want`` bytes of the range into the partial file in the kernel
+        (``RangeReader.copy_to``: a local file, no hash needing its bytes), and count them;
+        False when the reader cannot copy here."""
+        try:
+            copied = copy(job.fd, cursor.pos, want)
+        except PrefetchError:
+            watch.raise_if_aborted()
+            raise
+        except OSError as exc:  # (the reader's own errors are PrefetchErrors: the write side)
+            raise _write_failed(job, job.staged, exc) from exc
+        if copied is None:
+            return False
+        watch.raise_if_aborted()
+        watch.received += copied
+        self._landed(job, copied, cursor)
+        return True
+
     def _write(self, job: _FileJob, data: memoryview, cursor: _Cursor) -> None:
         """Write, hash and count ``data`` at cursor.pos; journal each chunk it completes."""
         _pwrite_all(job, data, cursor.pos)
-        assert cursor.hasher is not None and job.journal is not None
+        assert cursor.hasher is not None
         cursor.hasher.feed(data)
-        cursor.pos += len(data)
-        self.stats.add_bytes(len(data))
-        self._progress.advance(len(data))
+        self._landed(job, len(data), cursor)
+
+    def _landed(self, job: _FileJob, n: int, cursor: _Cursor) -> None:
+        """``n`` bytes written (and hashed) at cursor.pos: count them, journal each chunk they
+        complete."""
+        assert cursor.hasher is not None and job.journal is not None
+        cursor.pos += n
+        self.stats.add_bytes(n)
+        self._progress.advance(n)
         index = cursor.indices[cursor.k]
         if cursor.pos == job.chunks[index][1]:
             job.journal.record(index, cursor.hasher.result())

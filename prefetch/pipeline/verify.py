@@ -224,6 +224,12 @@ class ChunkHasher:
         else:
             self._current = None
 
+    @property
+    def needs_bytes(self) -> bool:
+        """Does :meth:`feed` use the bytes? (No check per range, or a sequential one hashed
+        from the written file: the bytes may go to the file without passing through here.)"""
+        return self._mode not in ("none", "sequential")
+
     def feed(self, data: memoryview) -> None:
         if self._mode in ("none", "sequential"):
             return

@@ -35,12 +35,24 @@ class RemembersArchives(Protocol):
         ...
 
 
+@runtime_checkable
+class ReadsLocalTree(Protocol):
+    """A source reading a directory of this machine (``file://``): told, before it resolves,
+    the folders the sync writes to (the model's folder and its state), so it refuses a
+    destination overlapping it (it is never written to)."""
+
+    def refuse_destination(self, folders: tuple[Path, ...]) -> None: ...
+
+
 class RangeReader(Protocol):
     """An open ranged read: fill buffers until the range is exhausted (readinto returns 0).
 
     A reader never returns more than the range: a body that runs past it raises. A reader may
     also have ``abort()``: callable from any thread, it makes a ``readinto`` blocked on the
     network return (0 or an error) at once; the engine's watchdog uses it (stop, stall, deadline).
+    A reader of a local file may have ``copy_to(fd, offset, length) -> int | None``: copy the
+    range's next bytes into ``fd`` at ``offset`` in the kernel (None: not possible here, read
+    instead); the engine uses it for ranges it need not hash as they arrive.
     """
 
     def readinto(self, buf: memoryview, /) -> int: ...
