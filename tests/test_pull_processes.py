@@ -147,7 +147,7 @@ def test_resume_after_sigkill_of_the_pull(test_ca, s3_server, s3_client, bucket,
             proc.kill()
             proc.wait(10)
             # the kernel ends the workers with the pull: nothing writes behind the next run
-            wait_for(lambda: no_pull_process_left(pids), "the workers to die", 10)
+            wait_for(lambda: no_pull_process_left(pids), "the workers to die", 3)
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -234,7 +234,7 @@ def test_checksum_failure_in_one_worker_fails_the_pull_cleanly(
     assert len(staged) == 1  # the other shard's partial, kept to resume; the bad one deleted
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_to_the_pull_stops_its_workers(test_ca, s3_server, s3_client, bucket, s3_env,
                                                 tmp_path, sig):  # fmt: skip
     upload(s3_client, bucket, tmp_path, 32 * MiB, shards=2)
