@@ -133,7 +133,7 @@ def sample(pid: int, address: int, period: float) -> None:
         print("gil.py: no SCHED_FIFO for the sampler (not root?)", file=sys.stderr)
     print("ready", flush=True)
     samples = locked = 0
-    held = watched = 0.0
+    held = watched = cpu = 0.0
     last = time.monotonic()
     while True:
         ready, _, _ = select.select([sys.stdin], [], [], period * random.uniform(0.5, 1.5))
@@ -149,12 +149,25 @@ def sample(pid: int, address: int, period: float) -> None:
         span = min(now - last, 10 * period)
         last = now
         samples += 1
+        if samples % 64 == 1:
+            cpu = _cpu_of(pid, cpu)
         locked += value != 0
         watched += span
         held += span if value else 0.0
     fraction = held / max(watched, 1e-9)
-    counts = {"samples": samples, "locked": locked, "held_fraction": fraction, "held_s": held}
+    cpu = _cpu_of(pid, cpu)
+    counts = {"samples": samples, "locked": locked, "held_fraction": fraction, "held_s": held,
+              "cpu_s": cpu}  # fmt: skip
     print(json.dumps(counts), flush=True)
+
+
+def _cpu_of(pid: int, last: float) -> float:
+    """CPU seconds (user + system) process ``pid`` has used; ``last`` once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return last
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ---- the workloads -----------------------------------------------------------------------------
@@ -383,7 +396,8 @@ def drive(args: argparse.Namespace) -> None:
                 ).stdout.strip().splitlines()[-1]  # fmt: skip
                 row = json.loads(line)
                 results[mode].append(row)
-                workers = " ".join(f"worker GIL {w['held_s']:.2f}s ({w['samples']} samples)"
+                workers = " ".join(f"worker GIL {w['held_s']:.2f}s CPU {w['cpu_s']:.2f}s "
+                                   f"({w['samples']} samples)"
                                    for w in row.get("workers", []))  # fmt: skip
                 print(f"run {run} {mode:18s} {row['wall_s']:6.2f}s cpu {row['cpu_s']:5.2f}s "
                       f"GIL {100 * row['gil_fraction']:4.1f}% = {row['gil_s']:.2f}s "

@@ -38,12 +38,25 @@ def start_pull(bucket: str, dest: Path, env: dict[str, str], *extra: str) -> sub
 
 
 def workers_of(pid: int) -> list[psutil.Process]:
-    """The pull's worker processes (its children, less multiprocessing's helpers)."""
+    """The pull's worker processes: the children of its fork server (or its spawned children,
+    less multiprocessing's helpers)."""
     try:
-        children = psutil.Process(pid).children()
+        children = psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
-    return [c for c in children if "resource_tracker" not in " ".join(_cmdline(c))]
+    found = []
+    for child in children:
+        line = " ".join(_cmdline(child))
+        if "resource_tracker" in line:
+            continue
+        try:
+            parent = child.parent()
+        except psutil.Error:
+            continue
+        if "forkserver" in line and parent is not None and parent.pid == pid:
+            continue  # the fork server itself: the workers are its children
+        found.append(child)
+    return found
 
 
 def _cmdline(process: psutil.Process) -> list[str]:
