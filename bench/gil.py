@@ -28,7 +28,7 @@ Modes, each a fresh subprocess, alternated over ``--runs`` rounds against one lo
                       N processes (N=1: the in-process Transfer; N>1: the multi-process mode,
                       prefetch/transfer_procs.py); every worker's GIL is sampled too (the
                       flag's address translated by libpython's load address in that process),
-                      and CPU counts the workers (RUSAGE_CHILDREN)
+                      and CPU counts the fork server and the workers it forked
   awscrt              awscrt.s3.S3Client, one GET_OBJECT per object straight to a file
                       (recv_filepath: parts, parallelism and writes all native), part 8 MiB,
                       no checksum validation
@@ -300,6 +300,7 @@ def worker(mode: str, endpoint: str, dest: Path, period: float) -> None:
            "samples": counts["samples"]}  # fmt: skip
     if watcher is not None:
         row["workers"] = watcher.results()
+        row["cpu_s"] += watcher.server_cpu()
     print(json.dumps(row))
 
 
@@ -322,6 +323,7 @@ class WorkerSamplers:
 
         self._address, self._period, self._workers = address, period, workers
         self._samplers: dict[int, subprocess.Popen[str]] = {}
+        self.server: Any = None  # the fork server (psutil.Process), once seen
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
@@ -332,15 +334,21 @@ class WorkerSamplers:
         me = psutil.Process()
         seen: set[int] = set()  # each child looked at once: the polling costs this process
         while not self._done.is_set() and len(self._samplers) < self._workers:
-            for child in me.children():
+            for child in me.children(recursive=True):
                 if child.pid in seen:
                     continue
                 try:
                     line = " ".join(child.cmdline())
                     if sys.argv[0] in line:
-                        continue  # forked, not yet the spawned program: look again
+                        continue  # forked, not yet the program it runs: look again
                     seen.add(child.pid)
-                    if "spawn_main" not in line:
+                    # a worker: spawned, or forked by the fork server (which is this
+                    # process's child; its children are the workers)
+                    spawned = "spawn_main" in line
+                    forked = "forkserver" in line and child.ppid() != me.pid
+                    if "forkserver" in line and child.ppid() == me.pid:
+                        self.server = child
+                    if not (spawned or forked):
                         continue
                     address = translated(self._address, child.pid)
                 except (psutil.Error, OSError, ValueError):
@@ -351,6 +359,14 @@ class WorkerSamplers:
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                 )  # fmt: skip
             time.sleep(0.005)
+
+    def server_cpu(self) -> float:
+        """CPU seconds of the fork server (its imports) and of the workers it forked and
+        reaped (RUSAGE_CHILDREN of this process does not see them: the server is alive)."""
+        if self.server is None:
+            return 0.0
+        t = self.server.cpu_times()
+        return float(t.user + t.system + t.children_user + t.children_system)
 
     def results(self) -> list[dict[str, Any]]:
         """Each worker's counts (its sampler ends when it cannot read the worker any more)."""
