@@ -304,6 +304,25 @@ def worker(mode: str, endpoint: str, dest: Path, period: float) -> None:
     print(json.dumps(row))
 
 
+def _descendants(pid: int) -> list[tuple[int, int]]:
+    """(pid, parent) of ``pid``'s children and grandchildren, from /proc's children lists."""
+    out = []
+    for child in _children(pid):
+        out.append((child, pid))
+        out += [(grandchild, child) for grandchild in _children(child)]
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(x) for x in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return found
+
+
 def _rusage() -> float:
     """CPU seconds of this process and its waited-for children (the engine's workers; the
     samplers are waited for after the second reading)."""
@@ -323,38 +342,38 @@ class WorkerSamplers:
 
         self._address, self._period, self._workers = address, period, workers
         self._samplers: dict[int, subprocess.Popen[str]] = {}
-        self.server: Any = None  # the fork server (psutil.Process), once seen
+        self.server_pid = 0  # the fork server, once seen
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
 
     def _watch(self) -> None:
-        import psutil
-
-        me = psutil.Process()
-        seen: set[int] = set()  # each child looked at once: the polling costs this process
+        """Poll for workers with cheap reads of /proc (psutil's recursive children() scans
+        every process of the machine: polled every few ms, this process's GIL time was
+        mostly that)."""
+        me = os.getpid()
+        seen: set[int] = set()
         while not self._done.is_set() and len(self._samplers) < self._workers:
-            for child in me.children(recursive=True):
-                if child.pid in seen:
+            for pid, parent in _descendants(me):
+                if pid in seen:
                     continue
                 try:
-                    line = " ".join(child.cmdline())
-                    if sys.argv[0] in line:
+                    line = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                    if sys.argv[0].encode() in line:
                         continue  # forked, not yet the program it runs: look again
-                    seen.add(child.pid)
-                    # a worker: spawned, or forked by the fork server (which is this
-                    # process's child; its children are the workers)
-                    spawned = "spawn_main" in line
-                    forked = "forkserver" in line and child.ppid() != me.pid
-                    if "forkserver" in line and child.ppid() == me.pid:
-                        self.server = child
-                    if not (spawned or forked):
+                    seen.add(pid)
+                    # a worker: spawned, or forked by the fork server (this process's child;
+                    # its children are the workers)
+                    if b"forkserver" in line and parent == me:
+                        self.server_pid = pid
                         continue
-                    address = translated(self._address, child.pid)
-                except (psutil.Error, OSError, ValueError):
+                    if not (b"spawn_main" in line or b"forkserver" in line):
+                        continue
+                    address = translated(self._address, pid)
+                except (OSError, ValueError):
                     continue
-                self._samplers[child.pid] = subprocess.Popen(
-                    [sys.executable, __file__, "--sample", str(child.pid), str(address),
+                self._samplers[pid] = subprocess.Popen(
+                    [sys.executable, __file__, "--sample", str(pid), str(address),
                      str(self._period)],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                 )  # fmt: skip
@@ -363,10 +382,11 @@ class WorkerSamplers:
     def server_cpu(self) -> float:
         """CPU seconds of the fork server (its imports) and of the workers it forked and
         reaped (RUSAGE_CHILDREN of this process does not see them: the server is alive)."""
-        if self.server is None:
+        if not self.server_pid:
             return 0.0
-        t = self.server.cpu_times()
-        return float(t.user + t.system + t.children_user + t.children_system)
+        fields = Path(f"/proc/{self.server_pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+        return ticks / os.sysconf("SC_CLK_TCK")
 
     def results(self) -> list[dict[str, Any]]:
         """Each worker's counts (its sampler ends when it cannot read the worker any more)."""

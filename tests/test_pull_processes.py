@@ -269,3 +269,14 @@ def test_a_signal_to_the_pull_stops_its_workers(test_ca, s3_server, s3_client, b
     assert "Traceback" not in err, err
     assert no_pull_process_left(pids)
     assert list((dest / ".prefetch" / "partial").glob("*.journal"))  # resumable
+
+
+def test_a_bad_processes_value_is_one_error_line(s3_env, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "prefetch.cli", "pull", "s3://no-bucket/m", str(tmp_path / "d"),
+         "--processes", "0"],
+        env=s3_env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("Error: processes: must be auto or 1 to 64"), proc.stderr
+    assert "Traceback" not in proc.stderr
