@@ -5,6 +5,7 @@ pull cleanly, and a stop reaching every worker."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -19,7 +20,10 @@ import pytest
 
 from prefetch.modelgen import generate_model, tree_bytes, upload_model
 from prefetch.snapshot import RemoteFile
-from prefetch.transfer_procs import parse_processes, shares
+from prefetch.sources import SourceSettings
+from prefetch.spec import ModelSpec, parse_source_uri
+from prefetch.transfer import TransferConfig
+from prefetch.transfer_procs import ProcessEngine, SourceRecipe, parse_processes, shares
 
 from .fakes.s3proxy import S3FaultProxy
 from .support import journaled_bytes, put
@@ -99,6 +103,42 @@ def test_processes_flag_values():
     assert parse_processes("auto") == len(os.sched_getaffinity(0))
     with pytest.raises(ValueError, match="auto or 1 to 64"):
         parse_processes("0")
+
+
+class _MemorySource:
+    """A source only this process can read (no ``adopt``): files from a dict."""
+
+    def __init__(self, data: dict[str, bytes]) -> None:
+        self.data = data
+        self.reader_pids: set[int] = set()
+
+    def resolve(self, spec: Any) -> Any:
+        raise NotImplementedError
+
+    def describe(self, file: RemoteFile) -> RemoteFile:
+        return file
+
+    def open_range(self, file: RemoteFile, start: int, end: int) -> Any:
+        self.reader_pids.add(os.getpid())
+        return io.BytesIO(self.data[file.path][start:end])
+
+
+def test_a_source_workers_cannot_read_runs_in_this_process(tmp_path):
+    data = {"a.bin": os.urandom(3000), "b.bin": os.urandom(5000)}
+    source = _MemorySource(data)
+    published: dict[str, bytes] = {}
+
+    def publish(file: RemoteFile, staged: Path, checks: Any) -> None:
+        published[file.path] = staged.read_bytes()
+
+    spec = ModelSpec(source=parse_source_uri("s3://bucket/m"))
+    engine = ProcessEngine(
+        source, tmp_path / "staging", publish, TransferConfig(),
+        recipe=SourceRecipe(spec, SourceSettings()), processes=2,
+    )  # fmt: skip
+    stats = engine.run([RemoteFile(p, len(b), "v") for p, b in data.items()])
+    assert published == data and stats.files_downloaded == 2
+    assert source.reader_pids == {os.getpid()}  # read here, by one Transfer
 
 
 # -- end to end --------------------------------------------------------------------------------
