@@ -316,7 +316,9 @@ def worker_context(source_module: str) -> ForkServerContext | SpawnContext:
     """Where workers start: a fork server (a fresh interpreter, started once per process, that
     imported the engine and the source's module; each worker is a fork of it: no state of the
     pull's process, and one interpreter's imports for all the workers instead of one each,
-    ~0.3 CPU-s here), or spawned fresh where there is no fork server (not POSIX)."""
+    ~0.3 CPU-s here), or spawned fresh where there is no fork server (not POSIX). The
+    server, and so every worker, has the environment this process had when the server started
+    (the credentials and CA variables the workers' sources read)."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
