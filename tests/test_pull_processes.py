@@ -26,7 +26,7 @@ from prefetch.transfer import TransferConfig
 from prefetch.transfer_procs import ProcessEngine, SourceRecipe, parse_processes, shares
 
 from .fakes.s3proxy import S3FaultProxy
-from .support import journaled_bytes, put
+from .support import journaled_bytes, put, run_cli, write_mirror
 
 MiB = 1024 * 1024
 
@@ -159,6 +159,7 @@ def test_two_processes_pull_identical_verified_files(s3_client, bucket, s3_env, 
     count = len(files) + len(extra)
     assert summary["files"] == summary["files_downloaded"] == summary["files_verified"] == count
     assert summary["bytes_downloaded"] == summary["bytes_total"]
+    assert summary["retries"] == 0
     assert summary["checksum_algorithms"]["crc64nvme"] == 2  # the shards, one in each worker
     source = {f.path: (tmp_path / "src" / f.path).read_bytes() for f in files}
     assert tree_bytes(dest) == {**source, **extra}
@@ -320,3 +321,29 @@ def test_a_bad_processes_value_is_one_error_line(s3_env, tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.startswith("Error: processes: must be auto or 1 to 64"), proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def hub_tree(home: Path) -> dict[str, bytes]:
+    """Every file of an HF cache (links read through), by path."""
+    return {
+        str(p.relative_to(home)): p.read_bytes()
+        for p in sorted((home / "hub").rglob("*"))
+        if p.is_file() and ".prefetch" not in p.parts and not p.name.endswith(".lock")
+    }
+
+
+def test_two_processes_pull_an_s3_mirror_into_the_hub_layout(
+    hub: Any, s3_client: Any, bucket: str, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    sha = write_mirror(s3_client, bucket, "mirror/", hub)
+    one, two = tmp_path / "one", tmp_path / "two"
+    first = run_cli("pull", f"s3://{bucket}/mirror/", str(one), "--json", env=s3_env)
+    assert first.returncode == 0, first.stderr
+    proc = run_cli("-v", "pull", f"s3://{bucket}/mirror/", str(two), "--json",
+                   "--processes", "2", env=s3_env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "2 worker processes" in proc.stderr  # the workers read the mirror's blobs
+    summary = json.loads(proc.stdout)
+    assert summary["revision"] == sha and summary["files_verified"] == summary["files"]
+    assert summary["retries"] == 0
+    assert hub_tree(two) == hub_tree(one) and hub_tree(two)
