@@ -85,7 +85,9 @@ class SourceRecipe:
 
 def auto_processes() -> int:
     """``--processes auto``: one per core this process may run on."""
-    return max(1, min(len(os.sched_getaffinity(0)), MAX_PROCESSES))
+    affinity = getattr(os, "sched_getaffinity", None)  # (Linux; elsewhere: every core)
+    cores = len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+    return max(1, min(cores, MAX_PROCESSES))
 
 
 def parse_processes(value: str | int) -> int:
