@@ -18,12 +18,12 @@ from typing import Any
 import psutil
 import pytest
 
-from prefetch.modelgen import generate_model, tree_bytes, upload_model
-from prefetch.snapshot import RemoteFile
+from prefetch.demo.modelgen import generate_model, tree_bytes, upload_model
+from prefetch.pipeline.snapshot import RemoteFile
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.transfer import TransferConfig
+from prefetch.pipeline.transfer_procs import ProcessEngine, SourceRecipe, parse_processes, shares
 from prefetch.sources import SourceSettings
-from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.transfer import TransferConfig
-from prefetch.transfer_procs import ProcessEngine, SourceRecipe, parse_processes, shares
 
 from .fakes.s3proxy import S3FaultProxy
 from .support import journaled_bytes, put, run_cli, write_mirror
