@@ -136,31 +136,31 @@ class ProcessEngine:
         recipe: SourceRecipe,
         processes: int,
     ) -> None:
-        self._source = source
-        self._staging = staging_dir
-        self._publish = publish
-        self._config = config
-        self._progress = progress or NullProgress()
-        self._stop = stop or threading.Event()
-        self._recipe = recipe
-        self._processes = processes
+        self.source = source
+        self.staging = staging_dir
+        self.publish = publish
+        self.config = config
+        self.progress = progress or NullProgress()
+        self.stop = stop or threading.Event()
+        self.recipe = recipe
+        self.processes = processes
         self.stats = TransferStats()
 
     def run(self, files: list[RemoteFile]) -> TransferStats:
-        parts = shares(files, self._processes)
-        if len(parts) < 2 or not isinstance(self._source, ReadsInWorkers):
+        parts = shares(files, self.processes)
+        if len(parts) < 2 or not isinstance(self.source, ReadsInWorkers):
             if len(parts) >= 2:
                 log.info("this source is read in one process (it cannot be read from workers)")
             inner = Transfer(
-                self._source, self._staging, self._publish, self._config,
-                progress=self._progress, stop=self._stop,
+                self.source, self.staging, self.publish, self.config,
+                progress=self.progress, stop=self.stop,
             )  # fmt: skip
             try:
                 return inner.run(files)
             finally:
                 self.stats = inner.stats
-        self._staging.mkdir(parents=True, exist_ok=True)
-        _Supervisor(self, parts, self._source.resolved()).run()
+        self.staging.mkdir(parents=True, exist_ok=True)
+        _Supervisor(self, parts, self.source.resolved()).run()
         return self.stats
 
 
@@ -212,13 +212,13 @@ class _Supervisor:
 
     def _start(self) -> None:
         engine = self._engine
-        config = engine._config
+        config = engine.config
         per_worker = max(1, -(-config.concurrency // len(self._parts)))  # the flag's total
         worker_config = dataclasses.replace(config, concurrency=per_worker)
-        context = worker_context(type(engine._source).__module__)
+        context = worker_context(type(engine.source).__module__)
         for share in self._parts:
             brief = _Brief(
-                engine._recipe, self._resolved, str(engine._staging), worker_config, share,
+                engine.recipe, self._resolved, str(engine.staging), worker_config, share,
                 logging.getLogger().getEffectiveLevel(),
             )  # fmt: skip
             events_in, events_out = context.Pipe(duplex=False)
@@ -236,7 +236,7 @@ class _Supervisor:
 
     def _supervise(self) -> None:
         while not all(w.ended for w in self._workers):
-            if self._engine._stop.is_set() and not self._stopping:
+            if self._engine.stop.is_set() and not self._stopping:
                 self._fail(Cancelled("stopped"))
             ready = wait([w.events for w in self._workers if not w.ended], timeout=0.2)
             for conn in ready:
@@ -258,7 +258,7 @@ class _Supervisor:
             self._fail(exc)
 
     def _handle(self, worker: _Worker, message: tuple[Any, ...]) -> None:
-        engine, progress = self._engine, self._engine._progress
+        engine, progress = self._engine, self._engine.progress
         kind = message[0]
         if kind == "bytes":
             progress.advance(message[1])
@@ -268,7 +268,7 @@ class _Supervisor:
             # a file a worker verified is published, also after another worker failed (as
             # one process publishes what it verified before a failure)
             file, staged, checks = message[1], Path(message[2]), message[3]
-            engine._publish(file, staged, checks)
+            engine.publish(file, staged, checks)
             progress.file_done(file.path, file.size)
         elif kind == "retry":
             progress.retry(message[1])
