@@ -24,11 +24,17 @@ Modes, each a fresh subprocess, alternated over ``--runs`` rounds against one lo
   prefetch-lean       the same on a boto3 client (as with IRSA or a profile): botocore's
                       credentials and signer, the request on the transport seam (sources/s3/sdk.py)
   prefetch-botocore   the same with every request through botocore (S3Source.signed_requests=False)
+  prefetch-pN         the engine over the front door (open_source, as `prefetch pull`), run by
+                      N processes (N=1: the in-process Transfer; N>1: the multi-process mode,
+                      prefetch/pipeline/transfer_procs.py); every worker's GIL is sampled too (the
+                      flag's address translated by libpython's load address in that process),
+                      and CPU counts the fork server and the workers it forked
   awscrt              awscrt.s3.S3Client, one GET_OBJECT per object straight to a file
                       (recv_filepath: parts, parallelism and writes all native), part 8 MiB,
                       no checksum validation
 
     python bench/gil.py --size 2GiB --runs 3
+    python bench/gil.py --size 1GiB --runs 3 --modes prefetch-p1,prefetch-p2
 """
 
 from __future__ import annotations
@@ -96,6 +102,28 @@ def gil_locked_address() -> int:
     return base + both.pop() + 16
 
 
+def translated(address: int, pid: int) -> int:
+    """``address`` (in this process) in process ``pid`` running the same Python: the same
+    offset from the start of the file mapped where it lies (libpython, or the executable)."""
+    path, offset = "", 0
+    for start, end, name in _maps(os.getpid()):
+        if start <= address < end:
+            path = name
+    if not path:
+        raise SystemExit("the GIL flag is not in a file's mapping")
+    offset = address - min(start for start, _, name in _maps(os.getpid()) if name == path)
+    return min(start for start, _, name in _maps(pid) if name == path) + offset
+
+
+def _maps(pid: int) -> list[tuple[int, int, str]]:
+    out = []
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        low, high = (int(x, 16) for x in fields[0].split("-"))
+        out.append((low, high, fields[5] if len(fields) > 5 else ""))
+    return out
+
+
 def sample(pid: int, address: int, period: float) -> None:
     """Sampler process: read the flag until stdin closes, print {"samples", "locked"}."""
     fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
@@ -105,7 +133,7 @@ def sample(pid: int, address: int, period: float) -> None:
         print("gil.py: no SCHED_FIFO for the sampler (not root?)", file=sys.stderr)
     print("ready", flush=True)
     samples = locked = 0
-    held = watched = 0.0
+    held = watched = cpu = 0.0
     last = time.monotonic()
     while True:
         ready, _, _ = select.select([sys.stdin], [], [], period * random.uniform(0.5, 1.5))
@@ -121,11 +149,25 @@ def sample(pid: int, address: int, period: float) -> None:
         span = min(now - last, 10 * period)
         last = now
         samples += 1
+        if samples % 64 == 1:
+            cpu = _cpu_of(pid, cpu)
         locked += value != 0
         watched += span
         held += span if value else 0.0
     fraction = held / max(watched, 1e-9)
-    print(json.dumps({"samples": samples, "locked": locked, "held_fraction": fraction}), flush=True)
+    cpu = _cpu_of(pid, cpu)
+    counts = {"samples": samples, "locked": locked, "held_fraction": fraction, "held_s": held,
+              "cpu_s": cpu}  # fmt: skip
+    print(json.dumps(counts), flush=True)
+
+
+def _cpu_of(pid: int, last: float) -> float:
+    """CPU seconds (user + system) process ``pid`` has used; ``last`` once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return last
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ---- the workloads -----------------------------------------------------------------------------
@@ -153,6 +195,37 @@ def prepare_prefetch(endpoint: str, dest: Path, *, mode: str) -> Callable[[], in
 
     def go() -> int:
         return sync(spec, source, PlainLayout(dest), TransferConfig()).bytes_downloaded
+
+    return go
+
+
+def prepare_processes(endpoint: str, dest: Path, processes: int) -> Callable[[], int]:
+    """The engine over the front door (as `prefetch pull` opens it), in ``processes``
+    processes; the workers reach the server with the variables set here."""
+    import functools
+
+    from prefetch.demo.locals3 import SeaweedS3
+    from prefetch.pipeline.layout import PlainLayout
+    from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+    from prefetch.pipeline.sync import EngineFactory, execute, prepare
+    from prefetch.pipeline.transfer import Transfer, TransferConfig
+    from prefetch.pipeline.transfer_procs import ProcessEngine, SourceRecipe
+    from prefetch.sources import SourceSettings, open_source
+
+    server = SeaweedS3(endpoint=endpoint)
+    os.environ.update(server.aws_env(dest.parent / "aws"))
+    spec = ModelSpec(source=parse_source_uri(f"s3://{BUCKET}/{PREFIX}/"))
+    config = TransferConfig()
+    settings = SourceSettings(s3_endpoint=endpoint, concurrency=config.concurrency)
+    engine: EngineFactory = Transfer
+    if processes > 1:
+        recipe = SourceRecipe(spec, settings)
+        engine = functools.partial(ProcessEngine, recipe=recipe, processes=processes)
+
+    def go() -> int:
+        source = open_source(spec, settings)
+        with prepare(spec, source, PlainLayout(dest)) as plan:
+            return execute(plan, config, engine=engine).bytes_downloaded
 
     return go
 
@@ -200,8 +273,11 @@ def prepare_awscrt(endpoint: str, dest: Path) -> Callable[[], int]:
 def worker(mode: str, endpoint: str, dest: Path, period: float) -> None:
     """One measured download in this process, with the sampler watching; prints one JSON line.
     Imports, clients and (for awscrt) the listing are set up before the measured window."""
+    processes = int(mode.removeprefix("prefetch-p")) if mode.startswith("prefetch-p") else 0
     if mode == "awscrt":
         go = prepare_awscrt(endpoint, dest)
+    elif processes:
+        go = prepare_processes(endpoint, dest, processes)
     else:
         go = prepare_prefetch(endpoint, dest, mode=mode)
     address = gil_locked_address()
@@ -212,16 +288,117 @@ def worker(mode: str, endpoint: str, dest: Path, period: float) -> None:
         text=True,
     )
     assert sampler.stdout is not None and sampler.stdout.readline().strip() == "ready"
-    t0, r0 = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
+    watcher = WorkerSamplers(address, period, processes) if processes > 1 else None
+    t0, r0 = time.monotonic(), _rusage()
     nbytes = go()
-    wall, r1 = time.monotonic() - t0, resource.getrusage(resource.RUSAGE_SELF)
+    wall, r1 = time.monotonic() - t0, _rusage()
     out, _ = sampler.communicate("stop\n", timeout=30)
     counts = json.loads(out)
     fraction = counts["held_fraction"]
-    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
-    row = {"mode": mode, "bytes": nbytes, "wall_s": wall, "cpu_s": cpu, "gil_fraction": fraction,
-           "gil_s": fraction * wall, "samples": counts["samples"]}  # fmt: skip
+    row = {"mode": mode, "bytes": nbytes, "wall_s": wall, "cpu_s": r1 - r0,
+           "gil_fraction": fraction, "gil_s": fraction * wall,
+           "samples": counts["samples"]}  # fmt: skip
+    if watcher is not None:
+        row["workers"] = watcher.results()
+        row["cpu_s"] += watcher.server_cpu()
     print(json.dumps(row))
+
+
+def _descendants(pid: int) -> list[tuple[int, int]]:
+    """(pid, parent) of ``pid``'s children and grandchildren, from /proc's children lists."""
+    out = []
+    for child in _children(pid):
+        out.append((child, pid))
+        out += [(grandchild, child) for grandchild in _children(child)]
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(x) for x in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return found
+
+
+def _rusage() -> float:
+    """CPU seconds of this process and its waited-for children (the engine's workers; the
+    samplers are waited for after the second reading)."""
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        r = resource.getrusage(who)
+        total += r.ru_utime + r.ru_stime
+    return total
+
+
+class WorkerSamplers:
+    """A sampler on each engine worker process as it appears (a thread polls this process's
+    children for multiprocessing's spawned workers); each reports when its worker ends."""
+
+    def __init__(self, address: int, period: float, workers: int) -> None:
+        import threading
+
+        self._address, self._period, self._workers = address, period, workers
+        self._samplers: dict[int, subprocess.Popen[str]] = {}
+        self.server_pid = 0  # the fork server, once seen
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        """Poll for workers with cheap reads of /proc (psutil's recursive children() scans
+        every process of the machine: polled every few ms, this process's GIL time was
+        mostly that)."""
+        me = os.getpid()
+        seen: set[int] = set()
+        while not self._done.is_set() and len(self._samplers) < self._workers:
+            for pid, parent in _descendants(me):
+                if pid in seen:
+                    continue
+                try:
+                    line = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                    if sys.argv[0].encode() in line:
+                        continue  # forked, not yet the program it runs: look again
+                    seen.add(pid)
+                    # a worker: spawned, or forked by the fork server (this process's child;
+                    # its children are the workers)
+                    if b"forkserver" in line and parent == me:
+                        self.server_pid = pid
+                        continue
+                    if not (b"spawn_main" in line or b"forkserver" in line):
+                        continue
+                    address = translated(self._address, pid)
+                except (OSError, ValueError):
+                    continue
+                self._samplers[pid] = subprocess.Popen(
+                    [sys.executable, __file__, "--sample", str(pid), str(address),
+                     str(self._period)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                )  # fmt: skip
+            time.sleep(0.005)
+
+    def server_cpu(self) -> float:
+        """CPU seconds of the fork server (its imports) and of the workers it forked and
+        reaped (RUSAGE_CHILDREN of this process does not see them: the server is alive)."""
+        if not self.server_pid:
+            return 0.0
+        fields = Path(f"/proc/{self.server_pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+        return ticks / os.sysconf("SC_CLK_TCK")
+
+    def results(self) -> list[dict[str, Any]]:
+        """Each worker's counts (its sampler ends when it cannot read the worker any more)."""
+        self._done.set()
+        self._thread.join()
+        rows = []
+        for pid, sampler in self._samplers.items():
+            out, _ = sampler.communicate("stop\n", timeout=30)
+            lines = [line for line in out.splitlines() if line.startswith("{")]
+            if lines:
+                rows.append({"pid": pid, **json.loads(lines[-1])})
+        return rows
 
 
 # ---- the driver --------------------------------------------------------------------------------
@@ -255,9 +432,13 @@ def drive(args: argparse.Namespace) -> None:
                 ).stdout.strip().splitlines()[-1]  # fmt: skip
                 row = json.loads(line)
                 results[mode].append(row)
+                workers = " ".join(f"worker GIL {w['held_s']:.2f}s CPU {w['cpu_s']:.2f}s "
+                                   f"({w['samples']} samples)"
+                                   for w in row.get("workers", []))  # fmt: skip
                 print(f"run {run} {mode:18s} {row['wall_s']:6.2f}s cpu {row['cpu_s']:5.2f}s "
                       f"GIL {100 * row['gil_fraction']:4.1f}% = {row['gil_s']:.2f}s "
-                      f"({row['samples']} samples)", file=sys.stderr, flush=True)  # fmt: skip
+                      f"({row['samples']} samples) {workers}",
+                      file=sys.stderr, flush=True)  # fmt: skip
     shutil.rmtree(work, ignore_errors=True)
     print(report(results, args))
     Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
@@ -285,6 +466,27 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
         lines.append(
             f"| {mode} | {wall:.2f} | {cpu:.2f} | {100 * frac:.0f}% | {gil:.3f} | {bound} | "
             f"{cpu * NODE_GB_S:.0f} |"
+        )
+    procs = {m: rows for m, rows in results.items() if rows and rows[0].get("workers")}
+    if procs:
+        lines += [
+            "",
+            "Multi-process modes: the GIL of each process, seconds held per GB that process "
+            "moved (a worker: the pull's bytes / workers, the shares being equal in bytes; the "
+            "parent: per GB of the pull)",
+            "",
+            "| mode | parent GIL s / GB | worker GIL s / GB (each, median of runs) | one worker, "
+            "GIL-bound: GB/s | workers for 12.5 GB/s |",
+            "|---|--:|--:|--:|--:|",
+        ]
+    for mode, rows in procs.items():
+        gb = rows[0]["bytes"] / GB
+        parent = statistics.median(r["gil_s"] for r in rows) / gb
+        per = [w["held_s"] / (gb / len(r["workers"])) for r in rows for w in r["workers"]]
+        worker = statistics.median(per)
+        lines.append(
+            f"| {mode} | {parent:.3f} | {worker:.3f} ({', '.join(f'{x:.2f}' for x in per)}) | "
+            f"{1 / worker:.1f} | {NODE_GB_S * worker:.1f} |"
         )
     return "\n".join(lines)
 

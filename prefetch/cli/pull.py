@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -13,14 +14,15 @@ from prefetch.cli.help import HelpCommand
 from prefetch.pipeline.progress import NullProgress, ProgressSink, TerminalProgress
 from prefetch.pipeline.spec import ModelSpec, SpecError, layout_kind, parse_source_uri
 from prefetch.pipeline.sync import SyncResult
-from prefetch.pipeline.transfer import TransferConfig
+from prefetch.pipeline.transfer import Transfer, TransferConfig
 from prefetch.support.errors import (
     ConfigError,
 )
 from prefetch.support.units import format_bytes
 
 if TYPE_CHECKING:
-    from prefetch.sources import Source
+    from prefetch.pipeline.sync import EngineFactory
+    from prefetch.sources import Source, SourceSettings
 from prefetch.cli.common import (
     NoteWhenStarted,
     ca_bundle_option,
@@ -99,16 +101,41 @@ def open_pull_source(
     token: str | None,
 ) -> Source:
     """``prefetch pull``'s source, opened by the one front door with the command's flags."""
-    from prefetch.sources import SourceSettings, open_source
+    from prefetch.sources import open_source
 
-    reach = SourceSettings(
+    reach = pull_settings(config, s3_endpoint=s3_endpoint, hub_endpoint=hub_endpoint, token=token)
+    return open_source(spec, reach, layout=layout_name)  # pull_spec checked the layout
+
+
+def pull_settings(
+    config: TransferConfig, *, s3_endpoint: str | None, hub_endpoint: str | None, token: str | None
+) -> SourceSettings:
+    """How ``prefetch pull`` reaches its source (also each ``--processes`` worker's)."""
+    from prefetch.sources import SourceSettings
+
+    return SourceSettings(
         s3_endpoint=s3_endpoint or None,
         hub_endpoint=hub_endpoint or None,
         token=token or None,
         concurrency=config.concurrency,
         retry=config.retry,
     )
-    return open_source(spec, reach, layout=layout_name)  # pull_spec checked the layout
+
+
+def pull_engine(
+    processes: str, spec: ModelSpec, layout_name: str | None, settings: SourceSettings
+) -> EngineFactory:
+    """The engine ``--processes`` asks for: this process's Transfer (1), or worker processes
+    (the module only imported then)."""
+    if processes.strip() == "1":
+        return Transfer
+    from prefetch.pipeline.transfer_procs import ProcessEngine, SourceRecipe, parse_processes
+
+    count = parse_processes(processes)
+    if count == 1:
+        return Transfer
+    recipe = SourceRecipe(spec, settings, layout_name)
+    return functools.partial(ProcessEngine, recipe=recipe, processes=count)
 
 
 @click.command(
@@ -118,8 +145,8 @@ def open_pull_source(
         ("Source", ["include", "exclude", "revision", "token", "endpoint", "endpoint_url",
                     "proxy", "mirrors", "hub_fallback"]),
         ("Destination", ["layout_name", "hf_repo", "hf_revision", "name", "delete"]),
-        ("Performance", ["concurrency", "chunk_size", "attempts", "min_rate", "stall_timeout",
-                         "deadline", "warm", "warm_memory_share"]),
+        ("Performance", ["concurrency", "processes", "chunk_size", "attempts", "min_rate",
+                         "stall_timeout", "deadline", "warm", "warm_memory_share"]),
         ("Verification", ["require_checksum", "no_verify"]),
         ("Output", ["as_json", "progress"]),
     ],
@@ -186,6 +213,11 @@ def open_pull_source(
 @click.option("--warm-memory-share", default=0.5, show_default=True, metavar="SHARE",
               type=click.FloatRange(0.0, 1.0, min_open=True),
               help="The share of available memory a warm-up may fill.")  # fmt: skip
+@click.option("--processes", default="1", envvar="PREFETCH_PROCESSES", show_default=True,
+              metavar="N|auto",
+              help="Worker processes sharing the files (auto: one per core; --concurrency is "
+              "their total). One process holds Python's GIL ~0.4 s per GB; see "
+              "docs/performance.md.")  # fmt: skip
 @transfer_options
 @json_even_on_failure(lambda params: SyncResult(model=params["name"], source=params["uri"]))
 def pull(
@@ -210,6 +242,7 @@ def pull(
     progress: bool | None,
     warm: bool,
     warm_memory_share: float,
+    processes: str,
     record: SyncResult,
     **transfer: Any,
 ) -> None:
@@ -220,6 +253,7 @@ def pull(
     from prefetch.pipeline.compose import Pipeline
     from prefetch.pipeline.compose import warm as warm_up
     from prefetch.pipeline.layout import layout_for
+    from prefetch.sources import open_source
 
     config = make_config(**transfer)
     spec, _ = pull_spec(
@@ -232,12 +266,11 @@ def pull(
     root = writable_destination(dest)
     record.path = str(root)
     with removed_if_empty_on_failure(made):
-        source = open_pull_source(
-            spec, layout_name, config, s3_endpoint=endpoint_url, hub_endpoint=endpoint, token=token
-        )
+        reach = pull_settings(config, s3_endpoint=endpoint_url, hub_endpoint=endpoint, token=token)
+        source = open_source(spec, reach, layout=layout_name)  # pull_spec checked the layout
         pipeline = Pipeline(
             spec, source, lambda s, kind: layout_for(s, root, layout_name=kind),
-            layout_name=layout_name,
+            layout_name=layout_name, engine=pull_engine(processes, spec, layout_name, reach),
         )  # fmt: skip
         show = sys.stderr.isatty() if progress is None else progress
         bar: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()

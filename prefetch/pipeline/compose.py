@@ -24,8 +24,15 @@ from prefetch.pipeline.layout import Layout
 from prefetch.pipeline.progress import ProgressSink
 from prefetch.pipeline.snapshot import Snapshot
 from prefetch.pipeline.spec import ModelSpec, SpecError, layout_kind
-from prefetch.pipeline.sync import Plan, SyncResult, execute, prepare, resolve_within
-from prefetch.pipeline.transfer import TransferConfig
+from prefetch.pipeline.sync import (
+    EngineFactory,
+    Plan,
+    SyncResult,
+    execute,
+    prepare,
+    resolve_within,
+)
+from prefetch.pipeline.transfer import Transfer, TransferConfig
 from prefetch.sources.base import Source
 
 if TYPE_CHECKING:
@@ -77,7 +84,8 @@ class Pipeline:
     ``hf_repo`` is published under the repo id its metadata records; off, that is a SpecError
     on ``hf_repo`` (the agent, whose cache index is read offline, needs the id in its config).
     ``flag``: the deadline's setting, named when resolving outlasts it. ``refused``: the error
-    a broken spec rule found at resolve is told as (the agent names its config's keys)."""
+    a broken spec rule found at resolve is told as (the agent names its config's keys).
+    ``engine``: what runs the transfer (``prefetch pull --processes``: worker processes)."""
 
     def __init__(
         self,
@@ -90,6 +98,7 @@ class Pipeline:
         flag: str = "--deadline",
         hooks: Hooks | None = None,
         refused: Callable[[SpecError], Exception] = lambda exc: exc,
+        engine: EngineFactory = Transfer,
     ) -> None:
         self.spec = spec
         self.source = source
@@ -99,6 +108,7 @@ class Pipeline:
         self._flag = flag
         self._hooks = hooks or Hooks()
         self._refused = refused
+        self._engine = engine
 
     def resolve(self, seconds: float | None, *, stop: threading.Event | None = None) -> Resolved:
         """The snapshot (within ``seconds``, interrupted by ``stop``) and where it goes."""
@@ -165,6 +175,7 @@ class Pipeline:
                 result = execute(
                     plan, transfer, progress=progress, stop=stop, delete=delete,
                     superseded_grace=superseded_grace, so_far=so_far, check_space=not made_room,
+                    engine=self._engine,
                 )  # fmt: skip
         return resolved, result
 

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, overload
+from typing import Any, Protocol, overload
 
 from prefetch.pipeline import verify
 from prefetch.pipeline.deadline import Alarms, call_with_deadline, stop_interrupts
@@ -50,6 +50,32 @@ from prefetch.support.errors import (
 from prefetch.support.units import format_bytes
 
 log = logging.getLogger(__name__)
+
+
+class Engine(Protocol):
+    """What runs a plan's files: :class:`~prefetch.pipeline.transfer.Transfer` (one process), or
+    :class:`~prefetch.pipeline.transfer_procs.ProcessEngine` (worker processes, ``--processes``)."""
+
+    stats: TransferStats
+
+    def run(self, files: list[RemoteFile]) -> TransferStats: ...
+
+
+class EngineFactory(Protocol):
+    """Makes the :class:`Engine` of one execute (Transfer's constructor is one)."""
+
+    def __call__(
+        self,
+        source: Source,
+        staging_dir: Path,
+        publish: PublishFn,
+        config: TransferConfig,
+        *,
+        progress: ProgressSink | None = None,
+        stop: threading.Event | None = None,
+    ) -> Engine: ...
+
+
 #: Kept free on the destination's filesystem beyond what a pull needs.
 SPACE_MARGIN = 64 * 1024 * 1024
 
@@ -309,11 +335,13 @@ def execute(
     superseded_grace: float = 0.0,
     so_far: SyncResult | None = None,
     check_space: bool = True,
+    engine: EngineFactory = Transfer,
 ) -> SyncResult:
     """Phase two of a sync: transfer the planned files, verify and publish each, then commit
     the snapshot. ``check_space=False`` when the caller already made room for
     ``plan.bytes_needed`` (the agent does, keeping its own margin). ``delete`` and
-    ``superseded_grace``: see :func:`sync`. Does not release the plan's lock."""
+    ``superseded_grace``: see :func:`sync`. ``engine``: what runs the files (publishing stays
+    here, in this process, whatever runs them). Does not release the plan's lock."""
     spec, layout, todo = plan.spec, plan.layout, plan.files
     progress = progress or NullProgress()
     result = so_far if so_far is not None else SyncResult(spec.name, str(spec.source))
@@ -322,7 +350,7 @@ def execute(
         check_free_space(layout, plan.bytes_needed)
     clock = _PhaseClock(progress)
     clock.start(spec.name, plan.bytes_to_fetch, len(todo))
-    transfer = Transfer(
+    transfer = engine(
         plan.source,
         layout.staging_dir(),
         clock.publisher(layout.publish),

@@ -44,6 +44,21 @@ class ReadsLocalTree(Protocol):
     def refuse_destination(self, folders: tuple[Path, ...]) -> None: ...
 
 
+@runtime_checkable
+class ReadsInWorkers(Protocol):
+    """A source whose resolved files another process can read (``prefetch pull --processes``):
+    that process opens its own source from the same spec and settings (the front door,
+    :func:`prefetch.sources.open_source`) and, instead of resolving again, ``adopt``s what this
+    one's resolve found, as ``resolved()`` states it (a small picklable value)."""
+
+    def resolved(self) -> object: ...
+
+    def adopt(self, resolved: object) -> None:
+        """Read the files of the snapshot another process resolved (``resolved``: its source's
+        ``resolved()``), set up as a resolve would have (may make a request)."""
+        ...
+
+
 class RangeReader(Protocol):
     """An open ranged read: fill buffers until the range is exhausted (readinto returns 0).
 

@@ -8,6 +8,7 @@ The probe is part of the resolve, the one place a snapshot is made: one listing 
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -18,10 +19,13 @@ from prefetch.pipeline.spec import ModelSpec, SourceURI
 from prefetch.sources.base import RangeReader, Source
 from prefetch.sources.s3.source import S3Source
 from prefetch.sources.s3_mirror.source import MirrorSource
+from prefetch.support.errors import AccessDeniedError
 
 if TYPE_CHECKING:
     from prefetch.sources.s3.sdk import S3Client
     from prefetch.sources.s3.source import LazyS3Client
+
+log = logging.getLogger(__name__)
 
 #: The layout a mirror prefix's snapshot is published in: the Hub's (its files are a commit's).
 MIRROR_LAYOUT = "hf"
@@ -71,6 +75,27 @@ class S3PrefixSource:
         if serving is self._mirror:
             return replace(snapshot, layout=MIRROR_LAYOUT)
         return snapshot
+
+    def resolved(self) -> object:
+        """What the last resolve chose (for :class:`~prefetch.sources.base.ReadsInWorkers`):
+        ``"mirror"`` or ``"objects"``."""
+        return "mirror" if self.serving is self._mirror else "objects"
+
+    def adopt(self, resolved: object) -> None:
+        """Read what another process's resolve chose (its :meth:`resolved`), without listing
+        the prefix: the mirror sets up its signed path on its first read; the objects are
+        read on the transport seam once one listing of a key has set it up, as a resolve's
+        listing would (a listing the credentials may not make leaves them on botocore)."""
+        serving: Source = self._objects
+        if resolved == "mirror" and self._mirror is not None:
+            serving = self._mirror
+        else:
+            try:
+                self._objects.ensure_signed_path()
+            except AccessDeniedError as exc:
+                log.debug("reads of the prefix stay on botocore: %s", exc)
+        with self._lock:
+            self._serving = serving
 
     def describe(self, file: RemoteFile) -> RemoteFile:
         return self.serving.describe(file)
