@@ -109,3 +109,8 @@ def test_no_scheme_is_compared_outside_its_backend() -> None:
         if _COMPARISON.search(line)
     ]
     assert found == []
+
+
+def test_prefetch_mirror_reads_only_the_backends_that_say_so() -> None:
+    """A new backend is not read by ``prefetch mirror`` until its writer path is built."""
+    assert [b.scheme for b in backends() if b.mirrored_from] == ["hf", "s3", "oci"]

@@ -122,7 +122,7 @@ def mirror(
         raise ConfigError(
             f"prefetch mirror does not read {src!r}: its sources are "
             + ", ".join(f"{b.scheme}://" for b in backends() if b.mirrored_from),
-            hint="upload a directory with the bucket's own tools (aws s3 sync, oras push)",
+            hint="copy it with its own tools (gcloud storage, azcopy, aws s3 sync, oras push)",
         )
     if dst.strip().startswith("oci://"):  # a registry: a ModelPack artifact, or a copy
         _mirror_to_registry(src, dst, revision, token, endpoint, proxy, ca_bundle, concurrency,

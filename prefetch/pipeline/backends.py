@@ -102,7 +102,7 @@ class Backend:
     #: pushed as a ModelPack artifact), ``"copy"`` (the artifact copied by digest); None: not
     to_registry: str | None = None
     #: ``prefetch mirror`` reads it (a Hub commit, an S3 prefix, a registry's artifact)
-    mirrored_from: bool = True
+    mirrored_from: bool = False
     #: compile caches are published here (``compileCaches[].source``)
     holds_compile_caches: bool = False
 

@@ -27,7 +27,6 @@ class FileBackend(Backend):
     usage_rank = 5
     has_revisions = False
     #: a directory is uploaded by the tools that write a bucket (``aws s3 sync``), not mirrored
-    mirrored_from = False
 
     def parse(self, uri: str, text: str, parts: SplitResult) -> SourceURI:
         """The absolute path after ``file://`` (or ``file://localhost``), taken as written: no

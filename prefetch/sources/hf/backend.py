@@ -21,6 +21,7 @@ class HubBackend(Backend):
     scheme = "hf"
     usage = "hf://org/name"
     usage_rank = 1
+    mirrored_from = True
     mirror_scheme = "s3"
     offline_ref = None
     mirrors_commits = True

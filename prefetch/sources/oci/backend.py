@@ -37,6 +37,7 @@ class OciBackend(Backend):
     scheme = "oci"
     usage = "oci://registry/repo:tag"
     usage_rank = 2
+    mirrored_from = True
     mirror_scheme = "oci"
     holds_mirrors = True
     registry = True

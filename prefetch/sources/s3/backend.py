@@ -26,6 +26,7 @@ class S3Backend(Backend):
     scheme = "s3"
     usage = "s3://bucket/prefix"
     usage_rank = 0
+    mirrored_from = True
     holds_mirrors = True
     has_revisions = False
     holds_compile_caches = True
