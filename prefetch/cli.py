@@ -621,7 +621,8 @@ def open_pull_source(
               type=click.FloatRange(0.0, 1.0, min_open=True),
               help="The share of available memory a warm-up may fill.")  # fmt: skip
 @transfer_options
-@json_even_on_failure(lambda params: SyncResult(model=params["name"], source=params["uri"]))
+# the URI as given, a signed query (an Azure SAS) masked: the summary is printed
+@json_even_on_failure(lambda p: SyncResult(model=p["name"], source=redact(p["uri"])))
 def pull(
     uri: str,
     dest: str,

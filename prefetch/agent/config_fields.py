@@ -413,6 +413,8 @@ _SOURCE_SHAPES = {
     "s3": r"s3://[a-z0-9][a-z0-9._-]{1,254}(/[!-~]*)?",
     "hf": rf"hf://{_HF_ORG}(/{_SEGMENT})?(@{_REF_PART}(/{_REF_PART})*)?",
     "oci": rf"oci://{_OCI_HOST}/{_OCI_REPO}{_OCI_REF}?",
+    "az": r"(az://[a-z0-9]{3,24}|https://[a-z0-9]{3,24}\.blob\.core\.windows\.net)"
+    r"/([a-z0-9][a-z0-9-]{2,62}|\$root)(/[!-~]*)?",
 }
 _PATH_SEGMENT = r"[A-Za-z0-9._~!$&'()*+,;=:@%-]+"
 #: Mirrors are written as the agent spells them back but for an S3 prefix's last ``/`` (a

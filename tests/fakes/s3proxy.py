@@ -100,6 +100,9 @@ class S3FaultProxy:
                     if k.lower() not in drop:
                         self.send_header(k, v)
                 data = resp.read()
+                if resp.getheader("Content-Length") is None and self.command != "HEAD":
+                    # a chunked answer (Azurite's listings) is sent whole: say its length
+                    self.send_header("Content-Length", str(len(data)))
                 self.send_header("Connection", "keep-alive")
                 self.end_headers()
                 if self.command == "HEAD":

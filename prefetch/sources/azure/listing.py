@@ -38,7 +38,7 @@ def parse_blob_page(body: bytes) -> BlobPage:
     parser.SetParamEntityParsing(expat.XML_PARAM_ENTITY_PARSING_NEVER)
     parser.StartDoctypeDeclHandler = reader.refuse
     parser.EntityDeclHandler = reader.refuse
-    parser.ExternalEntityRefHandler = reader.refuse
+    parser.ExternalEntityRefHandler = reader.refuse_external
     parser.StartElementHandler = reader.start
     parser.EndElementHandler = reader.end
     parser.CharacterDataHandler = reader.text
@@ -63,6 +63,9 @@ class _Reader:
 
     def refuse(self, *_: object) -> None:
         raise MalformedListingPage("a document type or entity declaration (refused)")
+
+    def refuse_external(self, *_: object) -> int:
+        raise MalformedListingPage("an external entity reference (refused)")
 
     def start(self, name: str, _attributes: Mapping[str, str]) -> None:
         self.path.append(name)

@@ -278,7 +278,7 @@ class _Md5Ranges:
     def __init__(self, source: AzureBlobSource, file: RemoteFile, start: int, end: int) -> None:
         self._source = source
         self._file = file
-        self._next = start
+        self._next = self._first = start
         self._end = end
         self._reader: BodyReader | None = None
         self._left = 0
@@ -289,6 +289,7 @@ class _Md5Ranges:
 
     def _open(self) -> None:
         stop = min(self._next + MD5_RANGE, self._end)
+        self._first = self._next
         self._reader, self._expected = self._source.get_range(
             self._file, self._next, stop, range_md5=True
         )
@@ -313,9 +314,9 @@ class _Md5Ranges:
         got = base64.b64encode(self._hash.digest()).decode()
         if got != self._expected:
             raise ChecksumMismatchError(
-                f"{self._file.path}: bytes up to {self._next} have MD5 {got}, the service "
-                f"states {self._expected}"
-            )
+                self._file.path, f"md5 of bytes {self._first}-{self._next - 1}", self._expected,
+                got,
+            )  # fmt: skip
         if self._next < self._end and not self._aborted:
             self._open()
 
