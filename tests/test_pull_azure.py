@@ -319,8 +319,14 @@ def entra_jwt() -> str:
 
     now = int(time.time())
     tenant = "ab1f708d-50f6-404c-a006-d71b2ac7a606"
-    claims = {"aud": "https://storage.azure.com", "iss": f"https://sts.windows.net/{tenant}/",
-              "iat": now - 60, "nbf": now - 60, "exp": now + 3600, "oid": "x", "tid": tenant}  # fmt: skip
+    claims = {
+        "aud": "https://storage.azure.com",
+        "iss": f"https://sts.windows.net/{tenant}/",
+        "iat": now - 60,
+        "nbf": now - 60,
+        "exp": now + 3600,
+        "tid": tenant,
+    }
     return f"{part({'alg': 'RS256', 'typ': 'JWT'})}.{part(claims)}.c2ln"
 
 
