@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -57,6 +58,7 @@ from prefetch.sync import SyncResult, sync
 from prefetch.transfer import Cancelled, TransferConfig
 from prefetch.verify import new_hasher
 
+from .fakes.azurite import Azurite
 from .fakes.hubserver import HubFile, HubServer
 from .fakes.registry import Registry
 from .fakes.s3proxy import S3FaultProxy
@@ -424,8 +426,66 @@ class OciCase(SourceCase):
     fetches_from_start = S3Case.fetches_from_start
 
 
-CASES = ["s3", "hub", "mirror", "oci"]
-CASE_CLASSES: tuple[type[SourceCase], ...] = (S3Case, HubCase, MirrorCase, OciCase)
+class AzureCase(SourceCase):
+    """Azurite (Microsoft's emulator, checking SharedKey signatures) through the same fault
+    proxy, the model uploaded with the SDK (single puts: each blob has its Content-MD5), read
+    with the account key. Every fault fits: Azure answers a replaced blob's If-Match with 412,
+    throttles with 503 ServerBusy (the proxy's 429 and 503 stand in), and a body cut, ignored
+    range, trickle or flipped byte are the wire's, whatever the server."""
+
+    id = "az"
+    scheme = "az"
+    container = "conform"
+
+    def __init__(self, model: dict[str, Path], azurite: Azurite, tls: TestCA) -> None:
+        super().__init__(model)
+        self.azurite, self.tls = azurite, tls
+        self.prefix = f"m{next(_AZURE_PREFIXES)}/"
+        azurite.upload(self.container, self.prefix, {r: p.read_bytes() for r, p in model.items()})
+        self.proxy = S3FaultProxy(azurite.base, tls, role="mirror").__enter__()
+
+    def close(self) -> None:
+        self.proxy.__exit__(None, None, None)
+
+    @property
+    def url(self) -> str:
+        return self.proxy.endpoint
+
+    def key(self, path: str) -> str:
+        return f"{self.container}/{self.prefix}{path}"
+
+    def replace(self, path: str, data: bytes) -> None:
+        self.azurite.upload(self.container, self.prefix, {path: data})
+
+    def pull(self, dest, config=CONFIG, *, progress=None, stop=None):  # type: ignore[no-untyped-def]
+        from prefetch.sources.azure.auth import Account, SharedKey
+        from prefetch.sources.azure.source import AzureBlobSource
+
+        from .fakes.azurite import ACCOUNT, KEY
+
+        spec = ModelSpec(source=parse_source_uri(f"az://{ACCOUNT}/{self.container}/{self.prefix}"))
+        pool = self.tls_pool()
+        key = SharedKey(ACCOUNT, KEY, "test")
+        account = Account(ACCOUNT, f"{self.proxy.endpoint}/{ACCOUNT}", key)
+        try:
+            source = AzureBlobSource(spec.source, account, pool, retry=config.retry)
+            return sync(spec, source, PlainLayout(dest), config, progress=progress, stop=stop)
+        finally:
+            pool.clear()
+
+    published = S3Case.published
+    partial_dir = S3Case.partial_dir
+    cut = S3Case.cut
+    refuse = S3Case.refuse
+    ignore_range = S3Case.ignore_range
+    trickle = S3Case.trickle
+    corrupt = S3Case.corrupt
+    fetches_from_start = S3Case.fetches_from_start
+
+
+_AZURE_PREFIXES = itertools.count()
+CASES = ["s3", "hub", "mirror", "oci", "az"]
+CASE_CLASSES: tuple[type[SourceCase], ...] = (S3Case, HubCase, MirrorCase, OciCase, AzureCase)
 
 
 def test_every_backend_of_the_registry_has_a_case_here() -> None:
@@ -446,6 +506,8 @@ def case(
     made: SourceCase
     if request.param == "oci":
         made = OciCase(model, request.getfixturevalue("registry"), test_ca)
+    elif request.param == "az":
+        made = AzureCase(model, request.getfixturevalue("azurite"), test_ca)
     elif request.param in ("s3", "mirror"):
         server = request.getfixturevalue("s3_server")
         client = request.getfixturevalue("s3_client")

@@ -79,7 +79,8 @@ class S3FaultProxy:
                 query = self.path.split("?", 1)[1] if "?" in self.path else ""
                 proxy.requests.append((self.command, key, query))
                 if self.command == "GET":
-                    proxy.get_ranges.append((key, self.headers.get("Range")))
+                    ranged = self.headers.get("Range") or self.headers.get("x-ms-range")
+                    proxy.get_ranges.append((key, ranged))  # (x-ms-range: Azure's)
                     refusal = proxy._refusal(key)
                     if refusal is not None:
                         self._refuse(*refusal)
