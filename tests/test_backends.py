@@ -29,8 +29,8 @@ def test_an_unknown_scheme_names_every_backends_uris_in_one_order() -> None:
     with pytest.raises(ConfigError) as e:
         parse_source_uri("gs://bucket/x")
     assert str(e.value) == (
-        "unsupported source URI 'gs://bucket/x': expected s3://bucket/prefix, hf://org/name or "
-        "oci://registry/repo:tag"
+        "unsupported source URI 'gs://bucket/x': expected s3://bucket/prefix, hf://org/name, "
+        "oci://registry/repo:tag or az://account/container/prefix"
     )
     with pytest.raises(ValueError, match="no backend for scheme 'gs'"):
         backend("gs")
@@ -47,7 +47,8 @@ def test_loading_the_registry_imports_no_backends_code_that_reads_the_network() 
     probe = (
         "import json, sys\n"
         "from prefetch.spec import ModelSpec, parse_source_uri\n"
-        "for u in ('s3://b-k/m/', 'hf://org/name@main', 'oci://reg.io/org/m:v1'):\n"
+        "for u in ('s3://b-k/m/', 'hf://org/name@main', 'oci://reg.io/org/m:v1',\n"
+        "          'az://acct1/models/m'):\n"
         "    str(ModelSpec(source=parse_source_uri(u)))\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
@@ -58,6 +59,8 @@ def test_loading_the_registry_imports_no_backends_code_that_reads_the_network() 
     sources = [m for m in loaded if m.startswith("prefetch.sources.")]
     assert heavy == []
     assert sorted(sources) == [
+        "prefetch.sources.azure",
+        "prefetch.sources.azure.backend",
         "prefetch.sources.base",
         "prefetch.sources.hf_backend",
         "prefetch.sources.oci_backend",

@@ -88,7 +88,8 @@ def test_every_key_is_in_the_reference_and_the_schema() -> None:
 
 def test_source_schemes_come_from_the_spec(monkeypatch: pytest.MonkeyPatch) -> None:
     """A scheme a backend declares (prefetch.backends) reaches the schema with no other edit."""
-    examples = {"hf": "hf://org/name", "s3": "s3://bkt/p/", "oci": "oci://reg.io/repo:v1"}
+    examples = {"hf": "hf://org/name", "s3": "s3://bkt/p/", "oci": "oci://reg.io/repo:v1",
+                "az": "az://acct1/models/m"}  # fmt: skip
     for scheme in SOURCE_SCHEMES:
         doc = {"models": [{"name": "a", "source": examples.get(scheme, f"{scheme}://x")}]}
         assert schema_accepts(doc), scheme
@@ -96,6 +97,9 @@ def test_source_schemes_come_from_the_spec(monkeypatch: pytest.MonkeyPatch) -> N
         doc = {"models": [{"name": "a", "source": examples[source], "mirrors": f"{mirror}://mm"}]}
         assert schema_accepts(doc), mirror
     assert not schema_accepts({"models": [{"name": "a", "source": "ftp://x/y"}]})
+    portal = "https://acct1.blob.core.windows.net/models/m/"
+    assert schema_accepts({"models": [{"name": "a", "source": portal}]})
+    assert not schema_accepts({"models": [{"name": "a", "source": "https://example.com/m"}]})
     assert not schema_accepts({"models": [{"name": "a", "source": "hf://o/n",
                                            "mirrors": ["hf://o/m"]}]})  # fmt: skip
     gs = {"models": [{"name": "a", "source": "gs://bucket/prefix/"}]}
