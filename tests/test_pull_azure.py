@@ -31,6 +31,7 @@ from prefetch.sync import sync
 from .fakes.azurite import ACCOUNT, INSTALL_HINT, KEY, Azurite, azurite_program
 from .fakes.s3proxy import S3FaultProxy
 from .support import FAST, AgentThread, config_text, is_ready, journaled_bytes, run_cli, wait_for
+from .tls import TestCA
 
 MiB = 1024 * 1024
 CONTAINER = "models"
@@ -373,3 +374,144 @@ def test_the_agent_syncs_an_az_model_to_ready(azurite, tmp_path, monkeypatch):
     with AgentThread(agent):
         wait_for(lambda: is_ready(agent, "azm"), "the az:// model to be ready", timeout=60)
     assert tree(cache / "models" / "azm") == files
+
+
+class TokenEndpoint:
+    """A managed identity's token endpoint (App Service's ``IDENTITY_ENDPOINT`` protocol, which
+    azure-identity speaks), scripted: answers every request with ``token``."""
+
+    def __init__(self, token: str, tls: TestCA) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler
+
+        from .fakes.tlsserver import TLSThreadingHTTPServer
+
+        self.requests: list[tuple[str, dict[str, str]]] = []
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                endpoint.requests.append((self.path, dict(self.headers.items())))
+                body = json.dumps({
+                    "access_token": token, "expires_on": str(int(time.time()) + 3600),
+                    "resource": "https://storage.azure.com", "token_type": "Bearer",
+                }).encode()  # fmt: skip
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self._server = TLSThreadingHTTPServer(("127.0.0.1", 0), Handler, tls.server_context())
+        self.url = f"{tls.url(self._server.server_address[1])}/msi/token"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def test_entra_through_azure_identity_pulls_with_a_managed_identity(
+    test_ca, tmp_path, azurite_program_path, az_env
+):
+    """The CLI with no key, a managed identity's endpoint in the environment: azure-identity's
+    DefaultAzureCredential gets the token, Azurite (``--oauth basic``) accepts it, and -vv
+    never prints it."""
+    token = entra_jwt()
+    endpoint = TokenEndpoint(token, test_ca)
+    try:
+        with Azurite(azurite_program_path, tmp_path / "oauth", test_ca, oauth=True) as server:
+            files = {"config.json": b"{}", "w.safetensors": random_bytes(3 * MiB, "entra")}
+            server.upload(CONTAINER, "mi/", files)
+            env = {k: v for k, v in az_env.items() if k != "AZURE_STORAGE_KEY"}
+            env.update(
+                AZURE_STORAGE_BLOB_ENDPOINT=server.endpoint,
+                IDENTITY_ENDPOINT=endpoint.url,
+                IDENTITY_HEADER="header-of-the-identity",
+            )
+            run = run_cli("-vv", "pull", f"az://{ACCOUNT}/{CONTAINER}/mi", str(tmp_path / "d"),
+                          env=env)  # fmt: skip
+            assert run.returncode == 0, run.stderr[-3000:]
+            assert tree(tmp_path / "d") == files
+            assert token.split(".")[1] not in run.stdout + run.stderr
+            path, headers = endpoint.requests[0]
+            assert "resource=https" in path and "storage.azure.com" in path
+            assert headers.get("X-IDENTITY-HEADER") == "header-of-the-identity"
+            no_identity = {k: v for k, v in env.items() if k != "IDENTITY_ENDPOINT"}
+            refused = run_cli("pull", f"az://{ACCOUNT}/{CONTAINER}/mi", str(tmp_path / "e"),
+                              env=no_identity)  # fmt: skip
+            assert refused.returncode != 0
+            assert "access denied with no credentials" in refused.stderr, refused.stderr
+    finally:
+        endpoint.close()
+
+
+# -- hostile servers -----------------------------------------------------------------------------
+
+
+class Recorder:
+    """An HTTPS server recording every request, answering each with ``status`` and
+    ``headers``."""
+
+    def __init__(self, tls: TestCA, status: int, headers: dict[str, str]) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler
+
+        from .fakes.tlsserver import TLSThreadingHTTPServer
+
+        self.requests: list[tuple[str, dict[str, str]]] = []
+        recorder = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                recorder.requests.append((self.path, dict(self.headers.items())))
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        self._server = TLSThreadingHTTPServer(("127.0.0.1", 0), Handler, tls.server_context())
+        self.port = self._server.server_address[1]
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+@pytest.mark.parametrize("credential", ["key", "sas"])
+def test_a_redirect_to_another_host_is_not_followed_and_gets_no_credential(
+    test_ca: TestCA, credential: str
+) -> None:
+    from prefetch.errors import SourceError
+    from prefetch.sources._http import make_http_pool
+    from prefetch.sources.azure.auth import Account, Sas, SharedKey
+    from prefetch.sources.azure.source import AzureBlobSource
+
+    other = Recorder(test_ca, 200, {})
+    target = f"https://{test_ca.host_for('proxy')}:{other.port}/stolen"
+    origin = Recorder(test_ca, 307, {"Location": target})
+    try:
+        endpoint = f"{test_ca.url(origin.port, 'hub')}/{ACCOUNT}"
+        cred = SharedKey(ACCOUNT, KEY, "test") if credential == "key" else Sas(
+            "sv=2021-12-02&sp=rl&sig=S3cretSig%3D", "test"
+        )  # fmt: skip
+        spec = ModelSpec(source=parse_source_uri(f"az://{ACCOUNT}/{CONTAINER}/m"))
+        pool = make_http_pool(4, ca_certs=str(test_ca.ca_file))
+        source = AzureBlobSource(spec.source, Account(ACCOUNT, endpoint, cred), pool)
+        with pytest.raises(SourceError, match=r"answered 307 \(a redirect: not followed") as err:
+            source.resolve(spec)
+        assert "S3cretSig" not in str(err.value)
+        assert len(origin.requests) >= 1
+        assert other.requests == []  # never followed: neither the key's signature nor the SAS
+    finally:
+        origin.close()
+        other.close()

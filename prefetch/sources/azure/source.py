@@ -120,12 +120,16 @@ class AzureBlobSource:
         """One signed GET; an error answer raises the package's error naming ``what``."""
         headers = {**request_headers(), **headers}
         url = self._account.credential.authorize("GET", url, headers)
+        # the Authorization header goes only to the account's endpoint (the seam's rule)
+        secret = (
+            {"Authorization": headers.pop("Authorization")} if "Authorization" in headers else {}
+        )
         ticket = self.pace.acquire(SCOPE.raise_if_aborted)
         try:
             try:
                 answer: Response = send(
                     self._http, "GET", url, headers=headers, timeout=self._timeout,
-                    credentials_origin=self._account.endpoint,
+                    credentials=secret, credentials_origin=self._account.endpoint,
                 )  # fmt: skip
             except PrefetchError:
                 raise
@@ -349,6 +353,8 @@ def _error(what: str, status: int, code: str, message: str, account: Account) ->
     """The package's error for an error answer of the Blob service."""
     said = f"{code}: {message}" if code and message else code or message or f"HTTP {status}"
     anonymous = isinstance(account.credential, Anonymous)
+    if 300 <= status < 400:  # the Blob service never redirects: a credential stays here
+        return SourceError(f"{what}: the server answered {status} (a redirect: not followed)")
     if status == 503 or code == "ServerBusy":
         return ThrottledError(f"{what}: {said}")
     if status >= 500 or status in (408, 429):
