@@ -188,7 +188,8 @@ def test_a_blob_replaced_mid_pull_is_caught_by_if_match(azurite, tmp_path, monke
     snapshot = source.resolve(spec)
     shard = snapshot.file("model-00002-of-00002.safetensors")
     azurite.upload(CONTAINER, "swap/", {shard.path: b"another version"})
-    with pytest.raises(SourceChangedError, match="changed"):
+    # the service refused the pinned read (If-Match: 412 ConditionNotMet)
+    with pytest.raises(SourceChangedError, match="changed during the download .ConditionNotMet"):
         source.open_range(shard, 0, 1024)
     with pytest.raises(SourceChangedError):
         sync(spec, source, PlainLayout(tmp_path / "d"), FAST, snapshot=snapshot)
