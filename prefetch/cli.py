@@ -568,6 +568,8 @@ def open_pull_source(
          "--json"),
         ("An OCI model artifact (ModelPack, KitOps), by tag",
          "prefetch pull oci://ghcr.io/org/llama:v1 /models/llama"),
+        ("An Azure Blob container's folder (AZURE_STORAGE_KEY, a SAS, or Microsoft Entra)",
+         "prefetch pull az://myaccount/models/llama /models/llama"),
         ("A Hub model through an S3 mirror first",
          "prefetch pull hf://org/name /mnt/models/huggingface "
          "--mirror s3://my-mirror/hf/org/name/"),

@@ -189,7 +189,7 @@ def test_a_blob_replaced_mid_pull_is_caught_by_if_match(azurite, tmp_path, monke
     shard = snapshot.file("model-00002-of-00002.safetensors")
     azurite.upload(CONTAINER, "swap/", {shard.path: b"another version"})
     # the service refused the pinned read (If-Match: 412 ConditionNotMet)
-    with pytest.raises(SourceChangedError, match="changed during the download .ConditionNotMet"):
+    with pytest.raises(SourceChangedError, match=r"changed during the download \(ConditionNotMet"):
         source.open_range(shard, 0, 1024)
     with pytest.raises(SourceChangedError):
         sync(spec, source, PlainLayout(tmp_path / "d"), FAST, snapshot=snapshot)
@@ -272,9 +272,10 @@ def test_an_unknown_account_is_one_line_naming_it(az_env, tmp_path):
     run = run_cli("pull", "az://nosuchaccount/models/m", str(tmp_path / "d"), "--attempts", "1",
                   env=env)  # fmt: skip
     assert run.returncode != 0
-    assert (
-        "Error: listing az://nosuchaccount/models/m/" in run.stderr and "127.0.0.1:9" in run.stderr
-    )
+    assert "Error: listing az://nosuchaccount/models/m/" in run.stderr
+    assert "127.0.0.1:9" in run.stderr
+    assert "Hint: check the account name" in run.stderr, run.stderr
+    assert "AZURE_STORAGE_BLOB_ENDPOINT" in run.stderr
 
 
 def test_a_bad_key_is_a_config_error() -> None:

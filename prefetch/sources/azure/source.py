@@ -43,6 +43,7 @@ from prefetch.retry import AdaptiveRate, RetryPolicy, call_with_retries
 from prefetch.snapshot import Checksum, RemoteFile, Snapshot, listing_digest
 from prefetch.sources import SourceSettings
 from prefetch.sources._http import (
+    NETWORK_HINT,
     BodyReader,
     HttpClient,
     Response,
@@ -76,6 +77,11 @@ METADATA_TIMEOUT = 60.0
 _ERROR_CODE = re.compile(rb"<Code>([^<]{1,200})</Code>")
 _ERROR_MESSAGE = re.compile(rb"<Message>([^<\n]{1,500})")
 _ERROR_BODY_LIMIT = 64 * 1024
+#: Said when the account's endpoint cannot be reached.
+AZURE_NETWORK_HINT = (
+    "check the account name, the network and DNS; behind a proxy set HTTPS_PROXY (or --proxy); "
+    "another endpoint (Azurite, a sovereign cloud): AZURE_STORAGE_BLOB_ENDPOINT"
+)
 
 
 def open_azure_source(spec: ModelSpec, options: SourceSettings) -> AzureBlobSource:
@@ -135,7 +141,10 @@ class AzureBlobSource:
                 raise
             except Exception as exc:
                 SCOPE.raise_if_aborted()
-                raise transport_error(exc, what) from exc
+                error = transport_error(exc, what)
+                if error.hint == NETWORK_HINT:  # the S3 and Hub settings it names are not ours
+                    error.hint = AZURE_NETWORK_HINT
+                raise error from exc
             if answer.status >= 300:
                 raise self._answer_error(what, answer)
         except ThrottledError:
