@@ -40,6 +40,7 @@ CONTAINER = "models"
 def model_files(tag: str, big: int = 5 * MiB + 7) -> dict[str, bytes]:
     return {
         "config.json": b'{"architectures": ["LlamaForCausalLM"]}',
+        "docs/read me (ü) +1%.md": b"a name to escape, signed as sent",
         "tokenizer/tokenizer.json": random_bytes(70_000, f"{tag}: tokenizer"),
         "model-00001-of-00002.safetensors": random_bytes(big, f"{tag}: shard 1"),
         "model-00002-of-00002.safetensors": random_bytes(3 * MiB + 1, f"{tag}: shard 2"),
