@@ -104,3 +104,13 @@ def test_a_connection_string_keeps_the_base64_padding() -> None:
         connection_string("AccountName=a;AccountKey=ab==; BlobEndpoint=https://h/a")["AccountKey"]
         == "ab=="
     )
+
+
+def test_entra_without_azure_identity_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "azure.identity", None)  # as if it were not installed
+    token = EntraToken()
+    with pytest.raises(ConfigError) as err:
+        token.authorize("GET", "https://acct1.blob.core.windows.net/c", {})
+    assert "azure-identity" in str(err.value) and "model-prefetch[azure]" in str(err.value.hint)
