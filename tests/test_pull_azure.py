@@ -181,7 +181,7 @@ def test_a_pull_killed_with_sigkill_resumes_without_fetching_it_again(azurite, a
 
 
 def test_a_blob_replaced_mid_pull_is_caught_by_if_match(azurite, tmp_path, monkeypatch):
-    files = uploaded(azurite, "swap/")
+    uploaded(azurite, "swap/")
     for name, value in azurite.env().items():
         monkeypatch.setenv(name, value)
     spec = ModelSpec(source=parse_source_uri(f"az://{ACCOUNT}/{CONTAINER}/swap/"))
@@ -195,7 +195,6 @@ def test_a_blob_replaced_mid_pull_is_caught_by_if_match(azurite, tmp_path, monke
     with pytest.raises(SourceChangedError):
         sync(spec, source, PlainLayout(tmp_path / "d"), FAST, snapshot=snapshot)
     assert not (tmp_path / "d" / shard.path).exists()
-    assert len(files) == 4
 
 
 # -- credentials and errors ----------------------------------------------------------------------
