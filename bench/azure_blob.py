@@ -36,8 +36,8 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from harness import MiB, run_measured, say  # noqa: E402
 
-from prefetch.modelgen import random_bytes  # noqa: E402
-from prefetch.units import parse_size  # noqa: E402
+from prefetch.demo.modelgen import random_bytes  # noqa: E402
+from prefetch.support.units import parse_size  # noqa: E402
 
 ACCOUNT = "devstoreaccount1"
 KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="

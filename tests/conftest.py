@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from prefetch.executables import find_executable
-from prefetch.locals3 import SeaweedS3
-from prefetch.modelgen import make_model_dir
+from prefetch.demo.locals3 import SeaweedS3
+from prefetch.demo.modelgen import make_model_dir
+from prefetch.support.executables import find_executable
 
 from .fakes.azurite import INSTALL_HINT, Azurite, azurite_program
+from .fakes.gcs import GcsEmulator, emulator_installed
 from .fakes.hubserver import HubServer
 from .fakes.registry import Registry, registry_binary
 from .support import HUB_REPO, HUB_SHARDS, mounted_tmpfs, s3_subprocess_env
@@ -162,3 +163,17 @@ def hub(model_dir: Path, test_ca: TestCA) -> Iterator[HubServer]:
     with HubServer(test_ca) as server:
         server.add_commit(HUB_REPO, model_dir)
         yield server
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GcsEmulator]:
+    """gcp-storage-emulator on loopback (plain HTTP) for the session; tests reach it through
+    its TLS front (tests/fakes/gcs.py ``tls_front``)."""
+    if not emulator_installed():
+        pytest.skip("gcp-storage-emulator (PyPI, the test extra) is not installed")
+    emulator = GcsEmulator(tmp_path_factory.mktemp("gcs"))
+    emulator.start()
+    try:
+        yield emulator
+    finally:
+        emulator.stop()

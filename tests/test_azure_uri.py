@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefetch.errors import ConfigError
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
 from prefetch.sources.azure.auth import (
     Anonymous,
     EntraToken,
@@ -14,7 +14,7 @@ from prefetch.sources.azure.auth import (
     account_for,
     connection_string,
 )
-from prefetch.spec import ModelSpec, parse_source_uri
+from prefetch.support.errors import ConfigError
 
 SAS = "sv=2021-12-02&sr=c&sp=rl&se=2030-01-01T00%3A00%3A00Z&sig=S3cr3tS1gnature%3D"
 

@@ -17,16 +17,16 @@ from typing import Any
 
 import pytest
 
-from prefetch.errors import (
+from prefetch.demo.modelgen import random_bytes
+from prefetch.pipeline.layout import PlainLayout
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.sync import sync
+from prefetch.sources import SourceSettings, open_source
+from prefetch.support.errors import (
     AccessDeniedError,
     ConfigError,
     SourceChangedError,
 )
-from prefetch.layout import PlainLayout
-from prefetch.modelgen import random_bytes
-from prefetch.sources import SourceSettings, open_source
-from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.sync import sync
 
 from .fakes.azurite import ACCOUNT, INSTALL_HINT, KEY, Azurite, azurite_program
 from .fakes.s3proxy import S3FaultProxy
@@ -338,9 +338,9 @@ def test_entra_tokens_are_sent_as_bearer_to_the_account_only(
 ):
     """Azurite with ``--oauth basic`` accepts a token for Azure Storage and refuses a request
     without one; the token comes from azure-identity's interface (scripted here)."""
-    from prefetch.sources._http import make_http_pool
     from prefetch.sources.azure.auth import Account, EntraToken
     from prefetch.sources.azure.source import AzureBlobSource
+    from prefetch.sources.http.transport import make_http_pool
 
     with Azurite(azurite_program_path, tmp_path / "oauth", test_ca, oauth=True) as server:
         server.upload(CONTAINER, "entra/", {"config.json": b"{}", "w.bin": b"x" * 100})
@@ -364,7 +364,7 @@ def test_entra_tokens_are_sent_as_bearer_to_the_account_only(
 
 
 def test_the_agent_syncs_an_az_model_to_ready(azurite, tmp_path, monkeypatch):
-    from prefetch.agent.reconcile import Agent
+    from prefetch.agent.loop import Agent
 
     files = uploaded(azurite, "agent/")
     for name, value in azurite.env().items():
@@ -493,10 +493,10 @@ class Recorder:
 def test_a_redirect_to_another_host_is_not_followed_and_gets_no_credential(
     test_ca: TestCA, credential: str
 ) -> None:
-    from prefetch.errors import SourceError
-    from prefetch.sources._http import make_http_pool
     from prefetch.sources.azure.auth import Account, Sas, SharedKey
     from prefetch.sources.azure.source import AzureBlobSource
+    from prefetch.sources.http.transport import make_http_pool
+    from prefetch.support.errors import SourceError
 
     other = Recorder(test_ca, 200, {})
     target = f"https://{test_ca.host_for('proxy')}:{other.port}/stolen"

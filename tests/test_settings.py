@@ -1,4 +1,5 @@
-"""Environment variables: each read in prefetch.settings only, at call time, bad values named."""
+"""Environment variables: each read in prefetch.support.settings only, at call time, bad values
+named."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import pytest
 from click.testing import CliRunner
 
 import prefetch
-from prefetch import settings
 from prefetch.cli import main
-from prefetch.errors import ConfigError
+from prefetch.support import settings
+from prefetch.support.errors import ConfigError
 
 
 @pytest.mark.parametrize(
@@ -79,9 +80,28 @@ def test_no_module_but_settings_reads_the_environment() -> None:
     package = Path(prefetch.__file__).parent
     readers = []
     for path in sorted(package.rglob("*.py")):
-        if path.name == "settings.py" and path.parent == package:
+        if path == package / "support" / "settings.py":
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv"):
                 readers.append(f"{path.relative_to(package)}:{node.lineno}")
     assert readers == []
+
+
+def test_storage_emulator_host_is_host_port_or_a_url() -> None:
+    assert settings.gcs_endpoint({}) is None
+    assert settings.gcs_endpoint({"STORAGE_EMULATOR_HOST": "127.0.0.1:9023"}) == (
+        "http://127.0.0.1:9023"
+    )
+    url = {"STORAGE_EMULATOR_HOST": "https://gcs.internal:8443/"}
+    assert settings.gcs_endpoint(url) == "https://gcs.internal:8443"
+    with pytest.raises(ConfigError, match="STORAGE_EMULATOR_HOST"):
+        settings.gcs_endpoint({"STORAGE_EMULATOR_HOST": "ftp://x"})
+
+
+def test_a_gcs_access_token_is_googles_variable_then_gclouds() -> None:
+    assert settings.gcs_access_token({}) is None
+    assert settings.gcs_access_token({"GOOGLE_OAUTH_ACCESS_TOKEN": " ", "X": "y"}) is None
+    both = {"GOOGLE_OAUTH_ACCESS_TOKEN": "a", "CLOUDSDK_AUTH_ACCESS_TOKEN": "b"}
+    assert settings.gcs_access_token(both) == "a"
+    assert settings.gcs_access_token({"CLOUDSDK_AUTH_ACCESS_TOKEN": "b"}) == "b"

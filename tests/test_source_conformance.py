@@ -3,7 +3,7 @@
 A source joins by adding one :class:`SourceCase` subclass (how to serve a model, how to pull it,
 how to make its server misbehave, the scheme of the backend it checks) to ``CASES``; every
 behaviour below then runs against it, and every backend of the registry
-(:mod:`prefetch.backends`) must have one:
+(:mod:`prefetch.pipeline.backends`) must have one:
 
 * resume: a body cut mid-way, and a pull stopped mid-way, resume without re-fetching finished bytes;
 * throttling: 429 / 503 SlowDown with Retry-After is retried and the pull succeeds;
@@ -14,10 +14,12 @@ behaviour below then runs against it, and every backend of the registry
 * bad checksum: a corrupted byte is re-fetched once; a byte corrupted every time ends in
   ChecksumMismatchError naming the file, nothing published.
 
-The model comes from :mod:`prefetch.modelgen` (one shard big enough for several chunks plus the
+The model comes from :mod:`prefetch.demo.modelgen` (one shard big enough for several chunks plus the
 small JSON files). The S3 case serves it from the session's SeaweedFS through
 :class:`tests.fakes.s3proxy.S3FaultProxy` (real S3 checksums and conditional reads, faults injected
-on the wire); the Hub case from :class:`tests.fakes.hubserver.HubServer` and its faults.
+on the wire); the GCS case from gcp-storage-emulator behind the same proxy (tests/fakes/gcs.py,
+which adds the generation check the emulator lacks); the Hub case from
+:class:`tests.fakes.hubserver.HubServer` and its faults.
 
 Every case is served over HTTPS with the session's private CA (tests/tls.py), each server under
 its own test host name, and the client trusts that CA explicitly (S3: ``AWS_CA_BUNDLE``, set
@@ -35,30 +37,39 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import pytest
 import urllib3
 
-from prefetch.backends import source_schemes
-from prefetch.errors import ChecksumMismatchError, SourceChangedError, SourceError
-from prefetch.layout import PlainLayout
-from prefetch.layout.hf import HfCacheLayout
-from prefetch.mirror_format import MirrorCommit, MirrorFile, blob_key, ref_key, snapshot_key
-from prefetch.modelgen import GeneratedFile, make_model_dir, random_bytes, upload_model
-from prefetch.progress import NullProgress
-from prefetch.retry import RetryPolicy
+from prefetch.demo.modelgen import GeneratedFile, make_model_dir, random_bytes, upload_model
+from prefetch.pipeline.backends import source_schemes
+from prefetch.pipeline.layout import PlainLayout
+from prefetch.pipeline.layout.hf import HfCacheLayout
+from prefetch.pipeline.progress import NullProgress
+from prefetch.pipeline.retry import RetryPolicy
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.sync import SyncResult, sync
+from prefetch.pipeline.transfer import Cancelled, TransferConfig
+from prefetch.pipeline.verify import new_hasher
 from prefetch.sources import SourceSettings, open_source
-from prefetch.sources._http import watched_pools
-from prefetch.sources.hf import HubOptions, open_hub_source
-from prefetch.sources.oci import open_oci_source
-from prefetch.sources.s3 import S3Source, make_s3_client
-from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.sync import SyncResult, sync
-from prefetch.transfer import Cancelled, TransferConfig
-from prefetch.verify import new_hasher
+from prefetch.sources.gcs.auth import Anonymous
+from prefetch.sources.gcs.source import GcsClient, GcsSource
+from prefetch.sources.hf.source import HubOptions, open_hub_source
+from prefetch.sources.http.transport import watched_pools
+from prefetch.sources.oci.source import open_oci_source
+from prefetch.sources.s3.source import S3Source, make_s3_client
+from prefetch.sources.s3_mirror.format import (
+    MirrorCommit,
+    MirrorFile,
+    blob_key,
+    ref_key,
+    snapshot_key,
+)
+from prefetch.support.errors import ChecksumMismatchError, SourceChangedError, SourceError
 
 from .fakes.azurite import Azurite
+from .fakes.gcs import GcsEmulator, tls_front
 from .fakes.hubserver import HubFile, HubServer
 from .fakes.registry import Registry
 from .fakes.s3proxy import S3FaultProxy
@@ -91,7 +102,7 @@ class SourceCase(ABC):
     """
 
     id: ClassVar[str]
-    #: the scheme of the backend under test (see prefetch.backends)
+    #: the scheme of the backend under test (see prefetch.pipeline.backends)
     scheme: ClassVar[str]
 
     def __init__(self, model: dict[str, Path]) -> None:
@@ -105,8 +116,8 @@ class SourceCase(ABC):
     tls: TestCA
 
     def tls_pool(self) -> urllib3.PoolManager:
-        """The pools production builds (prefetch.sources._http: the watched connections, over
-        TLS too), trusting the session CA; the caller clears it after the pull."""
+        """The pools production builds (prefetch.sources.http.transport: the watched connections,
+        over TLS too), trusting the session CA; the caller clears it after the pull."""
         return watched_pools(
             urllib3.PoolManager(maxsize=16, retries=False, ca_certs=str(self.tls.ca_file))
         )
@@ -315,8 +326,8 @@ class HubCase(SourceCase):
 
 
 class MirrorCase(S3Case):
-    """A Hub repo's S3 mirror (prefetch/mirror_format.py) in SeaweedFS, through the same fault
-    proxy, pulled as ``hf://`` with the mirror and no Hub fallback. A replaced file is a new
+    """A Hub repo's S3 mirror (prefetch/sources/s3_mirror/format.py) in SeaweedFS, through the same
+    fault proxy, pulled as ``hf://`` with the mirror and no Hub fallback. A replaced file is a new
     commit on ``main``: a new blob, its metadata, the ref moved (the old blob stays)."""
 
     id = "mirror"
@@ -426,6 +437,56 @@ class OciCase(SourceCase):
     fetches_from_start = S3Case.fetches_from_start
 
 
+class GcsCase(SourceCase):
+    """gcp-storage-emulator through the same fault proxy (the TLS front of tests/fakes/gcs.py,
+    which answers a media GET of a generation that is gone with 404, as Cloud Storage does and
+    the emulator does not); read anonymously, as an emulator is."""
+
+    id = "gcs"
+    scheme = "gs"
+
+    def __init__(self, model: dict[str, Path], emulator: GcsEmulator, tls: TestCA) -> None:
+        super().__init__(model)
+        self.emulator, self.tls = emulator, tls
+        self.bucket = f"conform-{next(_gcs_buckets)}"
+        emulator.create_bucket(self.bucket)
+        emulator.upload_dir(self.bucket, "m/", model)
+        self.proxy = tls_front(emulator, tls).__enter__()
+
+    def close(self) -> None:
+        self.proxy.__exit__(None, None, None)
+
+    @property
+    def url(self) -> str:
+        return self.proxy.endpoint
+
+    def key(self, path: str) -> str:
+        return f"v1/b/{self.bucket}/o/{quote('m/' + path, safe='')}"
+
+    def replace(self, path: str, data: bytes) -> None:
+        self.emulator.upload(self.bucket, f"m/{path}", data)
+
+    def pull(self, dest, config=CONFIG, *, progress=None, stop=None):  # type: ignore[no-untyped-def]
+        spec = ModelSpec(source=parse_source_uri(f"gs://{self.bucket}/m/"))
+        pool = self.tls_pool()
+        try:
+            client = GcsClient(self.proxy.endpoint, pool, Anonymous("the emulator"),
+                               urllib3.Timeout(connect=10, read=60))  # fmt: skip
+            source = GcsSource(client, spec.source, retry=config.retry)
+            return sync(spec, source, PlainLayout(dest), config, progress=progress, stop=stop)
+        finally:
+            pool.clear()
+
+    published = S3Case.published
+    partial_dir = S3Case.partial_dir
+    cut = S3Case.cut
+    refuse = S3Case.refuse
+    ignore_range = S3Case.ignore_range
+    trickle = S3Case.trickle
+    corrupt = S3Case.corrupt
+    fetches_from_start = S3Case.fetches_from_start
+
+
 class AzureCase(SourceCase):
     """Azurite (Microsoft's emulator, checking SharedKey signatures) through the same fault
     proxy, the model uploaded with the SDK (single puts: each blob has its Content-MD5), read
@@ -483,9 +544,18 @@ class AzureCase(SourceCase):
     fetches_from_start = S3Case.fetches_from_start
 
 
+_gcs_buckets = itertools.count()
 _AZURE_PREFIXES = itertools.count()
-CASES = ["s3", "hub", "mirror", "oci", "az"]
-CASE_CLASSES: tuple[type[SourceCase], ...] = (S3Case, HubCase, MirrorCase, OciCase, AzureCase)
+
+CASES = ["s3", "hub", "mirror", "oci", "gcs", "az"]
+CASE_CLASSES: tuple[type[SourceCase], ...] = (
+    S3Case,
+    HubCase,
+    MirrorCase,
+    OciCase,
+    GcsCase,
+    AzureCase,
+)
 
 
 def test_every_backend_of_the_registry_has_a_case_here() -> None:
@@ -506,6 +576,8 @@ def case(
     made: SourceCase
     if request.param == "oci":
         made = OciCase(model, request.getfixturevalue("registry"), test_ca)
+    elif request.param == "gcs":
+        made = GcsCase(model, request.getfixturevalue("gcs_emulator"), test_ca)
     elif request.param == "az":
         made = AzureCase(model, request.getfixturevalue("azurite"), test_ca)
     elif request.param in ("s3", "mirror"):
@@ -642,8 +714,8 @@ def test_an_ignored_range_is_refused_and_nothing_is_published(
 def test_a_wrong_range_answer_is_the_same_error_from_every_source(
     case: SourceCase, tmp_path: Path
 ) -> None:
-    """One range rule (prefetch.sources._http.check_range_answer), one error type: S3 raised
-    SourceError and the Hub its own wording for the same defect."""
+    """One range rule (prefetch.sources.http.transport.check_range_answer), one error type: S3
+    raised SourceError and the Hub its own wording for the same defect."""
     case.ignore_range(SHARD)
     with pytest.raises(SourceChangedError, match=r"the server answered 200, not 206"):
         case.pull(tmp_path / "dest", ONE_AT_A_TIME)

@@ -21,6 +21,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
 from urllib.parse import urlsplit
@@ -54,8 +55,17 @@ class Faults:
 
 
 class S3FaultProxy:
-    def __init__(self, upstream: str, ca: TestCA | None = None, role: str = "s3") -> None:
+    def __init__(
+        self,
+        upstream: str,
+        ca: TestCA | None = None,
+        role: str = "s3",
+        gate: Callable[[str, str], tuple[int, bytes] | None] | None = None,
+    ) -> None:
         self.upstream = urlsplit(upstream)
+        #: (method, path with query) -> an answer (status, JSON body) given instead of the
+        #: upstream's, or None to forward: what an emulator lacks (tests/fakes/gcs.py)
+        self.gate = gate
         self.ca = ca
         self.faults = Faults()
         self.gets: list[str] = []
@@ -78,6 +88,10 @@ class S3FaultProxy:
                 key = self.path.split("?", 1)[0].split("/", 2)[-1]
                 query = self.path.split("?", 1)[1] if "?" in self.path else ""
                 proxy.requests.append((self.command, key, query))
+                gated = proxy.gate(self.command, self.path) if proxy.gate else None
+                if gated is not None:
+                    self._gated(*gated)
+                    return
                 if self.command == "GET":
                     ranged = self.headers.get("Range") or self.headers.get("x-ms-range")
                     proxy.get_ranges.append((key, ranged))  # (x-ms-range: Azure's)
@@ -140,6 +154,13 @@ class S3FaultProxy:
                 self.send_header("Content-Length", str(len(body)))
                 if retry_after is not None:
                     self.send_header("Retry-After", retry_after)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _gated(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
 

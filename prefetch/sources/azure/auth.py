@@ -1,8 +1,8 @@
 """How a request to Azure Blob Storage is authorized: SharedKey, a SAS, a Microsoft Entra token,
 or nothing (a public container).
 
-Chosen from the environment (:func:`prefetch.settings.azure_storage`), first found wins: a SAS
-on the URI's query; ``AZURE_STORAGE_CONNECTION_STRING`` (its ``AccountKey`` or
+Chosen from the environment (:func:`prefetch.support.settings.azure_storage`), first found wins: a
+SAS on the URI's query; ``AZURE_STORAGE_CONNECTION_STRING`` (its ``AccountKey`` or
 ``SharedAccessSignature``, and ``BlobEndpoint``) when its ``AccountName`` is the URI's account;
 ``AZURE_STORAGE_SAS_TOKEN``; ``AZURE_STORAGE_KEY`` (the account key); Microsoft Entra through
 ``azure-identity``'s ``DefaultAzureCredential`` when ``AZURE_STORAGE_AUTH_MODE=login`` or a
@@ -20,7 +20,7 @@ Only the credential exchange of Entra, which is not small, comes from a library
 
 Every credential goes only to the account's endpoint (the seam's ``credentials_origin``); the
 key, the SAS and the token are never in a message (the SAS's ``sig`` is masked by
-:func:`prefetch.redact.redact` in any URL logged, and the Authorization header's value too).
+:func:`prefetch.support.redact.redact` in any URL logged, and the Authorization header's value too).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import parse_qsl, urlsplit
 
-from prefetch.errors import ConfigError
+from prefetch.support.errors import ConfigError
 
 #: The REST API version sent (a version Azurite and every public region serve).
 API_VERSION = "2021-12-02"
@@ -139,7 +139,7 @@ class EntraToken:
                 return self._token
             if self._credential is None:
                 self._credential = _default_credential()
-            from prefetch.errors import AccessDeniedError
+            from prefetch.support.errors import AccessDeniedError
 
             try:
                 got = self._credential.get_token(STORAGE_SCOPE)
@@ -189,7 +189,7 @@ def connection_string(text: str) -> dict[str, str]:
 
 def account_for(account: str, uri_sas: str, env: Mapping[str, str]) -> Account:
     """The endpoint and credential of ``account`` (see the module docstring for the order);
-    ``env``: :func:`prefetch.settings.azure_storage`'s."""
+    ``env``: :func:`prefetch.support.settings.azure_storage`'s."""
     endpoint = env.get("AZURE_STORAGE_BLOB_ENDPOINT", "")
     conn = connection_string(env.get("AZURE_STORAGE_CONNECTION_STRING", ""))
     if conn.get("AccountName") != account:

@@ -11,14 +11,14 @@ import re
 from typing import TYPE_CHECKING
 from urllib.parse import SplitResult
 
-from prefetch.backends import Backend, SourceURI, SpecFields
-from prefetch.errors import ConfigError
-from prefetch.spec_terms import SpecError
+from prefetch.pipeline.backends import Backend, SourceURI, SpecFields
+from prefetch.pipeline.spec_terms import SpecError
+from prefetch.support.errors import ConfigError
 
 if TYPE_CHECKING:
+    from prefetch.pipeline.spec import ModelSpec
     from prefetch.sources import SourceSettings
     from prefetch.sources.base import Source
-    from prefetch.spec import ModelSpec
 
 #: A storage account name: 3-24 lowercase letters and digits.
 _ACCOUNT = re.compile(r"^[a-z0-9]{3,24}$")
@@ -37,7 +37,7 @@ def _masked(text: str) -> str:
 class AzureBackend(Backend):
     scheme = "az"
     usage = "az://account/container/prefix"
-    usage_rank = 3
+    usage_rank = 4
     has_revisions = False
 
     def claims(self, parts: SplitResult) -> bool:

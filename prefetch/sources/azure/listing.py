@@ -1,5 +1,5 @@
 """A List Blobs answer read defensively: expat as a stream, a document type declaration or an
-entity refused, nesting and texts bounded (the reasons are :mod:`prefetch.sources.s3_xml`'s),
+entity refused, nesting and texts bounded (the reasons are :mod:`prefetch.sources.s3.listing`'s),
 each blob's name, size, ETag and Content-MD5 kept, and the marker of the next page."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from xml.parsers import expat
 
-from prefetch.sources.s3_xml import MalformedListingPage
+from prefetch.sources.s3.listing import MalformedListingPage
 
 #: EnumerationResults > Blobs > Blob > Properties > Content-Length is 5 deep.
 _MAX_DEPTH = 8

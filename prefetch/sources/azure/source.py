@@ -24,9 +24,35 @@ from typing import TypeVar
 
 import urllib3
 
-from prefetch import settings
-from prefetch.deadline import SCOPE, Alarms, call_with_deadline
-from prefetch.errors import (
+from prefetch.pipeline.deadline import SCOPE, Alarms, call_with_deadline
+from prefetch.pipeline.retry import AdaptiveRate, RetryPolicy, call_with_retries
+from prefetch.pipeline.snapshot import Checksum, RemoteFile, Snapshot, listing_digest
+from prefetch.pipeline.spec import ModelSpec, SourceURI
+from prefetch.sources import SourceSettings
+from prefetch.sources.azure.auth import (
+    CREDENTIALS_HINT,
+    Account,
+    Anonymous,
+    account_for,
+    blob_path,
+    request_headers,
+)
+from prefetch.sources.azure.listing import BlobPage, parse_blob_page
+from prefetch.sources.http.transport import (
+    NETWORK_HINT,
+    BodyReader,
+    HttpClient,
+    Response,
+    check_range_answer,
+    range_body_reader,
+    redact_url,
+    send,
+    shared_http_pool,
+    transport_error,
+)
+from prefetch.sources.s3.listing import ListingPages, MalformedListingPage
+from prefetch.support import settings
+from prefetch.support.errors import (
     AccessDeniedError,
     BucketNotFoundError,
     ChecksumMismatchError,
@@ -39,32 +65,6 @@ from prefetch.errors import (
     ThrottledError,
     TransientSourceError,
 )
-from prefetch.retry import AdaptiveRate, RetryPolicy, call_with_retries
-from prefetch.snapshot import Checksum, RemoteFile, Snapshot, listing_digest
-from prefetch.sources import SourceSettings
-from prefetch.sources._http import (
-    NETWORK_HINT,
-    BodyReader,
-    HttpClient,
-    Response,
-    check_range_answer,
-    range_body_reader,
-    redact_url,
-    send,
-    shared_http_pool,
-    transport_error,
-)
-from prefetch.sources.azure.auth import (
-    CREDENTIALS_HINT,
-    Account,
-    Anonymous,
-    account_for,
-    blob_path,
-    request_headers,
-)
-from prefetch.sources.azure.listing import BlobPage, parse_blob_page
-from prefetch.sources.s3_xml import ListingPages, MalformedListingPage
-from prefetch.spec import ModelSpec, SourceURI
 
 T = TypeVar("T")
 
