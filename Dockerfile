@@ -19,7 +19,7 @@ COPY pyproject.toml ./
 COPY prefetch/ prefetch/
 # A virtualenv, so the runtime stage copies one self-contained directory.
 RUN python -m venv /opt/prefetch \
- && /opt/prefetch/bin/pip install --no-cache-dir '.[gcs]' \
+ && /opt/prefetch/bin/pip install --no-cache-dir '.[gcs,azure]' \
  && /opt/prefetch/bin/prefetch --version
 
 FROM ${PYTHON_IMAGE}

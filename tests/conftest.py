@@ -13,6 +13,7 @@ from prefetch.demo.locals3 import SeaweedS3
 from prefetch.demo.modelgen import make_model_dir
 from prefetch.support.executables import find_executable
 
+from .fakes.azurite import INSTALL_HINT, Azurite, azurite_program
 from .fakes.gcs import GcsEmulator, emulator_installed
 from .fakes.hubserver import HubServer
 from .fakes.registry import Registry, registry_binary
@@ -60,6 +61,17 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory, test_ca: TestCA) -> Iter
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def azurite(tmp_path_factory: pytest.TempPathFactory, test_ca: TestCA) -> Iterator[Azurite]:
+    """Azurite's Blob service for the session, over HTTPS with the session CA (the az:// tests;
+    skipped with how to install it when it is missing: see tests/fakes/azurite.py)."""
+    program = azurite_program()
+    if program is None:
+        pytest.skip(INSTALL_HINT)
+    with Azurite(program, tmp_path_factory.mktemp("azurite"), test_ca) as server:
+        yield server
 
 
 @pytest.fixture

@@ -36,7 +36,8 @@ def test_an_unknown_scheme_names_every_backends_uris_in_one_order() -> None:
         parse_source_uri("ftp://bucket/x")
     assert str(e.value) == (
         "unsupported source URI 'ftp://bucket/x': expected s3://bucket/prefix, hf://org/name, "
-        "oci://registry/repo:tag, gs://bucket/prefix or file:///path/to/dir"
+        "oci://registry/repo:tag, gs://bucket/prefix, az://account/container/prefix or "
+        "file:///path/to/dir"
     )
     with pytest.raises(ValueError, match="no backend for scheme 'ftp'"):
         backend("ftp")
@@ -54,7 +55,7 @@ def test_loading_the_registry_imports_no_backends_code_that_reads_the_network() 
         "import json, sys\n"
         "from prefetch.pipeline.spec import ModelSpec, parse_source_uri\n"
         "for u in ('s3://b-k/m/', 'hf://org/name@main', 'oci://reg.io/org/m:v1', 'gs://b-k/m/',\n"
-        "          'file:///mnt/models/m/'):\n"
+        "          'az://acct1/models/m', 'file:///mnt/models/m/'):\n"
         "    str(ModelSpec(source=parse_source_uri(u)))\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
@@ -65,6 +66,8 @@ def test_loading_the_registry_imports_no_backends_code_that_reads_the_network() 
     sources = [m for m in loaded if m.startswith("prefetch.sources.")]
     assert heavy == []
     assert sorted(sources) == [
+        "prefetch.sources.azure",
+        "prefetch.sources.azure.backend",
         "prefetch.sources.base",
         "prefetch.sources.file",  # the backends' packages: a docstring each
         "prefetch.sources.file.backend",

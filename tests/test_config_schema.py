@@ -90,7 +90,8 @@ def test_source_schemes_come_from_the_spec(monkeypatch: pytest.MonkeyPatch) -> N
     """A scheme a backend declares (prefetch.pipeline.backends) reaches the schema with no other
     edit."""
     examples = {"hf": "hf://org/name", "s3": "s3://bkt/p/", "oci": "oci://reg.io/repo:v1",
-                "gs": "gs://bkt/p/", "file": "file:///mnt/models/m/"}  # fmt: skip
+                "gs": "gs://bkt/p/", "az": "az://acct1/models/m",
+                "file": "file:///mnt/models/m/"}  # fmt: skip
     for scheme in SOURCE_SCHEMES:
         doc = {"models": [{"name": "a", "source": examples.get(scheme, f"{scheme}://x")}]}
         assert schema_accepts(doc), scheme
@@ -98,6 +99,9 @@ def test_source_schemes_come_from_the_spec(monkeypatch: pytest.MonkeyPatch) -> N
         doc = {"models": [{"name": "a", "source": examples[source], "mirrors": f"{mirror}://mm"}]}
         assert schema_accepts(doc), mirror
     assert not schema_accepts({"models": [{"name": "a", "source": "ftp://x/y"}]})
+    portal = "https://acct1.blob.core.windows.net/models/m/"
+    assert schema_accepts({"models": [{"name": "a", "source": portal}]})
+    assert not schema_accepts({"models": [{"name": "a", "source": "https://example.com/m"}]})
     assert not schema_accepts({"models": [{"name": "a", "source": "hf://o/n",
                                            "mirrors": ["hf://o/m"]}]})  # fmt: skip
     new = {"models": [{"name": "a", "source": "xyz://bucket/prefix/"}]}

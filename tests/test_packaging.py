@@ -45,7 +45,7 @@ def _third_party_imports() -> set[str]:
 
 #: Extras a backend imports lazily, when a source of its scheme is opened (its SDK or credential
 #: library): declared there, not as runtime dependencies.
-BACKEND_EXTRAS = ("gcs",)
+BACKEND_EXTRAS = ("gcs", "azure")
 
 
 def test_runtime_dependencies_are_exactly_what_the_package_imports() -> None:

@@ -71,6 +71,7 @@ from prefetch.sources.s3_mirror.format import (
 )
 from prefetch.support.errors import ChecksumMismatchError, SourceChangedError, SourceError
 
+from .fakes.azurite import Azurite
 from .fakes.gcs import GcsEmulator, tls_front
 from .fakes.hubserver import HubFile, HubServer
 from .fakes.registry import Registry
@@ -492,9 +493,6 @@ class GcsCase(SourceCase):
     fetches_from_start = S3Case.fetches_from_start
 
 
-_gcs_buckets = itertools.count()
-
-
 class _FileFaults:
     """Faults of a local read, armed per model path: the wire of a directory is ``pread``."""
 
@@ -640,9 +638,69 @@ class FileCase(SourceCase):
         return self.faults.from_start.get(path, 0)
 
 
-CASES = ["s3", "hub", "mirror", "oci", "gcs", "file"]
+class AzureCase(SourceCase):
+    """Azurite (Microsoft's emulator, checking SharedKey signatures) through the same fault
+    proxy, the model uploaded with the SDK (single puts: each blob has its Content-MD5), read
+    with the account key. Every fault fits: Azure answers a replaced blob's If-Match with 412,
+    throttles with 503 ServerBusy (the proxy's 429 and 503 stand in), and a body cut, ignored
+    range, trickle or flipped byte are the wire's, whatever the server."""
+
+    id = "az"
+    scheme = "az"
+    container = "conform"
+
+    def __init__(self, model: dict[str, Path], azurite: Azurite, tls: TestCA) -> None:
+        super().__init__(model)
+        self.azurite, self.tls = azurite, tls
+        self.prefix = f"m{next(_AZURE_PREFIXES)}/"
+        azurite.upload(self.container, self.prefix, {r: p.read_bytes() for r, p in model.items()})
+        self.proxy = S3FaultProxy(azurite.base, tls, role="mirror").__enter__()
+
+    def close(self) -> None:
+        self.proxy.__exit__(None, None, None)
+
+    @property
+    def url(self) -> str:
+        return self.proxy.endpoint
+
+    def key(self, path: str) -> str:
+        return f"{self.container}/{self.prefix}{path}"
+
+    def replace(self, path: str, data: bytes) -> None:
+        self.azurite.upload(self.container, self.prefix, {path: data})
+
+    def pull(self, dest, config=CONFIG, *, progress=None, stop=None):  # type: ignore[no-untyped-def]
+        from prefetch.sources.azure.auth import Account, SharedKey
+        from prefetch.sources.azure.source import AzureBlobSource
+
+        from .fakes.azurite import ACCOUNT, KEY
+
+        spec = ModelSpec(source=parse_source_uri(f"az://{ACCOUNT}/{self.container}/{self.prefix}"))
+        pool = self.tls_pool()
+        key = SharedKey(ACCOUNT, KEY, "test")
+        account = Account(ACCOUNT, f"{self.proxy.endpoint}/{ACCOUNT}", key)
+        try:
+            source = AzureBlobSource(spec.source, account, pool, retry=config.retry)
+            return sync(spec, source, PlainLayout(dest), config, progress=progress, stop=stop)
+        finally:
+            pool.clear()
+
+    published = S3Case.published
+    partial_dir = S3Case.partial_dir
+    cut = S3Case.cut
+    refuse = S3Case.refuse
+    ignore_range = S3Case.ignore_range
+    trickle = S3Case.trickle
+    corrupt = S3Case.corrupt
+    fetches_from_start = S3Case.fetches_from_start
+
+
+_gcs_buckets = itertools.count()
+_AZURE_PREFIXES = itertools.count()
+
+CASES = ["s3", "hub", "mirror", "oci", "gcs", "az", "file"]
 CASE_CLASSES: tuple[type[SourceCase], ...] = (
-    S3Case, HubCase, MirrorCase, OciCase, GcsCase, FileCase,
+    S3Case, HubCase, MirrorCase, OciCase, GcsCase, AzureCase, FileCase,
 )  # fmt: skip
 
 
@@ -676,6 +734,8 @@ def case(
         made = OciCase(model, request.getfixturevalue("registry"), test_ca)
     elif request.param == "gcs":
         made = GcsCase(model, request.getfixturevalue("gcs_emulator"), test_ca)
+    elif request.param == "az":
+        made = AzureCase(model, request.getfixturevalue("azurite"), test_ca)
     elif request.param in ("s3", "mirror"):
         server = request.getfixturevalue("s3_server")
         client = request.getfixturevalue("s3_client")

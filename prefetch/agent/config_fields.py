@@ -415,6 +415,8 @@ _SOURCE_SHAPES = {
     "oci": rf"oci://{_OCI_HOST}/{_OCI_REPO}{_OCI_REF}?",
     "gs": r"gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[!-~]*)?",
     "file": rf"file://(localhost)?/[^{SPACE_CHARS}]+",
+    "az": r"(az://[a-z0-9]{3,24}|https://[a-z0-9]{3,24}\.blob\.core\.windows\.net)"
+    r"/([a-z0-9][a-z0-9-]{2,62}|\$root)(/[!-~]*)?",
 }
 _PATH_SEGMENT = r"[A-Za-z0-9._~!$&'()*+,;=:@%-]+"
 #: Mirrors are written as the agent spells them back but for an S3 prefix's last ``/`` (a

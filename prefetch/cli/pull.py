@@ -18,6 +18,7 @@ from prefetch.pipeline.transfer import Transfer, TransferConfig
 from prefetch.support.errors import (
     ConfigError,
 )
+from prefetch.support.redact import redact
 from prefetch.support.units import format_bytes
 
 if TYPE_CHECKING:
@@ -161,6 +162,8 @@ def pull_engine(
          "--json"),
         ("An OCI model artifact (ModelPack, KitOps), by tag",
          "prefetch pull oci://ghcr.io/org/llama:v1 /models/llama"),
+        ("An Azure Blob container's folder (AZURE_STORAGE_KEY, a SAS, or Microsoft Entra)",
+         "prefetch pull az://myaccount/models/llama /models/llama"),
         ("A Hub model through an S3 mirror first",
          "prefetch pull hf://org/name /mnt/models/huggingface "
          "--mirror s3://my-mirror/hf/org/name/"),
@@ -219,7 +222,8 @@ def pull_engine(
               "their total). One process holds Python's GIL ~0.4 s per GB; see "
               "docs/performance.md.")  # fmt: skip
 @transfer_options
-@json_even_on_failure(lambda params: SyncResult(model=params["name"], source=params["uri"]))
+# the URI as given, a signed query (an Azure SAS) masked: the summary is printed
+@json_even_on_failure(lambda p: SyncResult(model=p["name"], source=redact(p["uri"])))
 def pull(
     uri: str,
     dest: str,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, Protocol
 from urllib.parse import SplitResult
@@ -46,6 +46,7 @@ DECLARATIONS = (
     "prefetch.sources.s3.backend",
     "prefetch.sources.oci.backend",
     "prefetch.sources.gcs.backend",
+    "prefetch.sources.azure.backend",
     "prefetch.sources.file.backend",
 )
 
@@ -56,6 +57,8 @@ class SourceURI:
     location: str  # bucket, Hub repo id, or registry host[:port]
     path: str  # S3 key prefix (no leading slash, "" or ending in "/"); "" for hf; oci: the repo
     revision: str | None = None  # hf://org/name@rev; oci: the tag or "sha256:<hex>"
+    #: a credential written in the URI (an Azure SAS on its query): never rendered or printed
+    secret: str = field(default="", repr=False, compare=False)
 
     def __str__(self) -> str:
         return backend(self.scheme).render(self)
@@ -105,6 +108,11 @@ class Backend:
     mirrored_from: bool = False
     #: compile caches are published here (``compileCaches[].source``)
     holds_compile_caches: bool = False
+
+    def claims(self, parts: SplitResult) -> bool:
+        """Is a URI of this shape this backend's? (Its scheme; a backend may also claim some
+        hosts of a shared scheme, as Azure claims ``https://<account>.blob.core.windows.net``.)"""
+        return parts.scheme == self.scheme
 
     def parse(self, uri: str, text: str, parts: SplitResult) -> SourceURI:
         """``uri`` (stripped: ``text``, split: ``parts``) as a SourceURI; ConfigError naming
@@ -167,7 +175,7 @@ def backend(scheme: str) -> Backend:
 def parse_uri(uri: str, parts: SplitResult, text: str) -> SourceURI:
     """``uri`` parsed by its scheme's backend; ConfigError for a scheme none declares."""
     for b in backends():
-        if parts.scheme == b.scheme:
+        if b.claims(parts):
             return b.parse(uri, text, parts)
     usages = [b.usage for b in sorted(backends(), key=lambda b: b.usage_rank)]
     raise ConfigError(

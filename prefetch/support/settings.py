@@ -402,3 +402,36 @@ __all__ = [
     "parse_proxy",
     "proxies",
 ]
+
+
+#: The Azure Storage variables :func:`azure_storage` reads (also what ``az`` reads, where it has
+#: one of the same name).
+AZURE_STORAGE_VARIABLES = (
+    "AZURE_STORAGE_BLOB_ENDPOINT",
+    "AZURE_STORAGE_CONNECTION_STRING",
+    "AZURE_STORAGE_SAS_TOKEN",
+    "AZURE_STORAGE_KEY",
+    "AZURE_STORAGE_AUTH_MODE",
+)
+#: Variables that say Microsoft Entra credentials are there for ``azure-identity`` to find
+#: (workload identity on AKS, a service principal, a managed identity's endpoint).
+AZURE_ENTRA_VARIABLES = (
+    "AZURE_FEDERATED_TOKEN_FILE",
+    "AZURE_CLIENT_SECRET",
+    "AZURE_CLIENT_CERTIFICATE_PATH",
+    "IDENTITY_ENDPOINT",
+    "MSI_ENDPOINT",
+)
+
+
+def azure_storage(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The Azure Storage settings of the environment (:data:`AZURE_STORAGE_VARIABLES`, the
+    non-empty ones), plus ``entra="1"`` when a variable of :data:`AZURE_ENTRA_VARIABLES` is
+    set. ``AZURE_STORAGE_BLOB_ENDPOINT`` is checked to be an http(s) URL."""
+    env = _environ(environ)
+    found = {n: env[n].strip() for n in AZURE_STORAGE_VARIABLES if env.get(n, "").strip()}
+    if "AZURE_STORAGE_BLOB_ENDPOINT" in found:
+        found["AZURE_STORAGE_BLOB_ENDPOINT"] = str(_http_url("AZURE_STORAGE_BLOB_ENDPOINT", env))
+    if any(env.get(n, "").strip() for n in AZURE_ENTRA_VARIABLES):
+        found["entra"] = "1"
+    return found

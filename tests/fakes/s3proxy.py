@@ -93,7 +93,8 @@ class S3FaultProxy:
                     self._gated(*gated)
                     return
                 if self.command == "GET":
-                    proxy.get_ranges.append((key, self.headers.get("Range")))
+                    ranged = self.headers.get("Range") or self.headers.get("x-ms-range")
+                    proxy.get_ranges.append((key, ranged))  # (x-ms-range: Azure's)
                     refusal = proxy._refusal(key)
                     if refusal is not None:
                         self._refuse(*refusal)
@@ -114,6 +115,9 @@ class S3FaultProxy:
                     if k.lower() not in drop:
                         self.send_header(k, v)
                 data = resp.read()
+                if resp.getheader("Content-Length") is None and self.command != "HEAD":
+                    # a chunked answer (Azurite's listings) is sent whole: say its length
+                    self.send_header("Content-Length", str(len(data)))
                 self.send_header("Connection", "keep-alive")
                 self.end_headers()
                 if self.command == "HEAD":
