@@ -72,7 +72,7 @@ _COMPARISON = re.compile(r"""scheme\s*(==|!=|not in|in)\s*\(?["'](s3|hf|oci)["']
 
 #: The modules of prefetch.sources that belong to no backend: the front door, the protocol, the
 #: fallback over several sources and the HTTP plumbing (every other one is a backend's).
-_SHARED = ("__init__.py", "base.py", "ordered.py", "_http.py")
+_SHARED = ("__init__.py", "base.py", "ordered.py", "_http.py", "http_body.py", "http_errors.py")
 
 
 def _outside_backends(path: Path) -> bool:
