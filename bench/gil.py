@@ -134,7 +134,8 @@ def sample(pid: int, address: int, period: float) -> None:
 def prepare_prefetch(endpoint: str, dest: Path, *, mode: str) -> Callable[[], int]:
     from prefetch.layout import PlainLayout
     from prefetch.locals3 import REGION, SeaweedS3
-    from prefetch.sources.s3 import S3Source, lazy_s3_client
+    from prefetch.sources.s3 import S3Source
+    from prefetch.sources.s3_factory import lazy_s3_client
     from prefetch.spec import ModelSpec, parse_source_uri
     from prefetch.sync import sync
     from prefetch.transfer import TransferConfig

@@ -830,7 +830,7 @@ def mirror(
     from prefetch.mirror import MirrorConfig, S3Prefix, mirror_hub, mirror_s3
     from prefetch.mirror.upload import make_writer_client
     from prefetch.sources import SourceSettings, open_source, pool_size, s3_client
-    from prefetch.sources.s3 import make_s3_client
+    from prefetch.sources.s3_factory import make_s3_client
 
     if not dst.strip().startswith(("s3://", "oci://")):
         raise ConfigError(

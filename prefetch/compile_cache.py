@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from prefetch.errors import CompileCacheError, CompileCacheRefused, PrefetchError
-from prefetch.sources.s3 import translate
+from prefetch.sources.s3_errors import translate
 
 #: vLLM writes this into a compile cache directory once it is complete.
 CACHE_READY = ".cache_ready"

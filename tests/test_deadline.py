@@ -17,7 +17,8 @@ from prefetch.layout import PlainLayout
 from prefetch.logjson import JsonFormatter, sync_context
 from prefetch.retry import RetryPolicy
 from prefetch.sources._http import make_http_pool
-from prefetch.sources.s3 import S3Source, lazy_s3_client
+from prefetch.sources.s3 import S3Source
+from prefetch.sources.s3_factory import lazy_s3_client
 from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.sync import sync
 from prefetch.transfer import Cancelled, TransferConfig, engine_watchdog, open_watched

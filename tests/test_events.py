@@ -29,7 +29,7 @@ from prefetch.constants import DEFAULT_STARTUP_TAINT_KEY, PROGRESS_ANNOTATION
 from prefetch.locals3 import SeaweedS3
 from prefetch.logjson import JsonFormatter, current_sync_id, sync_context
 from prefetch.metrics import AgentMetrics
-from prefetch.sources.s3 import make_s3_client
+from prefetch.sources.s3_factory import make_s3_client
 from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.units import format_bytes
 from tests import manifests_util as mu

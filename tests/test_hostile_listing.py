@@ -19,7 +19,8 @@ import pytest
 
 from prefetch.errors import InvalidListingError, TransientSourceError
 from prefetch.retry import RetryPolicy
-from prefetch.sources.s3 import S3Source, lazy_s3_client
+from prefetch.sources.s3 import S3Source
+from prefetch.sources.s3_factory import lazy_s3_client
 from prefetch.sources.s3_xml import ListingPages, MalformedListingPage, parse_list_page
 from prefetch.spec import parse_source_uri
 

@@ -23,7 +23,7 @@ from prefetch.layout.hf import HfCacheLayout
 from prefetch.mirror_format import blob_key
 from prefetch.sources import SourceSettings, open_source
 from prefetch.sources.hf import HubOptions
-from prefetch.sources.s3 import make_s3_client
+from prefetch.sources.s3_factory import make_s3_client
 from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.sync import SyncResult, sync
 

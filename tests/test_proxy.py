@@ -24,7 +24,7 @@ from prefetch.locals3 import SeaweedS3
 from prefetch.settings import parse_proxy, proxies
 from prefetch.sources import SourceSettings, open_source
 from prefetch.sources.hf import HubOptions
-from prefetch.sources.s3 import s3_proxies
+from prefetch.sources.s3_factory import s3_proxies
 from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.sync import sync
 

@@ -28,7 +28,8 @@ from prefetch.errors import (
 from prefetch.layout import PlainLayout
 from prefetch.modelgen import generate_model, tree_bytes, upload_model
 from prefetch.progress import NullProgress
-from prefetch.sources.s3 import S3Source, make_s3_client
+from prefetch.sources.s3 import S3Source
+from prefetch.sources.s3_factory import make_s3_client
 from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.sync import sync, verify_local
 from prefetch.transfer import TransferConfig

@@ -51,7 +51,8 @@ from prefetch.sources import SourceSettings, open_source
 from prefetch.sources._http import watched_pools
 from prefetch.sources.hf import HubOptions, open_hub_source
 from prefetch.sources.oci import open_oci_source
-from prefetch.sources.s3 import S3Source, make_s3_client
+from prefetch.sources.s3 import S3Source
+from prefetch.sources.s3_factory import make_s3_client
 from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.sync import SyncResult, sync
 from prefetch.transfer import Cancelled, TransferConfig

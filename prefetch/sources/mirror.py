@@ -44,7 +44,8 @@ from prefetch.mirror_format import (
 from prefetch.retry import AdaptiveRate, RetryPolicy
 from prefetch.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.sources.base import RangeReader
-from prefetch.sources.s3 import LazyS3Client, S3Source
+from prefetch.sources.s3 import S3Source
+from prefetch.sources.s3_factory import LazyS3Client
 from prefetch.sources.s3_xml import listed_objects
 from prefetch.spec import ModelSpec, SourceURI
 

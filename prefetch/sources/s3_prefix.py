@@ -19,8 +19,8 @@ from prefetch.sources.s3 import S3Source
 from prefetch.spec import ModelSpec, SourceURI
 
 if TYPE_CHECKING:
-    from prefetch.sources.s3 import LazyS3Client
     from prefetch.sources.s3_botocore import S3Client
+    from prefetch.sources.s3_factory import LazyS3Client
 
 #: The layout a mirror prefix's snapshot is published in: the Hub's (its files are a commit's).
 MIRROR_LAYOUT = "hf"
