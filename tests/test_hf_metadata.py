@@ -22,7 +22,8 @@ import urllib3
 from prefetch.errors import InvalidListingError, SourceError, TransientSourceError
 from prefetch.retry import RetryPolicy
 from prefetch.snapshot import RemoteFile
-from prefetch.sources.hf import HubSource, hub_token
+from prefetch.sources.hf import HubSource
+from prefetch.sources.hf_token import hub_token
 from prefetch.spec import ModelSpec, parse_source_uri
 
 from .fakes.hubserver import HubServer
