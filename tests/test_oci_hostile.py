@@ -28,8 +28,9 @@ from prefetch.errors import (
 from prefetch.layout import PlainLayout
 from prefetch.retry import RetryPolicy
 from prefetch.sources._http import HttpClient, make_http_pool
-from prefetch.sources.oci import OciMirrors, OciSource
+from prefetch.sources.oci import OciSource
 from prefetch.sources.oci_auth import RegistryAuth, parse_challenge
+from prefetch.sources.oci_mirrors import OciMirrors
 from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.sync import sync
 from prefetch.transfer import TransferConfig

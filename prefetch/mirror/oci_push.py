@@ -46,9 +46,10 @@ from prefetch.sources._http import (
     transport_error,
 )
 from prefetch.sources.base import Source
-from prefetch.sources.oci import USER_AGENT, OciSource, registry_base
+from prefetch.sources.oci import OciSource
 from prefetch.sources.oci_auth import RegistryAuth
 from prefetch.sources.oci_manifest import OCI_MANIFEST
+from prefetch.sources.oci_registry import USER_AGENT, registry_base
 from prefetch.spec import SourceURI
 from prefetch.verify import encode, new_hasher, normalize
 
