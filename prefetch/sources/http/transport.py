@@ -1,0 +1,360 @@
+"""The one HTTP layer every source shares: the transport seam, and the public face of its parts.
+
+* :func:`make_http_pool` / :func:`shared_http_pool`: a urllib3 pool for ranged GETs (no urllib3
+  retries or redirects: the caller does both), sending each request directly or through the
+  proxy the environment names (``HTTP(S)_PROXY``, bypassed per host by ``NO_PROXY``), on
+  connections whose header wait a watch can interrupt (:func:`watched_pools`).
+* :func:`send`: one request on the pool, credentials only to their own origin.
+* :func:`redact_url`: a URL fit for a message (no credentials, no signed query string).
+
+The parts with a job of their own live beside it and are imported from here by every source
+(their names are this module's public interface, listed in ``__all__``):
+
+* :mod:`prefetch.sources.http.errors`: THE status table (:func:`error_class`,
+  :func:`status_error`), :func:`transport_error`, :func:`tls_error`, :func:`parse_retry_after`
+  and the hints said with them.
+* :mod:`prefetch.sources.http.body`: :class:`Response` and :class:`BodyReader` (the body of a
+  ranged answer, read straight into the engine's buffer), :func:`check_range_answer`,
+  :func:`range_body_reader`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Callable, Mapping
+from typing import Protocol, TypedDict, Unpack
+from urllib.parse import urlsplit
+
+import urllib3
+
+from prefetch.pipeline.deadline import attach_to_watches
+from prefetch.sources.http.body import (
+    BodyReader,
+    Response,
+    ResponseBody,
+    SupportsReadinto,
+    check_range_answer,
+    http_client_response,
+    range_body_reader,
+)
+from prefetch.sources.http.errors import (
+    NETWORK_HINT,
+    PROXY_HINT,
+    TLS_HINT,
+    connection_failure,
+    error_class,
+    parse_retry_after,
+    status_error,
+    tls_error,
+    transport_error,
+)
+from prefetch.support import settings
+from prefetch.support.redact import redact
+
+#: A redirect's body is read (so its connection goes back to the pool) only up to this size.
+DRAIN_LIMIT = 64 * 1024
+
+# ---- the pool ----------------------------------------------------------------------------------
+
+
+class RequestOptions(TypedDict, total=False):
+    """The options :func:`send` passes to urllib3's ``request`` (an absent ``timeout``: the
+    pool's own)."""
+
+    headers: Mapping[str, str]
+    body: bytes | None
+    preload_content: bool
+    redirect: bool
+    retries: bool
+    decode_content: bool
+    timeout: urllib3.Timeout | float
+
+
+class PoolOptions(TypedDict, total=False):
+    """The options :func:`make_http_pool` builds its urllib3 managers with."""
+
+    num_pools: int
+    maxsize: int
+    block: bool
+    retries: bool
+    ca_certs: str
+
+
+class HttpClient(Protocol):
+    """What a source needs of a client: urllib3's ``request`` (a PoolManager, the proxy router
+    below, or a test's canned client)."""
+
+    def request(
+        self, method: str, url: str, **kwargs: Unpack[RequestOptions]
+    ) -> urllib3.BaseHTTPResponse: ...
+
+
+_SHARED_POOLS: dict[tuple[int, object, str | None], HttpClient] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_http_pool(
+    size: int = 32, proxies: settings.Proxies | None = None, *, ca_certs: str | None = None
+) -> HttpClient:
+    """One pooled client per process, pool size, proxy settings (default: the environment's,
+    read now) and CA bundle, so the agent reuses connections across syncs and a model with its
+    own proxy never shares a pool with one that goes direct."""
+    proxies = settings.proxies() if proxies is None else proxies
+    key = (size, proxies.key(), ca_certs)
+    with _SHARED_LOCK:
+        pool = _SHARED_POOLS.get(key)
+        if pool is None:
+            pool = _SHARED_POOLS[key] = make_http_pool(size, proxies=proxies, ca_certs=ca_certs)
+        return pool
+
+
+def make_http_pool(
+    size: int = 32, *, proxies: settings.Proxies | None = None, ca_certs: str | None = None
+) -> HttpClient:
+    """A urllib3 pool for ranged GETs: no urllib3 retries or redirects (done by the caller), and
+    the proxies (default: the environment's, read now) honoured per host; ``ca_certs``: a CA
+    bundle to verify TLS with instead of the system's."""
+    kwargs: PoolOptions = {"num_pools": 8, "maxsize": size, "block": False, "retries": False}
+    if ca_certs:
+        kwargs["ca_certs"] = ca_certs
+    proxies = settings.proxies() if proxies is None else proxies
+    direct = watched_pools(urllib3.PoolManager(**kwargs))
+    if not proxies.by_scheme:
+        return direct
+    return ProxyRouter(direct, proxies, kwargs)
+
+
+# ---- stop and deadlines reach the header wait ----------------------------------------------------
+
+
+def _interrupt_socket(sock: object) -> Callable[[], None]:
+    def interrupt() -> None:
+        if isinstance(sock, socket.socket):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    return interrupt
+
+
+class _WatchedHTTPConnection(urllib3.connection.HTTPConnection):
+    """A connection whose wait for response headers a watch can interrupt: the calling
+    thread's watches (:mod:`prefetch.pipeline.deadline`: a ranged read the engine watches, a
+    metadata call under a deadline, a resolve a stop interrupts) get the socket, so a stop, a stall
+    or a deadline shuts it down instead of waiting out the read timeout (60 s). The socket stays
+    attached until the watch ends, so the body read is covered too."""
+
+    # The ignore: urllib3's own getresponse narrows http.client's return type to urllib3's
+    # HTTPResponse and carries the same ignore; this keeps urllib3's signature exactly.
+    def getresponse(self) -> urllib3.response.HTTPResponse:  # type: ignore[override]
+        attach_to_watches(_interrupt_socket(self.sock))
+        return super().getresponse()
+
+
+class _WatchedHTTPSConnection(urllib3.connection.HTTPSConnection):
+    """:class:`_WatchedHTTPConnection` over TLS. Its own method, not a copy of the plain one: a
+    zero-argument ``super()`` is bound to the class it is written in, so the plain class's method
+    on this class raises ``TypeError`` (every HTTPS request failed that way once)."""
+
+    # The ignore: urllib3's own getresponse narrows http.client's return type to urllib3's
+    # HTTPResponse and carries the same ignore; this keeps urllib3's signature exactly.
+    def getresponse(self) -> urllib3.response.HTTPResponse:  # type: ignore[override]
+        attach_to_watches(_interrupt_socket(self.sock))
+        return super().getresponse()
+
+
+class _WatchedHTTPPool(urllib3.HTTPConnectionPool):
+    ConnectionCls = _WatchedHTTPConnection
+
+
+class _WatchedHTTPSPool(urllib3.HTTPSConnectionPool):
+    ConnectionCls = _WatchedHTTPSConnection
+
+
+def watched_pools(manager: urllib3.PoolManager) -> urllib3.PoolManager:
+    """``manager`` making connections whose header wait a watch can interrupt (urllib3's
+    documented per-scheme pool classes)."""
+    manager.pool_classes_by_scheme = {"http": _WatchedHTTPPool, "https": _WatchedHTTPSPool}
+    return manager
+
+
+class ProxyRouter:
+    """Sends each request directly or through its scheme's proxy, as the proxy settings say."""
+
+    def __init__(self, direct: HttpClient, proxies: settings.Proxies, kwargs: PoolOptions) -> None:
+        from prefetch.sources.http.proxy_auth import proxy_headers  # only with a proxy configured
+
+        self._direct = direct
+        self._proxies = proxies
+        self._proxied = {
+            url: watched_pools(
+                urllib3.ProxyManager(url, proxy_headers=proxy_headers(url), **kwargs)
+            )
+            for url in set(proxies.by_scheme.values())
+        }
+
+    def manager_for(self, url: str) -> HttpClient:
+        """The client that sends a request for ``url``: a proxy, or the direct pool (the rule is
+        :meth:`prefetch.support.settings.Proxies.proxy_for`)."""
+        proxy = self._proxies.proxy_for(url)
+        return self._direct if proxy is None else self._proxied[proxy]
+
+    def request(
+        self, method: str, url: str, **kwargs: Unpack[RequestOptions]
+    ) -> urllib3.BaseHTTPResponse:
+        return self.manager_for(url).request(method, url, **kwargs)
+
+
+#: Does ``NO_PROXY`` exempt a host? (The rule lives in settings, beside the variables.)
+no_proxy_matches = settings.no_proxy_matches
+
+
+def discard(resp: urllib3.BaseHTTPResponse) -> None:
+    """Drop a urllib3 response whose body we do not want, closing its connection (never a
+    blocking read: the connection may be the one that just failed)."""
+    try:
+        resp.close()
+    finally:
+        resp.release_conn()
+
+
+def release_small_body(resp: urllib3.BaseHTTPResponse) -> None:
+    """Finish a response with a small body (a redirect): read it so the connection goes back
+    to the pool; a large or unknown one is discarded instead."""
+    try:
+        length = int(resp.headers.get("Content-Length") or -1)
+    except ValueError:
+        length = -1
+    if not 0 <= length <= DRAIN_LIMIT:
+        discard(resp)
+        return
+    try:
+        resp.drain_conn()
+    finally:
+        resp.release_conn()
+
+
+# ---- text fit for messages ---------------------------------------------------------------------
+
+
+def redact_url(url: str) -> str:
+    """A URL fit for messages: no credentials, no query string (CDN URLs carry signatures), and
+    anything else :func:`prefetch.support.redact.redact` recognises as a secret masked."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return redact(f"{parts.scheme}://{netloc}{parts.path}")
+
+
+# ---- one request, one answer ---------------------------------------------------------------------
+
+
+class Sent(Response):
+    """An answer :func:`send` got from the pool: ``raw`` is urllib3's response, never None."""
+
+    raw: urllib3.BaseHTTPResponse
+
+    def __init__(self, resp: urllib3.BaseHTTPResponse) -> None:
+        super().__init__(int(resp.status), resp.headers, resp)
+
+
+def origin_of(url: str) -> tuple[str, str, int]:
+    """Scheme, host and port of a URL (the default port when none is written)."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    port = parts.port or (443 if scheme == "https" else 80)
+    return scheme, (parts.hostname or "").lower(), port
+
+
+def send(
+    http: HttpClient,
+    method: str,
+    url: str,
+    *,
+    headers: Mapping[str, str],
+    timeout: urllib3.Timeout | float | None = None,
+    decode: bool = False,
+    credentials: Mapping[str, str] | None = None,
+    credentials_origin: str | None = None,
+) -> Sent:
+    """Send one request on the pool: no redirects, no urllib3 retries (the callers do both), the
+    body left unread. Transport failures raise urllib3's errors (see :func:`transport_error`),
+    but a refused certificate raises :class:`TlsError` naming the URL's host;
+    the wait for the headers is interrupted by the calling thread's watch (see above).
+
+    ``credentials`` (headers such as Authorization) go only to ``credentials_origin``'s scheme,
+    host and port: a redirect or a next-page link to another host never receives them."""
+    if (
+        credentials
+        and credentials_origin is not None
+        and origin_of(url) == origin_of(credentials_origin)
+    ):
+        headers = {**headers, **credentials}
+    kwargs: RequestOptions = {
+        "headers": dict(headers),
+        "preload_content": False,
+        "redirect": False,
+        "retries": False,
+        "decode_content": decode,
+    }
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    try:
+        resp = http.request(method, url, **kwargs)
+    except urllib3.exceptions.SSLError as exc:
+        scheme, host, port = origin_of(url)
+        refused = tls_error(exc, f"{scheme}://{host}:{port}")
+        if refused is None:
+            raise
+        raise refused from exc
+    except urllib3.exceptions.ProxyError as exc:  # TLS to an https:// proxy itself, refused
+        proxy = _proxy_of(http, url)
+        refused = None if proxy is None else tls_error(exc, f"the proxy {proxy}")
+        if refused is None:
+            raise
+        raise refused from exc
+    return Sent(resp)
+
+
+def _proxy_of(http: HttpClient, url: str) -> str | None:
+    """``scheme://host:port`` of the proxy ``http`` sends ``url`` through (never its
+    credentials), or None when it goes direct."""
+    manager = http.manager_for(url) if isinstance(http, ProxyRouter) else http
+    if not isinstance(manager, urllib3.ProxyManager) or manager.proxy is None:
+        return None
+    proxy = manager.proxy
+    return f"{proxy.scheme}://{proxy.host}:{proxy.port}"
+
+
+__all__ = [
+    "NETWORK_HINT",
+    "PROXY_HINT",
+    "TLS_HINT",
+    "BodyReader",
+    "HttpClient",
+    "ProxyRouter",
+    "RequestOptions",
+    "Response",
+    "ResponseBody",
+    "Sent",
+    "SupportsReadinto",
+    "check_range_answer",
+    "connection_failure",
+    "discard",
+    "error_class",
+    "http_client_response",
+    "make_http_pool",
+    "no_proxy_matches",
+    "origin_of",
+    "parse_retry_after",
+    "range_body_reader",
+    "redact_url",
+    "release_small_body",
+    "send",
+    "shared_http_pool",
+    "status_error",
+    "tls_error",
+    "transport_error",
+    "watched_pools",
+]
