@@ -5,20 +5,30 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prefetch.pipeline.snapshot import RemoteFile, Snapshot
-from prefetch.pipeline.spec import ModelSpec
-from prefetch.sources.base import RangeReader, Source
+from prefetch.pipeline.spec import ModelSpec, SourceURI
+from prefetch.sources.base import RangeReader, RemembersArchives, Source
 from prefetch.support.errors import RangeIgnoredError, SourceError
 from prefetch.support.redact import redact
 
-if TYPE_CHECKING:
-    from prefetch.sources.oci.source import OciSource
-
 log = logging.getLogger("prefetch.sources.oci")  # the OCI source's log, as before the split
+
+
+class RegistrySource(Source, RemembersArchives, Protocol):
+    """What :class:`OciMirrors` needs of each registry it reads (the origin's and every
+    mirror's :class:`~prefetch.sources.oci.source.OciSource`), named here so this module does
+    not import the source that imports it."""
+
+    @property
+    def uri(self) -> SourceURI: ...
+
+    def pin(self, digest: str) -> None: ...
+
+    def fetch_manifest(self, reference: str) -> tuple[bytes, str, str | None]: ...
 
 
 class OciMirrors:
@@ -41,7 +51,11 @@ class OciMirrors:
     so the next pull reads the blob from it."""
 
     def __init__(
-        self, origin: OciSource, mirrors: list[OciSource], *, origin_fallback: bool = True
+        self,
+        origin: RegistrySource,
+        mirrors: Sequence[RegistrySource],
+        *,
+        origin_fallback: bool = True,
     ) -> None:
         from prefetch.sources.ordered import OrderedSource
 
