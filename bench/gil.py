@@ -179,7 +179,8 @@ def prepare_prefetch(endpoint: str, dest: Path, *, mode: str) -> Callable[[], in
     from prefetch.pipeline.spec import ModelSpec, parse_source_uri
     from prefetch.pipeline.sync import sync
     from prefetch.pipeline.transfer import TransferConfig
-    from prefetch.sources.s3.source import S3Source, lazy_s3_client
+    from prefetch.sources.s3.factory import lazy_s3_client
+    from prefetch.sources.s3.source import S3Source
 
     server = SeaweedS3(endpoint=endpoint)
     spec = ModelSpec(source=parse_source_uri(f"s3://{BUCKET}/{PREFIX}/"))

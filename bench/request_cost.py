@@ -33,11 +33,12 @@ def modes(client: Any, server: Any) -> dict[str, Callable[[str], None]]:
     """mode name -> one whole-object GET of a key, body read to the end."""
     from prefetch.pipeline.spec import parse_source_uri
     from prefetch.sources.s3.direct import S3Bucket
-    from prefetch.sources.s3.source import S3Source, lazy_s3_client
+    from prefetch.sources.s3.factory import lazy_s3_client
+    from prefetch.sources.s3.source import S3Source
 
     source = S3Source(client, parse_source_uri(f"s3://{BUCKET}/k/"))
     source.ensure_signed_path()  # a listing: botocore's signer, as a pull sets it up
-    chained = source._objects_for("k/00000")
+    chained = source.objects_for("k/00000")
     assert isinstance(chained, S3Bucket), "the seam cannot be set up for this client"
 
     def botocore_get(key: str) -> None:

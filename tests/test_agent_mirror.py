@@ -16,7 +16,7 @@ import pytest
 from prefetch.agent.config import AgentConfig, parse_config, spec_digest
 from prefetch.agent.loop import Agent
 from prefetch.agent.scheduler import Intervals, JobKind
-from prefetch.sources.s3.source import make_s3_client
+from prefetch.sources.s3.factory import make_s3_client
 from prefetch.support.errors import ConfigError
 
 from .fakes.hubserver import HubServer, make_model_repo

@@ -18,7 +18,8 @@ from prefetch.pipeline.spec import ModelSpec, parse_source_uri
 from prefetch.pipeline.sync import sync
 from prefetch.pipeline.transfer import Cancelled, TransferConfig, engine_watchdog, open_watched
 from prefetch.sources.http.transport import make_http_pool
-from prefetch.sources.s3.source import S3Source, lazy_s3_client
+from prefetch.sources.s3.factory import lazy_s3_client
+from prefetch.sources.s3.source import S3Source
 from prefetch.support.errors import NotFoundError, TransientSourceError
 from prefetch.support.logjson import JsonFormatter, sync_context
 from tests.fakes.misbehaving import SilentServer

@@ -28,7 +28,7 @@ from prefetch.agent.node import NodeGate
 from prefetch.agent.space import SpaceManager
 from prefetch.demo.locals3 import SeaweedS3
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
-from prefetch.sources.s3.source import make_s3_client
+from prefetch.sources.s3.factory import make_s3_client
 from prefetch.support.constants import DEFAULT_STARTUP_TAINT_KEY, PROGRESS_ANNOTATION
 from prefetch.support.logjson import JsonFormatter, current_sync_id, sync_context
 from prefetch.support.units import format_bytes

@@ -22,7 +22,8 @@ import urllib3
 from prefetch.pipeline.retry import RetryPolicy
 from prefetch.pipeline.snapshot import RemoteFile
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
-from prefetch.sources.hf.source import HubSource, hub_token
+from prefetch.sources.hf.source import HubSource
+from prefetch.sources.hf.token import hub_token
 from prefetch.support.errors import InvalidListingError, SourceError, TransientSourceError
 
 from .fakes.hubserver import HubServer

@@ -19,8 +19,9 @@ import pytest
 
 from prefetch.pipeline.retry import RetryPolicy
 from prefetch.pipeline.spec import parse_source_uri
+from prefetch.sources.s3.factory import lazy_s3_client
 from prefetch.sources.s3.listing import ListingPages, MalformedListingPage, parse_list_page
-from prefetch.sources.s3.source import S3Source, lazy_s3_client
+from prefetch.sources.s3.source import S3Source
 from prefetch.support.errors import InvalidListingError, TransientSourceError
 
 from .fakes.tlsserver import TLSThreadingHTTPServer

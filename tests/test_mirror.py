@@ -559,7 +559,7 @@ def test_the_mirror_sends_parts_unsigned_over_https_where_their_crc64nvme_covers
     monkeypatch,
 ):
     from prefetch.publish.s3_mirror.upload import make_writer_client
-    from prefetch.sources.s3.source import make_s3_client
+    from prefetch.sources.s3.factory import make_s3_client
 
     monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
     keys = {"access_key": "a", "secret_key": "b", "region": "us-east-1"}

@@ -19,7 +19,7 @@ from prefetch.pipeline.spec import ModelSpec, parse_source_uri
 from prefetch.pipeline.sync import SyncResult, sync
 from prefetch.sources import SourceSettings, open_source
 from prefetch.sources.hf.source import HubOptions
-from prefetch.sources.s3.source import make_s3_client
+from prefetch.sources.s3.factory import make_s3_client
 from prefetch.sources.s3_mirror.format import blob_key
 from prefetch.support.errors import (
     ChecksumMismatchError,

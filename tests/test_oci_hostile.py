@@ -26,7 +26,8 @@ from prefetch.pipeline.sync import sync
 from prefetch.pipeline.transfer import TransferConfig
 from prefetch.sources.http.transport import HttpClient, make_http_pool
 from prefetch.sources.oci.auth import RegistryAuth, parse_challenge
-from prefetch.sources.oci.source import OciMirrors, OciSource
+from prefetch.sources.oci.mirrors import OciMirrors
+from prefetch.sources.oci.source import OciSource
 from prefetch.support.errors import (
     InsufficientSpaceError,
     SourceError,

@@ -102,7 +102,7 @@ def test_a_hostile_manifest_document_is_one_error():
 
 
 def test_registry_addresses(monkeypatch):
-    from prefetch.sources.oci.source import registry_base
+    from prefetch.sources.oci.registry import registry_base
 
     monkeypatch.delenv("PREFETCH_OCI_PLAIN_HTTP", raising=False)
     assert registry_base("ghcr.io") == "https://ghcr.io"
@@ -120,7 +120,7 @@ def test_an_ipv6_node_ip_is_a_registry_host_in_brackets(monkeypatch: pytest.Monk
     """docs/mirrors.md's Spegel recipe on an IPv6 cluster (status.hostIP is a bare IPv6
     address). Before: 'fd00::1:30020' is not a registry host, and every agent exited 1; and
     the mirror was spoken to over TLS, PREFETCH_OCI_PLAIN_HTTP=$(NODE_IP):30020 not matching."""
-    from prefetch.sources.oci.source import registry_base
+    from prefetch.sources.oci.registry import registry_base
 
     monkeypatch.setenv("NODE_IP", "fd00::1")
     mirror = parse_source_uri("oci://${NODE_IP}:30020")

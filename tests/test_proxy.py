@@ -24,7 +24,7 @@ from prefetch.pipeline.spec import ModelSpec, parse_source_uri
 from prefetch.pipeline.sync import sync
 from prefetch.sources import SourceSettings, open_source
 from prefetch.sources.hf.source import HubOptions
-from prefetch.sources.s3.source import s3_proxies
+from prefetch.sources.s3.factory import s3_proxies
 from prefetch.support.errors import ConfigError
 from prefetch.support.settings import parse_proxy, proxies
 

@@ -21,7 +21,8 @@ from prefetch.pipeline.progress import NullProgress
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
 from prefetch.pipeline.sync import sync, verify_local
 from prefetch.pipeline.transfer import TransferConfig
-from prefetch.sources.s3.source import S3Source, make_s3_client
+from prefetch.sources.s3.factory import make_s3_client
+from prefetch.sources.s3.source import S3Source
 from prefetch.support.errors import (
     AccessDeniedError,
     BucketNotFoundError,

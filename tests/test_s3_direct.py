@@ -29,8 +29,9 @@ from prefetch.sources.s3.direct import (
     sends_as_signed,
     sign_v4,
 )
+from prefetch.sources.s3.factory import LazyS3Client, lazy_s3_client
 from prefetch.sources.s3.sdk import BotocoreObjects
-from prefetch.sources.s3.source import LazyS3Client, S3Source, lazy_s3_client
+from prefetch.sources.s3.source import S3Source
 from prefetch.support.errors import AccessDeniedError, BucketNotFoundError
 
 from .support import pull_s3, put
@@ -190,9 +191,9 @@ def test_a_key_with_a_dot_segment_is_read_through_botocore(s3_server, s3_client,
     source = S3Source(client, spec.source)
     put(s3_client, bucket, "m/w.bin", b"w" * 70_000)
     source.resolve(spec)  # sets up the direct object path
-    dotted = source._objects_for("m/./w.bin")
+    dotted = source.objects_for("m/./w.bin")
     assert isinstance(dotted, BotocoreObjects)
-    assert isinstance(source._objects_for("m/w.bin"), S3Bucket)
+    assert isinstance(source.objects_for("m/w.bin"), S3Bucket)
 
 
 def test_a_pull_after_a_direct_listing_reads_objects_on_the_seam(

@@ -61,7 +61,8 @@ from prefetch.sources.gcs.source import GcsClient, GcsSource
 from prefetch.sources.hf.source import HubOptions, open_hub_source
 from prefetch.sources.http.transport import watched_pools
 from prefetch.sources.oci.source import open_oci_source
-from prefetch.sources.s3.source import S3Source, make_s3_client
+from prefetch.sources.s3.factory import make_s3_client
+from prefetch.sources.s3.source import S3Source
 from prefetch.sources.s3_mirror.format import (
     MirrorCommit,
     MirrorFile,

@@ -543,7 +543,7 @@ class Agent:
         if self._s3_client is not None:
             return self._s3_client
         if self._push_client is None:
-            from prefetch.sources.s3.source import make_s3_client
+            from prefetch.sources.s3.factory import make_s3_client
 
             self._push_client = make_s3_client(
                 endpoint_url=config.s3_endpoint_url or settings.aws_endpoint_url(),

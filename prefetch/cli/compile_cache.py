@@ -109,7 +109,7 @@ def push_cmd(
     """Publish the finished compile cache DIRECTORY at URI (s3://bucket/prefix/<key>), unless
     one is there already: the first writer wins, nothing is overwritten. A claim left by a
     push that died is taken over once its lease ends; a published cache never is."""
-    from prefetch.sources.s3.source import make_s3_client
+    from prefetch.sources.s3.factory import make_s3_client
 
     client = make_s3_client(endpoint_url=endpoint_url, ca_bundle=ca_bundle)
     result = push(client, directory, uri, settle=settle, lease=lease)

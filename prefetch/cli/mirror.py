@@ -110,7 +110,7 @@ def mirror(
     from prefetch.publish.s3_mirror import MirrorConfig, S3Prefix, mirror_hub, mirror_s3
     from prefetch.publish.s3_mirror.upload import make_writer_client
     from prefetch.sources import SourceSettings, open_source, pool_size, s3_client
-    from prefetch.sources.s3.source import make_s3_client
+    from prefetch.sources.s3.factory import make_s3_client
 
     if not dst.strip().startswith(("s3://", "oci://")):
         raise ConfigError(

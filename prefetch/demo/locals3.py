@@ -188,7 +188,7 @@ class SeaweedS3:
         self, *, max_pool_connections: int = 32, sign_payloads: bool | None = None
     ) -> Any:  # boto3's client: untyped
         """A boto3 S3 client signed with this server's credentials."""
-        from prefetch.sources.s3.source import make_s3_client
+        from prefetch.sources.s3.factory import make_s3_client
 
         return make_s3_client(
             endpoint_url=self.endpoint,

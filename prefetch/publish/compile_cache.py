@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prefetch.sources.s3.source import translate
+from prefetch.sources.s3.errors import translate
 from prefetch.support.errors import CompileCacheError, CompileCacheRefused, PrefetchError
 
 #: vLLM writes this into a compile cache directory once it is complete.

@@ -49,7 +49,8 @@ from prefetch.sources.http.transport import (
 )
 from prefetch.sources.oci.auth import RegistryAuth
 from prefetch.sources.oci.manifest import OCI_MANIFEST
-from prefetch.sources.oci.source import USER_AGENT, OciSource, registry_base
+from prefetch.sources.oci.registry import USER_AGENT, registry_base
+from prefetch.sources.oci.source import OciSource
 from prefetch.support.errors import ChecksumMismatchError, ConfigError, SourceError
 
 ARTIFACT_TYPE = "application/vnd.cncf.model.manifest.v1+json"

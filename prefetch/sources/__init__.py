@@ -51,7 +51,7 @@ class S3Clients:
     (endpoint, pool size, proxy, CA bundle), so parallel syncs reuse connections instead of
     each building its own, and a model with its own proxy never shares a client with one going
     direct.
-    ``make`` is :func:`prefetch.sources.s3.source.make_s3_client` unless a test passes another."""
+    ``make`` is :func:`prefetch.sources.s3.factory.make_s3_client` unless a test passes another."""
 
     def __init__(self, make: Callable[..., Any] | None = None) -> None:
         self._make = make
@@ -82,7 +82,7 @@ class S3Clients:
     def _new(self, **settings: Any) -> Any:
         if self._make is not None:
             return self._make(**settings)
-        from prefetch.sources.s3.source import make_s3_client
+        from prefetch.sources.s3.factory import make_s3_client
 
         return make_s3_client(**settings)
 
@@ -142,7 +142,7 @@ def s3_client(spec: ModelSpec, settings: SourceSettings, *, lazy: bool) -> Any:
         return settings.s3_client
     if settings.clients is not None:
         return settings.clients.get(settings.s3_endpoint, settings.pool, spec.proxy, spec.ca_bundle)
-    from prefetch.sources.s3.source import lazy_s3_client, make_s3_client
+    from prefetch.sources.s3.factory import lazy_s3_client, make_s3_client
 
     make = lazy_s3_client if lazy else make_s3_client
     return make(

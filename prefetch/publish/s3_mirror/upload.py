@@ -1,9 +1,9 @@
 """The mirror's S3 destination: the few write calls it makes, each retried and translated.
 
-The boto3 client is passed in (built by :func:`prefetch.sources.s3.source.make_s3_client`, so
+The boto3 client is passed in (built by :func:`prefetch.sources.s3.factory.make_s3_client`, so
 boto3's own retries are off and retrying lives in :mod:`prefetch.pipeline.retry`); this module never
-imports an SDK. Every object is written with a CRC64NVME checksum the caller computed from the bytes
-it streamed: a one-request object as PutObject with ``ChecksumCRC64NVME``, a larger one as a
+imports an SDK. Every object is written with a CRC64NVME checksum the caller computed from the
+bytes it streamed: a one-request object as PutObject with ``ChecksumCRC64NVME``, a larger one as a
 multipart upload of type FULL_OBJECT whose parts carry their own CRC and whose completion
 carries the whole object's, so S3 itself refuses an object whose stored bytes are not the ones
 we checked (BadDigest).
@@ -20,8 +20,8 @@ from typing import Any, TypeVar
 
 from prefetch.pipeline import verify
 from prefetch.pipeline.retry import RetryPolicy, call_with_retries
+from prefetch.sources.s3.errors import translate
 from prefetch.sources.s3.listing import ListingPages, listed_objects
-from prefetch.sources.s3.source import translate
 from prefetch.support.errors import BucketNotFoundError, PrefetchError, SourceError
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ def crc64nvme_of(data: bytes | memoryview) -> int:
 def make_writer_client(
     make: Callable[..., Any], endpoint_url: str | None, **kwargs: object
 ) -> Any:  # boto3's client: untyped
-    """The destination's client (``make`` is :func:`prefetch.sources.s3.source.make_s3_client`),
+    """The destination's client (``make`` is :func:`prefetch.sources.s3.factory.make_s3_client`),
     sending bodies unsigned over HTTPS: each one carries a CRC64NVME in a signed header that
     S3 checks, and TLS keeps it intact on the way, so SHA256-signing every part too (which
     botocore does when the caller states the checksum) would hash each byte once more for

@@ -1,1 +1,2 @@
-"""The HTTP plumbing the backends share: pooled transports, proxy credentials, status texts."""
+"""The HTTP plumbing the backends share: pooled transports, the status table and errors, the
+answer and its body reader, proxy credentials, status texts."""

@@ -1,47 +1,56 @@
-"""The one HTTP layer every source shares: pool, proxies, redaction, status table and body reader.
+"""The one HTTP layer every source shares: the transport seam, and the public face of its parts.
 
 * :func:`make_http_pool` / :func:`shared_http_pool`: a urllib3 pool for ranged GETs (no urllib3
   retries or redirects: the caller does both), sending each request directly or through the
-  proxy the environment names (``HTTP(S)_PROXY``, bypassed per host by ``NO_PROXY``).
+  proxy the environment names (``HTTP(S)_PROXY``, bypassed per host by ``NO_PROXY``), on
+  connections whose header wait a watch can interrupt (:func:`watched_pools`).
+* :func:`send`: one request on the pool, credentials only to their own origin.
 * :func:`redact_url`: a URL fit for a message (no credentials, no signed query string).
-* :func:`parse_retry_after`: a ``Retry-After`` header in seconds.
-* :func:`error_class`: THE status table: an HTTP status (and the Hub's ``X-Error-Code``) to the
-  package's exception class. Every source asks it; only the wording of messages is theirs.
-* :func:`transport_error`: an exception from sending a request or reading a body, as ours.
-* :class:`BodyReader`: the body of one ranged answer, read with the ``http.client`` response's
-  ``readinto`` straight into the engine's buffer (urllib3's and botocore's own ``readinto`` read
-  into a temporary bytes object and copy it: half the client CPU per byte, measured), never
-  more or less than the range, with an ``abort()`` that wakes a read blocked in another thread.
+
+The parts with a job of their own live beside it and are imported from here by every source
+(their names are this module's public interface, listed in ``__all__``):
+
+* :mod:`prefetch.sources.http.errors`: THE status table (:func:`error_class`,
+  :func:`status_error`), :func:`transport_error`, :func:`tls_error`, :func:`parse_retry_after`
+  and the hints said with them.
+* :mod:`prefetch.sources.http.body`: :class:`Response` and :class:`BodyReader` (the body of a
+  ranged answer, read straight into the engine's buffer), :func:`check_range_answer`,
+  :func:`range_body_reader`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import email.utils
-import http.client
 import socket
-import ssl
 import threading
-import time
 from collections.abc import Callable, Mapping
-from typing import Protocol, TypedDict, Unpack, cast
+from typing import Protocol, TypedDict, Unpack
 from urllib.parse import urlsplit
 
 import urllib3
 
 from prefetch.pipeline.deadline import attach_to_watches
-from prefetch.sources.base import range_answer_problem, shutdown_socket_of
-from prefetch.support import settings
-from prefetch.support.errors import (
-    AccessDeniedError,
-    NotFoundError,
-    RepoNotFoundError,
-    RevisionNotFoundError,
-    SourceChangedError,
-    SourceError,
-    TlsError,
-    TransientSourceError,
+from prefetch.sources.http.body import (
+    BodyReader,
+    Response,
+    ResponseBody,
+    SupportsReadinto,
+    check_range_answer,
+    http_client_response,
+    range_body_reader,
 )
+from prefetch.sources.http.errors import (
+    NETWORK_HINT,
+    PROXY_HINT,
+    TLS_HINT,
+    connection_failure,
+    error_class,
+    parse_retry_after,
+    status_error,
+    tls_error,
+    transport_error,
+)
+from prefetch.support import settings
 from prefetch.support.redact import redact
 
 #: A redirect's body is read (so its connection goes back to the pool) only up to this size.
@@ -238,317 +247,7 @@ def redact_url(url: str) -> str:
     return redact(f"{parts.scheme}://{netloc}{parts.path}")
 
 
-def parse_retry_after(value: str | None) -> float | None:
-    """Seconds from a ``Retry-After`` header (delay-seconds or an HTTP date); None if absent or
-    unreadable. Never negative: a date in the past means now."""
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value.strip()))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - time.time())
-
-
-# ---- the status table --------------------------------------------------------------------------
-
-#: The Hub's ``X-Error-Code`` values that name what went wrong better than the status does.
-_ERROR_CODES: Mapping[str, type[SourceError]] = {
-    "GatedRepo": AccessDeniedError,
-    "RepoNotFound": RepoNotFoundError,
-    "RevisionNotFound": RevisionNotFoundError,
-    "EntryNotFound": NotFoundError,
-}
-_STATUSES: Mapping[int, type[SourceError]] = {
-    401: AccessDeniedError,
-    403: AccessDeniedError,
-    404: NotFoundError,
-    408: TransientSourceError,
-    410: NotFoundError,
-    412: SourceChangedError,  # a pinned (If-Match) request: the object changed
-    416: SourceChangedError,  # the range is past the end: the file is not the listed size
-    429: TransientSourceError,
-}
-
-
-def error_class(
-    status: int, error_code: str | None = None, *, credentials: bool = True
-) -> type[SourceError]:
-    """The package's exception class for an HTTP error answer.
-
-    In order: a status worth retrying (408, 429, 5xx) is transient whatever else it says; a 401
-    to a request without credentials is access denied (a private repo hides behind it); a known
-    Hub ``X-Error-Code`` comes next; then the status; anything else is a plain SourceError.
-    """
-    if status >= 500 or _STATUSES.get(status) is TransientSourceError:
-        return TransientSourceError
-    if status == 401 and not credentials:
-        return AccessDeniedError
-    by_code = _ERROR_CODES.get((error_code or "").strip())
-    if by_code is not None:
-        return by_code
-    return _STATUSES.get(status, SourceError)
-
-
-def status_error(
-    status: int,
-    message: str,
-    *,
-    error_code: str | None = None,
-    credentials: bool = True,
-    retry_after: str | None = None,
-    hint: str | None = None,
-) -> SourceError:
-    """The exception for an HTTP error answer, of the class :func:`error_class` picks, with the
-    caller's ``message`` (a transient one carries the server's ``Retry-After``)."""
-    cls = error_class(status, error_code, credentials=credentials)
-    if cls is TransientSourceError:
-        return TransientSourceError(message, retry_after=parse_retry_after(retry_after))
-    return cls(message, hint=hint)
-
-
-#: What to check when no connection could be made at all (no DNS answer, refused, timed out).
-NETWORK_HINT = (
-    "check the network and DNS; behind a proxy set HTTPS_PROXY (or --proxy); "
-    "a Hub mirror: HF_ENDPOINT (or --endpoint); another S3 server: --endpoint-url"
-)
-
-
-#: Said with every failure of the proxy itself (not reachable, refusing, wanting credentials).
-PROXY_HINT = (
-    "check HTTPS_PROXY / HTTP_PROXY (or --proxy URL; --proxy none goes direct) and NO_PROXY"
-)
-
-
-def connection_failure(exc: BaseException) -> str | None:
-    """``cannot reach HOST:PORT: why`` when ``exc`` is urllib3's failure to open a connection
-    (no DNS answer, refused, timed out), else None. urllib3 words these with the connection
-    object's repr (a private class name): the host, port and reason are taken apart instead."""
-    if not isinstance(exc, urllib3.exceptions.ConnectTimeoutError):
-        return None
-    if isinstance(exc, urllib3.exceptions.NewConnectionError):
-        conn, detail = exc.conn, str(exc).removeprefix(f"{exc.conn}: ")
-    elif len(exc.args) == 2 and isinstance(exc.args[1], str):  # (conn, "Connection to ...")
-        conn, detail = exc.args[0], exc.args[1]
-    else:
-        return None
-    host, port = getattr(conn, "host", None), getattr(conn, "port", None)
-    where = f"{host}:{port}" if host and port else host or "the server"
-    return f"cannot reach {where}: {detail}"
-
-
-#: Said with every TLS refusal: how to trust a private CA (verification cannot be turned off).
-TLS_HINT = (
-    "if the server's certificate is signed by a private CA, trust it with --ca-bundle FILE "
-    "(agent: caBundle), or REQUESTS_CA_BUNDLE / SSL_CERT_FILE / AWS_CA_BUNDLE"
-)
-#: OpenSSL's reasons for a handshake with a peer that does not speak TLS (a plain-HTTP port).
-_NOT_TLS = frozenset(
-    {"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "HTTP_REQUEST",
-     "UNKNOWN_PROTOCOL"}
-)  # fmt: skip
-
-
-def _ssl_error_in(exc: BaseException) -> ssl.SSLError | None:
-    """The ``ssl`` error under a library's wrapping (urllib3 and botocore keep it as an argument,
-    a cause or a context), or None."""
-    seen: set[int] = set()
-    todo: list[object] = [exc]
-    while todo:
-        item = todo.pop()
-        if not isinstance(item, BaseException) or id(item) in seen:
-            continue
-        seen.add(id(item))
-        if isinstance(item, ssl.SSLError):
-            return item
-        todo.extend([item.__cause__, item.__context__, *item.args])
-    return None
-
-
-def tls_error(exc: BaseException, where: str) -> TlsError | None:
-    """``exc`` as a :class:`TlsError` when it is a refused certificate or a handshake with a
-    peer that does not speak TLS (``where``: the message's start, naming the host); None for
-    any other failure (a reset in the middle of a TLS stream stays transient)."""
-    if isinstance(exc, TlsError):
-        return TlsError(f"{where}: {exc}", hint=exc.hint)
-    err = _ssl_error_in(exc)
-    if isinstance(err, ssl.SSLCertVerificationError):
-        reason = f"certificate verify failed: {err.verify_message or err.reason}"
-    elif err is not None and err.reason in _NOT_TLS:
-        words = str(err.reason).lower().replace("_", " ")
-        reason = f"TLS handshake failed: {words} (does the port speak plain HTTP?)"
-    else:
-        return None
-    return TlsError(f"{where}: {reason}", hint=TLS_HINT)
-
-
-def transport_error(exc: BaseException, what: str) -> SourceError:
-    """An exception from sending a request or reading a body, as the package's error: network
-    and protocol failures are transient, a refused certificate (:func:`tls_error`) is not."""
-    refused = tls_error(exc, what)
-    if refused is not None:
-        return refused
-    unreachable = connection_failure(exc)
-    if unreachable is not None:
-        return TransientSourceError(f"{what}: {unreachable}", hint=NETWORK_HINT)
-    if isinstance(exc, urllib3.exceptions.ProxyError):
-        from prefetch.sources.http.proxy_auth import proxy_failure  # a proxy's refusal: rare
-
-        reason, transient = proxy_failure(exc)
-        cls = TransientSourceError if transient else SourceError
-        return cls(f"{what}: {reason}", hint=PROXY_HINT)
-    if isinstance(exc, urllib3.exceptions.HTTPError | http.client.HTTPException | OSError):
-        return TransientSourceError(f"{what}: {type(exc).__name__}: {exc}")
-    return SourceError(f"{what}: {type(exc).__name__}: {exc}")
-
-
-# ---- the body reader ---------------------------------------------------------------------------
-
-
-class SupportsReadinto(Protocol):
-    def readinto(self, buf: memoryview, /) -> int: ...
-
-
-class ResponseBody(SupportsReadinto, Protocol):
-    """What the seam uses of an answer's unread body: urllib3's response, or botocore's
-    ``StreamingBody`` (whose ``release_conn`` is absent: it is looked up, not required)."""
-
-    def read(self, amt: int | None = ..., /) -> bytes: ...
-    def close(self) -> None: ...
-
-
-def http_client_response(response: object) -> http.client.HTTPResponse | None:
-    """The ``http.client`` response under a urllib3 response (or the response itself), or None
-    when there is none: the layers are private, so a caller falls back to the outer object."""
-    if isinstance(response, http.client.HTTPResponse):
-        return response
-    fp = getattr(response, "_fp", None)
-    return fp if isinstance(fp, http.client.HTTPResponse) else None
-
-
-class BodyReader:
-    """The body of one answer to a ranged GET of ``length`` bytes: never more, never less.
-
-    ``raw`` is the ``http.client`` response to read from (straight into the caller's buffer;
-    it honours Content-Length and chunked encoding); when None, ``body`` (the library's own
-    response object) is read instead. A body that ends early is a TransientSourceError (the
-    engine retries from the last byte written); one that runs past the range (possible only
-    without a Content-Length, so checked only then) is an ``overrun`` error. ``translate``
-    turns a read failure into the package's error. ``on_close(reusable)`` finishes the
-    response: ``reusable`` is true only when the whole body was read and nothing aborted it.
-    """
-
-    def __init__(
-        self,
-        body: SupportsReadinto,
-        what: str,
-        length: int,
-        *,
-        raw: http.client.HTTPResponse | None,
-        socket_owner: object,
-        on_close: Callable[[bool], None],
-        length_known: bool = True,
-        translate: Callable[[Exception, str], Exception] = transport_error,
-        overrun: type[SourceError] = SourceChangedError,
-    ) -> None:
-        self._body = body
-        self._raw = raw
-        self._socket_owner = socket_owner
-        self._on_close = on_close
-        self._what = what
-        self._left = length
-        self._length_known = length_known
-        self._translate = translate
-        self._overrun = overrun
-        self._clean = False
-        self._aborted = False
-
-    def readinto(self, buf: memoryview, /) -> int:
-        if self._left <= 0:
-            return 0
-        view = buf[: self._left] if len(buf) > self._left else buf
-        n = self._read(view)
-        if n <= 0:
-            raise TransientSourceError(
-                f"{self._what}: the body ended {self._left} bytes before the end of the range"
-            )
-        self._left -= n
-        if self._left == 0:
-            self._finish()
-        return n
-
-    def _read(self, view: memoryview) -> int:
-        try:
-            if self._raw is not None:
-                return self._raw.readinto(view)
-            return int(self._body.readinto(view))
-        except Exception as exc:
-            raise self._translate(exc, self._what) from exc
-
-    def _finish(self) -> None:
-        """The range is complete: a body without Content-Length must end here too."""
-        if not self._length_known and self._read(memoryview(bytearray(1))) > 0:
-            raise self._overrun(f"{self._what}: the body is longer than the range")
-        self._clean = True
-
-    def abort(self) -> None:
-        """Make a read blocked in another thread return now (see RangeReader); the connection
-        is then never reused."""
-        self._aborted = True
-        shutdown_socket_of(self._raw if self._raw is not None else self._socket_owner)
-
-    def close(self) -> None:
-        self._on_close(self._clean and not self._aborted)
-
-
 # ---- one request, one answer ---------------------------------------------------------------------
-
-
-class Response:
-    """One answer on the seam: the status, the headers (case-insensitive), and ``raw``, the
-    response whose body is still unread (None when a library already consumed it). ``error``:
-    the (code, message) a library parsed from an error answer, when it did."""
-
-    def __init__(
-        self,
-        status: int,
-        headers: Mapping[str, str],
-        raw: ResponseBody | None,
-        *,
-        error: tuple[str, str] | None = None,
-    ) -> None:
-        self.status = status
-        self.headers = headers
-        self.raw = raw
-        self.error = error
-
-    def read(self, limit: int) -> bytes:
-        """At most ``limit`` bytes of the body."""
-        return self.raw.read(limit) if self.raw is not None else b""
-
-    def release(self) -> None:
-        """The body was read to its end: the connection goes back to the pool."""
-        if self.raw is not None:
-            release = getattr(self.raw, "release_conn", None)
-            if release is not None:
-                release()
-            else:
-                self.raw.close()
-
-    def discard(self) -> None:
-        """Close the connection without reading (it may be the one that failed)."""
-        if self.raw is None:
-            return
-        try:
-            self.raw.close()
-        finally:
-            release = getattr(self.raw, "release_conn", None)
-            if release is not None:
-                release()
 
 
 class Sent(Response):
@@ -628,56 +327,10 @@ def _proxy_of(http: HttpClient, url: str) -> str | None:
     return f"{proxy.scheme}://{proxy.host}:{proxy.port}"
 
 
-def check_range_answer(
-    what: str,
-    start: int,
-    end: int,
-    size: int,
-    status: int | None,
-    content_range: str | None,
-    content_length: int | str | None,
-) -> None:
-    """THE range rule of every source: the answer to a GET of bytes ``[start, end)`` of a
-    ``size``-byte object must be exactly that range (:func:`range_answer_problem`); anything else
-    would write wrong bytes at this offset, so it is a SourceChangedError (the partial file is
-    dropped: its bytes can no longer be trusted)."""
-    problem = range_answer_problem(start, end, size, status, content_range, content_length)
-    if problem is not None:
-        raise SourceChangedError(f"{what}: {problem}")
-
-
-def range_body_reader(
-    answer: Response,
-    what: str,
-    length: int,
-    *,
-    translate: Callable[[Exception, str], Exception] = transport_error,
-) -> BodyReader:
-    """The reader of a checked ranged answer: straight from the ``http.client`` response when
-    the seam sent it (else through the library's body object); the connection goes back to the
-    pool only after a clean read."""
-
-    def finish(reusable: bool) -> None:
-        if reusable:
-            answer.release()
-        else:
-            answer.discard()
-
-    # a ranged answer that passed its checks always has its body (only an error has none)
-    body = cast("ResponseBody", answer.raw)
-    return BodyReader(
-        body,
-        what,
-        length,
-        raw=http_client_response(body),
-        socket_owner=body,
-        on_close=finish,
-        length_known=answer.headers.get("Content-Length") is not None,
-        translate=translate,
-    )
-
-
 __all__ = [
+    "NETWORK_HINT",
+    "PROXY_HINT",
+    "TLS_HINT",
     "BodyReader",
     "HttpClient",
     "ProxyRouter",
@@ -685,7 +338,9 @@ __all__ = [
     "Response",
     "ResponseBody",
     "Sent",
+    "SupportsReadinto",
     "check_range_answer",
+    "connection_failure",
     "discard",
     "error_class",
     "http_client_response",

@@ -175,11 +175,22 @@ def unpack_layer(
         if isinstance(exc, UnsafePathError):
             raise
         raise SourceError(f"{what}: not a readable {kind} archive: {exc}") from exc
+    _check_blob(raw, size, digest_hex, what)
+    _add_links(members, links, what)
+    return sorted(members.values(), key=lambda m: m.path)
+
+
+def _check_blob(raw: _HashingReader, size: int, digest_hex: str, what: str) -> None:
+    """The blob read to its end is the descriptor's: its size, then its sha256."""
     if raw.count != size:
         raise SourceError(f"{what}: the blob is {raw.count} bytes, its descriptor says {size}")
     actual = raw.hasher.hexdigest()
     if actual != digest_hex:
         raise ChecksumMismatchError(what, "sha256", digest_hex, actual)
+
+
+def _add_links(members: dict[str, StagedMember], links: list[tuple[str, str]], what: str) -> None:
+    """Each link (path, target) published as a copy of the member file it points to."""
     for path, target in links:
         source = members.get(target)
         if source is None:
@@ -189,7 +200,6 @@ def unpack_layer(
                 path=path,
             )
         members[path] = StagedMember(path, source.size, source.sha256, source.staged)
-    return sorted(members.values(), key=lambda m: m.path)
 
 
 def _members(

@@ -22,8 +22,8 @@ from prefetch.sources.s3_mirror.source import MirrorSource
 from prefetch.support.errors import AccessDeniedError
 
 if TYPE_CHECKING:
+    from prefetch.sources.s3.factory import LazyS3Client
     from prefetch.sources.s3.sdk import S3Client
-    from prefetch.sources.s3.source import LazyS3Client
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,9 @@ from prefetch.pipeline.retry import AdaptiveRate, RetryPolicy
 from prefetch.pipeline.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.pipeline.spec import ModelSpec, SourceURI
 from prefetch.sources.base import RangeReader
+from prefetch.sources.s3.factory import LazyS3Client
 from prefetch.sources.s3.listing import listed_objects
-from prefetch.sources.s3.source import LazyS3Client, S3Source
+from prefetch.sources.s3.source import S3Source
 from prefetch.sources.s3_mirror.format import (
     MirrorCommit,
     MirrorFile,

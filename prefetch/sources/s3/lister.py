@@ -1,0 +1,106 @@
+"""Listing an S3 prefix into a snapshot, with its SHA256SUMS sidecar's checksums.
+
+:class:`S3Lister` pages through ListObjectsV2 under the prefix (through
+:class:`~prefetch.sources.s3.sender.S3Requests`, so on the seam when it can), keeps the keys
+the spec wants, and reads a ``SHA256SUMS`` sidecar beside them into each file's checksums.
+"""
+
+from __future__ import annotations
+
+import re
+
+from prefetch.pipeline.snapshot import Checksum, RemoteFile, Snapshot, listing_digest
+from prefetch.pipeline.spec import SIDECAR_MANIFEST, ModelSpec, SourceURI
+from prefetch.sources.s3.listing import ListingPages, listed_objects
+from prefetch.sources.s3.sender import S3Requests
+from prefetch.support.errors import NoMatchingFilesError, SourceChangedError, SourceError
+
+_SIDECAR_LINE = re.compile(r"^([0-9a-fA-F]{64}) [ *](.+)$")
+
+#: A SHA256SUMS sidecar is read up to this size (a line per file: ~100 bytes each).
+MAX_SIDECAR_BYTES = 64 * 1024 * 1024
+
+
+class S3Lister:
+    """The snapshot of the objects under ``uri`` (``s3://bucket/prefix``), a file's path its
+    key relative to the prefix."""
+
+    def __init__(self, requests: S3Requests, uri: SourceURI) -> None:
+        self._requests = requests
+        self._uri = uri
+
+    def resolve(self, spec: ModelSpec) -> Snapshot:
+        bucket, prefix = self._uri.location, self._uri.path
+        where = f"s3://{bucket}/{prefix}"
+        files: list[RemoteFile] = []
+        sidecar: RemoteFile | None = None
+        seen_any = False
+        token: str | None = None
+        pages = ListingPages(where)
+        while True:
+            kwargs: dict[str, str | int] = {"Prefix": prefix, "MaxKeys": 1000}
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = self._requests.list_page(f"listing {where}", **kwargs)
+            for obj in listed_objects(page, where):
+                key: str = obj["Key"]
+                rel = key[len(prefix) :]
+                if not rel or rel.endswith("/"):
+                    continue  # the prefix itself, or a "folder" marker
+                seen_any = True
+                remote = RemoteFile(
+                    path=rel,
+                    size=int(obj["Size"]),
+                    version=str(obj.get("ETag", "")).strip('"'),
+                    locator=key,
+                )
+                if rel == SIDECAR_MANIFEST:
+                    sidecar = remote
+                elif spec.wants(rel):
+                    files.append(remote)
+            token = pages.next_token(page)
+            if token is None:
+                break
+        if not seen_any:
+            raise NoMatchingFilesError(f"no objects under {where}")
+        if not files:
+            raise NoMatchingFilesError(
+                f"no object under {where} matches the include/exclude patterns",
+                hint=f"include={list(spec.include)} exclude={list(spec.exclude)}",
+            )
+        if sidecar is not None:
+            files = self._apply_sidecar(sidecar, files)
+        files.sort(key=lambda f: f.path)
+        digest = listing_digest([(f.path, f.size, f.version) for f in files])
+        return Snapshot(
+            source=str(self._uri),
+            revision_id=spec.hf_revision or digest,
+            files=tuple(files),
+            requested_revision=None,
+            repo_id=spec.repo_id,
+        )
+
+    def _apply_sidecar(self, sidecar: RemoteFile, files: list[RemoteFile]) -> list[RemoteFile]:
+        what = f"reading s3://{self._uri.location}/{sidecar.locator}"
+        body = self._requests.read_object(sidecar.locator, what, limit=MAX_SIDECAR_BYTES)
+        if body is None:
+            raise SourceChangedError(f"{what}: the object disappeared since it was listed")
+        sums: dict[str, str] = {}
+        for n, line in enumerate(body.decode("utf-8", "replace").splitlines(), 1):
+            if not line.strip() or line.startswith("#"):
+                continue
+            m = _SIDECAR_LINE.match(line.rstrip("\r"))
+            if m is None:
+                raise SourceError(
+                    f"{what}: line {n} is not '<sha256>  <path>' (sha256sum format): {line[:80]!r}"
+                )
+            sums[m.group(2).removeprefix("./")] = m.group(1).lower()
+        return [
+            f.with_(
+                checksums=(*f.checksums, Checksum("sha256", sums[f.path], origin="sidecar")),
+                blob_id=sums[f.path],
+            )
+            if f.path in sums
+            else f
+            for f in files
+        ]
