@@ -34,6 +34,7 @@ from prefetch.errors import (
     VerifyError,
 )
 from prefetch.layout import Layout, RecordedFile, model_lock
+from prefetch.partial_file import no_space
 from prefetch.progress import NullProgress, ProgressSink
 from prefetch.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.sources.base import RemembersArchives, Source
@@ -44,9 +45,8 @@ from prefetch.transfer import (
     Transfer,
     TransferConfig,
     TransferStats,
-    no_space,
-    staged_name,
 )
+from prefetch.transfer_plan import staged_name
 from prefetch.units import format_bytes
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,8 @@ from prefetch.sources._http import make_http_pool
 from prefetch.sources.s3 import S3Source, lazy_s3_client
 from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.sync import sync
-from prefetch.transfer import Cancelled, TransferConfig, engine_watchdog, open_watched
+from prefetch.transfer import Cancelled, TransferConfig
+from prefetch.watched_read import engine_watchdog, open_watched
 from tests.fakes.misbehaving import SilentServer
 from tests.tls import TestCA
 

@@ -39,7 +39,8 @@ from prefetch.sources._http import parse_retry_after
 from prefetch.sources.hf import HubOptions, HubSource, open_hub_source
 from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.sync import SyncResult, sync, verify_local
-from prefetch.transfer import TransferConfig, staged_name
+from prefetch.transfer import TransferConfig
+from prefetch.transfer_plan import staged_name
 
 from .fakes.hubserver import HubServer, make_model_dir, write_random_file
 from .support import (

@@ -16,7 +16,8 @@ from prefetch.agent.gate_driver import GATE_RETRY, GateDriver
 from prefetch.errors import ConfigError, SourceError, TransientSourceError
 from prefetch.metrics import AgentMetrics
 from prefetch.retry import AdaptiveRate, RetryPolicy, call_with_retries
-from prefetch.transfer import Cancelled, retry_read
+from prefetch.transfer import Cancelled
+from prefetch.watched_read import retry_read
 
 
 def low(a: float, b: float) -> float:

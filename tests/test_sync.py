@@ -18,7 +18,8 @@ from prefetch.layout import PlainLayout, RecordedFile
 from prefetch.progress import NullProgress
 from prefetch.spec import ModelSpec, parse_source_uri
 from prefetch.sync import execute, forget_failures, prepare, sync, verify_local
-from prefetch.transfer import TransferConfig, staged_name
+from prefetch.transfer import TransferConfig
+from prefetch.transfer_plan import staged_name
 from tests.fakes.memory import MemorySource
 
 SPEC = ModelSpec(source=parse_source_uri("s3://bucket/model"), name="model")

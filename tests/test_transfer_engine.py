@@ -25,10 +25,12 @@ from prefetch.errors import (
     SourceError,
     TransferError,
 )
+from prefetch.partial_file import no_space
 from prefetch.progress import NullProgress
 from prefetch.retry import RetryPolicy
 from prefetch.snapshot import Checksum, RemoteFile
-from prefetch.transfer import Transfer, TransferConfig, group_chunks, no_space, plan_chunks
+from prefetch.transfer import Transfer, TransferConfig
+from prefetch.transfer_plan import group_chunks, plan_chunks
 from tests.fakes.memory import MemoryReader, MemorySource, crc32_file, sha256_file
 
 KiB = 1024

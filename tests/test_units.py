@@ -14,7 +14,8 @@ from prefetch.errors import (
 from prefetch.layout import safe_join
 from prefetch.snapshot import listing_digest
 from prefetch.spec import ModelSpec, default_model_name, parse_source_uri
-from prefetch.transfer import TransferConfig, plan_chunks
+from prefetch.transfer import TransferConfig
+from prefetch.transfer_plan import plan_chunks
 from prefetch.units import format_bytes, parse_duration, parse_size
 
 MiB = 1024 * 1024

@@ -15,7 +15,7 @@ from awscrt import checksums as crt
 from prefetch import verify
 from prefetch.errors import ChecksumMismatchError, ConfigError
 from prefetch.snapshot import Checksum
-from prefetch.transfer import plan_chunks
+from prefetch.transfer_plan import plan_chunks
 
 MiB = 1024 * 1024
 DATA = bytes(range(256)) * 41 + b"tail"  # 10500 bytes: not a multiple of anything handy

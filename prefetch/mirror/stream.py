@@ -37,6 +37,7 @@ from typing import cast
 from prefetch import verify
 from prefetch.coordinator import Coordinator
 from prefetch.errors import (
+    Cancelled,
     ChecksumMismatchError,
     ConfigError,
     DeadlineExceededError,
@@ -56,10 +57,9 @@ from prefetch.mirror.upload import (
 from prefetch.progress import NullProgress, ProgressSink
 from prefetch.snapshot import Checksum, RemoteFile
 from prefetch.sources.base import Source
-from prefetch.transfer import (
-    Cancelled,
+from prefetch.transfer_config import TransferConfig
+from prefetch.watched_read import (
     Filled,
-    TransferConfig,
     connection_closed,
     engine_watchdog,
     fill_watched,
