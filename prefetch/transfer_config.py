@@ -10,9 +10,10 @@ from prefetch.errors import ConfigError
 from prefetch.retry import RetryPolicy
 
 MiB = 1024 * 1024
-#: The logger of every part of the engine (and of the mirror's watched reads): their lines name
-#: the logger they named when the engine was one module.
-ENGINE_LOGGER = "prefetch.transfer"
+#: The logger of every part of the engine (and of the mirror's watched reads): the engine
+#: module's own (``<package>.transfer``, beside this module), so their lines name the logger
+#: they named when the engine was one module.
+ENGINE_LOGGER = __name__.rpartition(".")[0] + ".transfer"
 
 
 @dataclass(frozen=True)
