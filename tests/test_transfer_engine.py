@@ -17,20 +17,20 @@ from pathlib import Path
 
 import pytest
 
-from prefetch import transfer, verify
-from prefetch.errors import (
+from prefetch.pipeline import transfer, verify
+from prefetch.pipeline.partial_file import no_space
+from prefetch.pipeline.progress import NullProgress
+from prefetch.pipeline.retry import RetryPolicy
+from prefetch.pipeline.snapshot import Checksum, RemoteFile
+from prefetch.pipeline.transfer import Transfer, TransferConfig
+from prefetch.pipeline.transfer_plan import group_chunks, plan_chunks
+from prefetch.support.errors import (
     ChecksumMismatchError,
     InsufficientSpaceError,
     SourceChangedError,
     SourceError,
     TransferError,
 )
-from prefetch.partial_file import no_space
-from prefetch.progress import NullProgress
-from prefetch.retry import RetryPolicy
-from prefetch.snapshot import Checksum, RemoteFile
-from prefetch.transfer import Transfer, TransferConfig
-from prefetch.transfer_plan import group_chunks, plan_chunks
 from tests.fakes.memory import MemoryReader, MemorySource, crc32_file, sha256_file
 
 KiB = 1024

@@ -52,8 +52,8 @@ another model's repo) are rejected, naming both; merge their include patterns in
 A model's ``pin`` is written into the cache's records each time the config loads, so pinning (or
 unpinning) a model that is already cached takes effect at once, with no download.
 
-Every error is a :class:`~prefetch.errors.ConfigError` whose message starts with the file and the
-field path (``models[1].source: ...``). Unknown keys and duplicate model names are rejected.
+Every error is a :class:`~prefetch.support.errors.ConfigError` whose message starts with the file
+and the field path (``models[1].source: ...``). Unknown keys and duplicate model names are rejected.
 """
 
 from __future__ import annotations
@@ -66,7 +66,6 @@ from typing import Any, ClassVar, TypeVar
 
 import yaml
 
-from prefetch import settings
 from prefetch.agent.config_fields import (
     BOOL,
     DNS_LABEL,
@@ -107,20 +106,25 @@ from prefetch.agent.config_fields import (
     uri,
 )
 from prefetch.agent.config_fields import parse_listen as parse_listen  # re-exported
-from prefetch.backends import backend
-from prefetch.compile_cache import EXTRA_DIRS, CacheKey
-from prefetch.constants import DEFAULT_LABEL_PREFIX, DEFAULT_LISTEN, DEFAULT_STARTUP_TAINT_KEY
-from prefetch.errors import ConfigError, PrefetchError
-from prefetch.retry import RetryPolicy
-from prefetch.spec import (
+from prefetch.pipeline.backends import backend
+from prefetch.pipeline.retry import RetryPolicy
+from prefetch.pipeline.spec import (
     ModelSpec,
     SourceURI,
     SpecError,
     parse_source_uri,
     publish_revision,
 )
-from prefetch.transfer import TransferConfig
-from prefetch.warm import DEFAULT_MEMORY_SHARE, DEFAULT_READ_RATE, WarmLimits
+from prefetch.pipeline.transfer import TransferConfig
+from prefetch.pipeline.warmup import DEFAULT_MEMORY_SHARE, DEFAULT_READ_RATE, WarmLimits
+from prefetch.publish.compile_cache import EXTRA_DIRS, CacheKey
+from prefetch.support import settings
+from prefetch.support.constants import (
+    DEFAULT_LABEL_PREFIX,
+    DEFAULT_LISTEN,
+    DEFAULT_STARTUP_TAINT_KEY,
+)
+from prefetch.support.errors import ConfigError, PrefetchError
 
 DEFAULT_CONFIG_PATH = "/etc/model-prefetch/models.yaml"
 DEFAULT_CACHE_DIR = "/var/cache/model-prefetch"
@@ -173,8 +177,8 @@ class CompileCacheEntry:
     #: ``push: true``: the host directory the vLLM pod writes this cache into (``pushFrom``),
     #: published from there once per key when finished (:mod:`prefetch.agent.cache_push`).
     push_from: Path | None = None
-    #: ``extraDirs``: the opt-in JIT caches (:data:`~prefetch.compile_cache.EXTRA_DIRS`) kept
-    #: beside vLLM's under its cache root, published with it under the same key.
+    #: ``extraDirs``: the opt-in JIT caches (:data:`~prefetch.publish.compile_cache.EXTRA_DIRS`)
+    #: kept beside vLLM's under its cache root, published with it under the same key.
     extra_dirs: tuple[str, ...] = ()
 
     def spec(self, node_gpu: str | None) -> tuple[ModelSpec, CacheKey] | None:
@@ -249,7 +253,7 @@ class AgentConfig:
     min_free_space: int = 1 * GiB
     s3_endpoint_url: str | None = None
     #: ``caBundle``: the CA bundle of every model without its own (``ModelSpec.ca_bundle``) and
-    #: of compile-cache pushes; first in :func:`prefetch.settings.ca_bundle`'s order.
+    #: of compile-cache pushes; first in :func:`prefetch.support.settings.ca_bundle`'s order.
     ca_bundle: str | None = None
     models: tuple[ModelSpec, ...] = ()
     #: Models whose files are read into the page cache once published (``warmPageCache``), and

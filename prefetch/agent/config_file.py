@@ -10,11 +10,11 @@ import logging
 from pathlib import Path
 
 from prefetch.agent.config import AgentConfig, load_config, parse_config
-from prefetch.errors import ConfigError
-from prefetch.metrics import AgentMetrics
+from prefetch.agent.metrics import AgentMetrics
+from prefetch.support.errors import ConfigError
 
 # Its lines keep the logger name they have always had, so log queries keep matching.
-log = logging.getLogger("prefetch.agent.reconcile")
+log = logging.getLogger("prefetch.agent.loop")
 
 __all__ = ["ConfigFile"]
 

@@ -51,10 +51,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
 
-from prefetch import settings
-from prefetch.logjson import scrub
-from prefetch.metrics import AgentMetrics
-from prefetch.units import format_bytes
+from prefetch.agent.metrics import AgentMetrics
+from prefetch.support import settings
+from prefetch.support.logjson import scrub
+from prefetch.support.units import format_bytes
 
 if TYPE_CHECKING:
     from kubernetes import client as k8s_client

@@ -7,14 +7,14 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from prefetch import settings
 from prefetch.agent.config import AgentConfig, render_spec_error
+from prefetch.pipeline.spec import ModelSpec, SpecError
 from prefetch.sources import S3Clients, SourceSettings, open_source
 from prefetch.sources.base import Source
-from prefetch.spec import ModelSpec, SpecError
+from prefetch.support import settings
 
 if TYPE_CHECKING:
-    from prefetch.sources.hf import HubOptions
+    from prefetch.sources.hf.source import HubOptions
 
 __all__ = ["SourceOpener"]
 
