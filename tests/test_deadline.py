@@ -16,7 +16,8 @@ from prefetch.pipeline.layout import PlainLayout
 from prefetch.pipeline.retry import RetryPolicy
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
 from prefetch.pipeline.sync import sync
-from prefetch.pipeline.transfer import Cancelled, TransferConfig, engine_watchdog, open_watched
+from prefetch.pipeline.transfer import Cancelled, TransferConfig
+from prefetch.pipeline.watched_read import engine_watchdog, open_watched
 from prefetch.sources.http.transport import make_http_pool
 from prefetch.sources.s3.factory import lazy_s3_client
 from prefetch.sources.s3.source import S3Source

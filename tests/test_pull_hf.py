@@ -25,7 +25,8 @@ from prefetch.pipeline.retry import RetryPolicy
 from prefetch.pipeline.snapshot import Checksum, RemoteFile
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
 from prefetch.pipeline.sync import SyncResult, sync, verify_local
-from prefetch.pipeline.transfer import TransferConfig, staged_name
+from prefetch.pipeline.transfer import TransferConfig
+from prefetch.pipeline.transfer_plan import staged_name
 from prefetch.sources.hf.source import HubOptions, HubSource, open_hub_source
 from prefetch.sources.http.transport import parse_retry_after
 from prefetch.support.errors import (

@@ -17,7 +17,8 @@ from prefetch.pipeline.layout import PlainLayout, RecordedFile
 from prefetch.pipeline.progress import NullProgress
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
 from prefetch.pipeline.sync import execute, forget_failures, prepare, sync, verify_local
-from prefetch.pipeline.transfer import TransferConfig, staged_name
+from prefetch.pipeline.transfer import TransferConfig
+from prefetch.pipeline.transfer_plan import staged_name
 from prefetch.support.errors import LayoutError, LockTimeoutError
 from tests.fakes.memory import MemorySource
 

@@ -18,10 +18,12 @@ from pathlib import Path
 import pytest
 
 from prefetch.pipeline import transfer, verify
+from prefetch.pipeline.partial_file import no_space
 from prefetch.pipeline.progress import NullProgress
 from prefetch.pipeline.retry import RetryPolicy
 from prefetch.pipeline.snapshot import Checksum, RemoteFile
-from prefetch.pipeline.transfer import Transfer, TransferConfig, group_chunks, no_space, plan_chunks
+from prefetch.pipeline.transfer import Transfer, TransferConfig
+from prefetch.pipeline.transfer_plan import group_chunks, plan_chunks
 from prefetch.support.errors import (
     ChecksumMismatchError,
     InsufficientSpaceError,

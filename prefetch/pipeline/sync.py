@@ -26,6 +26,7 @@ from typing import Any, Protocol, overload
 from prefetch.pipeline import verify
 from prefetch.pipeline.deadline import Alarms, call_with_deadline, stop_interrupts
 from prefetch.pipeline.layout import Layout, RecordedFile, model_lock
+from prefetch.pipeline.partial_file import no_space
 from prefetch.pipeline.progress import NullProgress, ProgressSink
 from prefetch.pipeline.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.pipeline.spec import ModelSpec
@@ -35,9 +36,8 @@ from prefetch.pipeline.transfer import (
     Transfer,
     TransferConfig,
     TransferStats,
-    no_space,
-    staged_name,
 )
+from prefetch.pipeline.transfer_plan import staged_name
 from prefetch.sources.base import ReadsLocalTree, RemembersArchives, Source
 from prefetch.support.errors import (
     ChecksumMismatchError,

@@ -233,13 +233,7 @@ def warm_files(
     report = _budget(total, limits, available(), cgroup())
     name = model or (str(paths[0].parent) if paths else "")
     if report.state == "skipped":
-        log.info(
-            "%s: page-cache warm-up skipped: %s",
-            name,
-            report.reason,
-            extra={"model": model, "phase": "warm"},
-        )
-        return report
+        return _skipped(report, name, model)
     if on_start is not None:
         on_start(total)
     pace = _Pace(limits.read_rate, stop)
@@ -247,14 +241,9 @@ def warm_files(
     view = memoryview(buf)
     try:
         for path in paths:
-            with open(path, "rb", buffering=0) as f:
-                # a hint that the file is read front to back: the kernel reads ahead further
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                while n := f.readinto(view):
-                    report.bytes_read += n
-                    if not pace(n):
-                        report.state = "stopped"
-                        return report
+            if not _read_file(path, view, report, pace):
+                report.state = "stopped"
+                return report
             report.files += 1
         report.bytes_resident = sum(min(resident_bytes(p), p.stat().st_size) for p in paths)
     except OSError as exc:
@@ -263,16 +252,19 @@ def warm_files(
         report.seconds = time.monotonic() - t0
     if report.bytes_resident < report.bytes_total:
         return _partial(report, name, model)
-    log.info(
-        "%s: page cache warmed: %s in %d file(s) in %.1fs (bound %s)",
-        name,
-        format_bytes(report.bytes_read),
-        report.files,
-        report.seconds,
-        format_bytes(report.budget),
-        extra={"model": model, "phase": "warm", "bytes": report.bytes_read},
-    )
-    return report
+    return _warmed(report, name, model)
+
+
+def _read_file(path: Path, view: memoryview, report: WarmReport, pace: _Pace) -> bool:
+    """Read one file front to back through ``view``, counting into ``report``; False: stop."""
+    with open(path, "rb", buffering=0) as f:
+        # a hint that the file is read front to back: the kernel reads ahead further
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        while n := f.readinto(view):
+            report.bytes_read += n
+            if not pace(n):
+                return False
+    return True
 
 
 def _budget(total: int, limits: WarmLimits, free: int, group: CgroupMemory | None) -> WarmReport:
@@ -296,6 +288,29 @@ def _budget(total: int, limits: WarmLimits, free: int, group: CgroupMemory | Non
         report.reason = (
             f"{format_bytes(total)} does not fit in {share} of {where} ({format_bytes(budget)})"
         )
+    return report
+
+
+def _skipped(report: WarmReport, name: str, model: str) -> WarmReport:
+    log.info(
+        "%s: page-cache warm-up skipped: %s",
+        name,
+        report.reason,
+        extra={"model": model, "phase": "warm"},
+    )
+    return report
+
+
+def _warmed(report: WarmReport, name: str, model: str) -> WarmReport:
+    log.info(
+        "%s: page cache warmed: %s in %d file(s) in %.1fs (bound %s)",
+        name,
+        format_bytes(report.bytes_read),
+        report.files,
+        report.seconds,
+        format_bytes(report.budget),
+        extra={"model": model, "phase": "warm", "bytes": report.bytes_read},
+    )
     return report
 
 

@@ -10,11 +10,12 @@ before its turn keeps its buffer until the parts before it are hashed. Only when
 agrees is the upload completed (with the whole object's CRC, which S3 checks against the
 parts'), so a corrupt byte from the source never becomes an object; a mismatch aborts the upload.
 
-Resume: a multipart upload left by a killed mirror for the same key is found again
-(ListMultipartUploads, ListParts); its parts whose size fits the plan are kept, re-read from the
-source for hashing only and compared with the part's stored CRC64NVME (or, where ListParts
-states none, as SeaweedFS does, with its MD5 ETag); a part that does not match is uploaded again.
-Other uploads of the key (older duplicates, another part size) are aborted.
+Resume (:mod:`prefetch.publish.s3_mirror.upload_resume`): a multipart upload left by a killed mirror
+for the same key is found again (ListMultipartUploads, ListParts); its parts whose size fits the
+plan are kept, re-read from the source for hashing only and compared with the part's stored
+CRC64NVME (or, where ListParts states none, as SeaweedFS does, with its MD5 ETag); a part that does
+not match is uploaded again. Other uploads of the key (older duplicates, another part size) are
+aborted.
 
 Why pooled buffers and not streaming bodies: an UploadPart needs its length and checksum before
 its body, and the in-order hash needs the bytes after their part is read, so each part is held
@@ -24,7 +25,6 @@ once in memory; buffers are reused, so memory does not grow with the model.
 from __future__ import annotations
 
 import base64
-import hashlib
 import logging
 import mmap
 import threading
@@ -36,12 +36,12 @@ from typing import cast
 
 from prefetch.pipeline import verify
 from prefetch.pipeline.coordinator import Coordinator
+from prefetch.pipeline.deadline import Watchdog
 from prefetch.pipeline.progress import NullProgress, ProgressSink
 from prefetch.pipeline.snapshot import Checksum, RemoteFile
-from prefetch.pipeline.transfer import (
-    Cancelled,
+from prefetch.pipeline.transfer_config import TransferConfig
+from prefetch.pipeline.watched_read import (
     Filled,
-    TransferConfig,
     connection_closed,
     engine_watchdog,
     fill_watched,
@@ -58,8 +58,10 @@ from prefetch.publish.s3_mirror.upload import (
     crc64nvme_b64,
     crc64nvme_of,
 )
+from prefetch.publish.s3_mirror.upload_resume import UploadResumer, same_bytes
 from prefetch.sources.base import Source
 from prefetch.support.errors import (
+    Cancelled,
     ChecksumMismatchError,
     ConfigError,
     DeadlineExceededError,
@@ -160,6 +162,29 @@ class _Buffer:
         self.view = memoryview(self._map)
 
 
+class _BufferPool:
+    """At most ``limit`` part buffers of ``size`` bytes, made as they are first needed and
+    reused (used on the coordinator's thread only)."""
+
+    def __init__(self, limit: int, size: int) -> None:
+        self._limit = limit
+        self.size = size  # grown by the streamer for files of over 10,000 parts, before use
+        self._free: list[_Buffer] = []  # buffers not in use
+        self._made = 0
+
+    def take(self) -> _Buffer | None:
+        """A free buffer, or None when all ``limit`` are in use."""
+        if self._free:
+            return self._free.pop()
+        if self._made < self._limit:
+            self._made += 1
+            return _Buffer(self.size)
+        return None
+
+    def give_back(self, *bufs: _Buffer) -> None:
+        self._free.extend(bufs)
+
+
 @dataclass
 class _Job:
     blob: BlobUpload
@@ -241,8 +266,11 @@ class PartStreamer:
         self._progress = progress or NullProgress()
         self._stop = stop or threading.Event()
         self._watchdog = engine_watchdog(config.transfer, self._stop)
-        self._slice = read_slice(config.transfer)
         self.stats = StreamStats()
+        self._reader = _PartReader(
+            source, self._watchdog, config.transfer, self.stats, self._progress, self._stop
+        )
+        self._resumer = UploadResumer(dest, self.stats.add)
         concurrency = config.transfer.concurrency
         self._io = ThreadPoolExecutor(concurrency, thread_name_prefix="mirror-io")
         self._hash = ThreadPoolExecutor(min(4, concurrency), thread_name_prefix="mirror-hash")
@@ -254,9 +282,7 @@ class PartStreamer:
             minor=Cancelled,
         )
         self._jobs: list[_Job] = []
-        self._free: list[_Buffer] = []  # pooled part buffers not in use
-        self._buffers_made = 0
-        self._buffer_size = config.part_size  # grown in run() for files of over 10,000 parts
+        self._buffers = _BufferPool(concurrency, config.part_size)
         self._to_open: deque[_Job] = deque()
         self._opening = 0  # open tasks queued or running
         self._queue: deque[tuple[_Job, int]] = deque()  # parts waiting for a buffer
@@ -267,8 +293,8 @@ class PartStreamer:
             raise TransferError("a PartStreamer runs once; make another for the next batch")
         self._ran = True
         self._jobs.extend(self._job(b) for b in sorted(blobs, key=lambda b: b.file.size))
-        self._buffer_size = max(
-            [self._buffer_size]
+        self._buffers.size = max(
+            [self._buffers.size]
             + [part_size_for(j.blob.file.size, self._config.part_size) for j in self._jobs]
         )
         self._to_open.extend(self._jobs)
@@ -325,7 +351,7 @@ class PartStreamer:
             case _Hash(job=job, stop=stop, bufs=bufs):
                 job.hashing, job.hashed = False, stop
                 if job.multipart:
-                    self._free.extend(bufs)
+                    self._buffers.give_back(*bufs)
                 if job.hashed == len(job.ranges):
                     keep = None if job.multipart or not bufs else bufs[0]
                     self._tasks.submit(self._io, _Finish(job, keep), self._finish, job, keep)
@@ -337,7 +363,7 @@ class PartStreamer:
                 self._queue.extend((job, i) for i in range(len(job.ranges)))
             case _Finish(job=job, buf=buf):
                 if buf is not None:
-                    self._free.append(buf)
+                    self._buffers.give_back(buf)
                 self._progress.file_done(job.path, job.blob.file.size)
 
     def _schedule(self) -> None:
@@ -350,24 +376,18 @@ class PartStreamer:
             if not job.ranges:  # an empty file: nothing to read, one empty PutObject
                 self._tasks.submit(self._io, _Finish(job, None), self._finish, job, None)
             elif job.multipart:
-                self._tasks.submit(self._io, _Open(job), self._open_upload, job)
+                self._tasks.submit(
+                    self._io, _Open(job), self._resumer.find, job.blob.key, job.ranges
+                )
                 self._opening += 1
             else:
                 self._queue.append((job, 0))
         while self._queue:
-            buf = self._take_buffer()
+            buf = self._buffers.take()
             if buf is None:
                 return
             job, index = self._queue.popleft()
             self._tasks.submit(self._io, _Part(job, index, buf), self._run_part, job, index, buf)
-
-    def _take_buffer(self) -> _Buffer | None:
-        if self._free:
-            return self._free.pop()
-        if self._buffers_made < self._config.transfer.concurrency:
-            self._buffers_made += 1
-            return _Buffer(self._buffer_size)
-        return None
 
     def _advance_hash(self, job: _Job) -> None:
         """Hand the file's next contiguous run of read parts to a hash worker."""
@@ -393,57 +413,18 @@ class PartStreamer:
 
     # -- workers ---------------------------------------------------------------------------------
 
-    def _open_upload(self, job: _Job) -> tuple[str, dict[int, UploadedPart]]:
-        """The upload to continue for this key (with the parts worth keeping), or a new one;
-        every other upload of the key is aborted."""
-        key = job.blob.key
-        candidates: list[tuple[int, str, dict[int, UploadedPart]]] = []
-        abandon: list[str] = []
-        for pending in self._dest.pending_uploads(key):  # oldest first
-            fits = pending.checksum_algorithm in (None, "CRC64NVME") and pending.checksum_type in (
-                None,
-                "FULL_OBJECT",
-            )
-            parts = self._dest.uploaded_parts(key, pending.upload_id) if fits else []
-            # an upload without parts saves nothing and may lack our checksum (SeaweedFS lists
-            # no ChecksumAlgorithm): abandon it
-            if fits and parts and all(self._part_fits(job, p) for p in parts):
-                kept = {p.number - 1: p for p in parts}
-                candidates.append((sum(p.size for p in parts), pending.upload_id, kept))
-            else:
-                log.info("%s: aborting an upload of another checksum or part size", key)
-                abandon.append(pending.upload_id)
-        # the one holding the most bytes (the newest of equals) is continued
-        candidates.sort(key=lambda c: c[0])
-        chosen = candidates.pop() if candidates else None
-        abandon += [upload_id for _, upload_id, _ in candidates]
-        for upload_id in abandon:
-            self._dest.abort_upload(key, upload_id)
-            self.stats.add(uploads_aborted=1)
-        if chosen is None:
-            return self._dest.create_upload(key), {}
-        log.info("%s: resuming an upload holding %d bytes", key, chosen[0])
-        return chosen[1], chosen[2]
-
-    @staticmethod
-    def _part_fits(job: _Job, part: UploadedPart) -> bool:
-        if not 1 <= part.number <= len(job.ranges):
-            return False
-        start, end = job.ranges[part.number - 1]
-        return part.size == end - start
-
     def _run_part(self, job: _Job, index: int, buf: _Buffer) -> tuple[int, UploadedPart | None]:
         """Read part ``index`` into ``buf``, CRC it, and upload it (multipart files) unless an
         interrupted upload already holds these exact bytes."""
         start, end = job.ranges[index]
         view = buf.view[: end - start]
-        self._read(job.blob.file, start, view)
+        self._reader.read(job.blob.file, start, view)
         crc = crc64nvme_of(view)
         if not job.multipart:
             return crc, None
         assert job.upload_id is not None
         kept = job.reusable.get(index)
-        if kept is not None and _same_bytes(kept, view, crc):
+        if kept is not None and same_bytes(kept, view, crc):
             self.stats.add(bytes_reused=len(view))
             return crc, UploadedPart(kept.number, kept.size, kept.etag, crc64nvme_b64(crc))
         if kept is not None:
@@ -493,13 +474,35 @@ class PartStreamer:
             self.stats.add(bytes_uploaded=file.size)
         self.stats.add(objects_written=1)
 
-    def _read(self, file: RemoteFile, start: int, view: memoryview) -> None:
+
+class _PartReader:
+    """Reads a part of a file from the source into a buffer under the engine's rules (retries
+    from the last byte received, the stall rule, the deadline, stop); called on io threads."""
+
+    def __init__(
+        self,
+        source: Source,
+        watchdog: Watchdog,
+        config: TransferConfig,
+        stats: StreamStats,
+        progress: ProgressSink,
+        stop: threading.Event,
+    ) -> None:
+        self._source = source
+        self._watchdog = watchdog
+        self._retry = config.retry
+        self._slice = read_slice(config)
+        self._stats = stats
+        self._progress = progress
+        self._stop = stop
+
+    def read(self, file: RemoteFile, start: int, view: memoryview) -> None:
         """Fill ``view`` with the file's bytes from ``start``, retrying transient failures from
         the last byte received, as the pull engine does."""
         at = Filled()
         retry_read(
             lambda: self._read_once(file, start, view, at),
-            policy=self._config.transfer.retry,
+            policy=self._retry,
             stop=self._stop,
             what=file.path,
             position=lambda: start + at.pos,
@@ -507,7 +510,7 @@ class PartStreamer:
         )
 
     def _count_retry(self, exc: TransientSourceError) -> None:
-        self.stats.add(retries=1)
+        self._stats.add(retries=1)
         self._progress.retry(str(exc))
 
     def _read_once(self, file: RemoteFile, start: int, view: memoryview, at: Filled) -> None:
@@ -527,16 +530,5 @@ class PartStreamer:
             reader.close()
 
     def _received(self, n: int) -> None:
-        self.stats.add(bytes_read=n)
+        self._stats.add(bytes_read=n)
         self._progress.advance(n)
-
-
-def _same_bytes(part: UploadedPart, data: memoryview, crc: int) -> bool:
-    """Does an already uploaded part hold ``data``? By its stored CRC64NVME when ListParts
-    states one, else by its ETag when that is the MD5 of the part (it is, unless SSE-KMS)."""
-    if part.crc64nvme:
-        return part.crc64nvme == crc64nvme_b64(crc)
-    etag = part.etag.strip('"').lower()
-    if len(etag) == 32:
-        return hashlib.md5(data).hexdigest() == etag
-    return False
