@@ -244,7 +244,7 @@ def test_the_table_reports_ready_names_required_readiness_and_config_order() -> 
 
 
 def test_a_sync_is_stalled_after_a_window_without_enough_bytes(job: Job) -> None:
-    """Issue 29 item 18: what frees a parallelModels slot (see Agent._stalled_syncs)."""
+    """Issue 29 item 18: what frees a parallelModels slot (see JobLauncher.stalled_syncs)."""
     from prometheus_client import CollectorRegistry
 
     from prefetch.metrics import AgentMetrics

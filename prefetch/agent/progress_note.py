@@ -36,7 +36,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NotRequired, Protocol, TypedDict, runtime_checkable
 
-from prefetch.agent.scheduler import ModelPhase, ModelState
+from prefetch.agent.config import AgentConfig
+from prefetch.agent.scheduler import ModelPhase, ModelState, Scheduler
 from prefetch.constants import PROGRESS_ANNOTATION, PROGRESS_INTERVAL
 from prefetch.logjson import scrub
 from prefetch.metrics import AgentMetrics
@@ -174,6 +175,19 @@ def build_note(
             for ms in models
         ],
     }
+
+
+def agent_note(scheduler: Scheduler, rate: Callable[[str], float], config: AgentConfig) -> Note:
+    """The note for the agent's models now, under ``config`` (its gate and compile caches)."""
+    return build_note(
+        scheduler.states(),
+        rate,
+        all_ready=scheduler.all_required_ready(),
+        prefix=config.label_prefix,
+        taint=config.startup_taint,
+        now=time.time(),
+        compile_caches=frozenset(name for name, _key in config.compile_caches),
+    )
 
 
 def note_shape(note: Note) -> Shape:
