@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from prefetch.agent.config import parse_config
-from prefetch.agent.events import KubeEventSink
+from prefetch.agent.kube_events import KubeEventSink
 from prefetch.agent.node import NodeGate
 from prefetch.agent.reconcile import Agent
 from prefetch.compile_cache import CACHE_READY, CLAIM, COMPLETE, GPU_PRODUCT_LABEL, CacheKey, push

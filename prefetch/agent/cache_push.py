@@ -28,8 +28,8 @@ from typing import Any
 
 from prefetch import settings
 from prefetch.agent.config import AgentConfig, PushTarget
+from prefetch.agent.event_recorder import EventRecorder
 from prefetch.agent.events import (
-    EventRecorder,
     compile_cache_already_published,
     compile_cache_push_refused,
     compile_cache_pushed,

@@ -115,7 +115,7 @@ def agent_cmd(
     Serves /healthz, /readyz and /metrics; reloads the config file when it changes; on SIGTERM
     stops downloads resumably and exits 0.
     """
-    from prefetch.agent.events import in_cluster_events
+    from prefetch.agent.kube_events import in_cluster_events
     from prefetch.agent.reconcile import Agent
     from prefetch.logjson import setup_logging
 

@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
 
 from prefetch.agent.config import AgentConfig
-from prefetch.agent.events import EventRecorder, gate_opened
+from prefetch.agent.event_recorder import EventRecorder
+from prefetch.agent.events import gate_opened
 from prefetch.logjson import scrub
 from prefetch.metrics import AgentMetrics
 from prefetch.retry import RetryPolicy

@@ -21,9 +21,8 @@ import time
 from collections.abc import Callable, Coroutine, Iterator
 
 from prefetch.agent.config import AgentConfig, render_spec_error
+from prefetch.agent.event_recorder import EventRecorder
 from prefetch.agent.events import (
-    EventRecorder,
-    WarmingStory,
     checksum_failed,
     compile_cache_not_published,
     compile_cache_pulled,
@@ -36,6 +35,7 @@ from prefetch.agent.events import (
 from prefetch.agent.gate_driver import GateDriver
 from prefetch.agent.scheduler import ModelState, Scheduler
 from prefetch.agent.space import SpaceManager
+from prefetch.agent.warming import WarmingStory
 from prefetch.compile_cache import COMPLETE
 from prefetch.errors import (
     ChecksumMismatchError,

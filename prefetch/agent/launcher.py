@@ -12,9 +12,9 @@ import time
 from collections.abc import Callable
 
 from prefetch.agent.config import AgentConfig
-from prefetch.agent.events import WarmingStory
 from prefetch.agent.jobs import JobParts, SyncJob, VerifyJob
 from prefetch.agent.scheduler import Intervals, Job, JobKind, ModelState, Scheduler
+from prefetch.agent.warming import WarmingStory
 from prefetch.metrics import AgentMetrics
 
 # Its lines keep the logger name they have always had, so log queries keep matching.

@@ -45,7 +45,7 @@ from prefetch.agent.config_file import (
     keep_restart_fields,
     log_reloaded,
 )
-from prefetch.agent.events import EventRecorder, EventSink, WarmingStory
+from prefetch.agent.event_recorder import EventRecorder, EventSink
 from prefetch.agent.gate_driver import GateDriver, GateFactory
 from prefetch.agent.jobs import LOCK_TIMEOUT, JobParts
 from prefetch.agent.launcher import JobLauncher
@@ -58,6 +58,7 @@ from prefetch.agent.source_opener import SourceOpener
 from prefetch.agent.space import SpaceManager
 from prefetch.agent.status import AgentFacts, JsonObject, readiness_body
 from prefetch.agent.usage import UsageRefresher
+from prefetch.agent.warming import WarmingStory
 from prefetch.agent.watch import ConfigWatcher
 from prefetch.metrics import AgentMetrics
 from prefetch.store import Store

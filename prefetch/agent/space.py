@@ -16,7 +16,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from prefetch.agent.events import EventRecorder, evicted
+from prefetch.agent.event_recorder import EventRecorder
+from prefetch.agent.events import evicted
 from prefetch.errors import InsufficientSpaceError, LockTimeoutError
 from prefetch.metrics import AgentMetrics, MetricsSink
 from prefetch.spec import ModelSpec
