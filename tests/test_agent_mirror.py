@@ -13,7 +13,8 @@ from urllib.parse import parse_qs
 
 import pytest
 
-from prefetch.agent.config import AgentConfig, parse_config, spec_digest
+from prefetch.agent.config import parse_config, spec_digest
+from prefetch.agent.config_values import AgentConfig
 from prefetch.agent.reconcile import Agent
 from prefetch.agent.scheduler import Intervals, JobKind
 from prefetch.errors import ConfigError

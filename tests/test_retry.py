@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from prefetch.agent import gate_driver
-from prefetch.agent.config import AgentConfig
+from prefetch.agent.config_values import AgentConfig
 from prefetch.agent.gate_driver import GATE_RETRY, GateDriver
 from prefetch.errors import ConfigError, SourceError, TransientSourceError
 from prefetch.metrics import AgentMetrics

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from prefetch.agent.config import Backoff
+from prefetch.agent.config_values import Backoff
 from prefetch.agent.scheduler import (
     Intervals,
     Job,

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from prefetch import settings
-from prefetch.agent.config import AgentConfig, PushTarget
+from prefetch.agent.config_values import AgentConfig, PushTarget
 from prefetch.agent.event_recorder import EventRecorder
 from prefetch.agent.events import (
     compile_cache_already_published,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from prefetch.agent.config import DEFAULT_CACHE_DIR, DEFAULT_CONFIG_PATH, AgentConfig
+from prefetch.agent.config_values import DEFAULT_CACHE_DIR, DEFAULT_CONFIG_PATH, AgentConfig
 from prefetch.agent.gate_driver import GateFactory, NodeGateLike
 from prefetch.clihelp import HelpCommand
 from prefetch.compile_cache import GPU_PRODUCT_LABEL

@@ -12,7 +12,8 @@ import logging
 import time
 from pathlib import Path
 
-from prefetch.agent.config import AgentConfig, load_config, parse_config
+from prefetch.agent.config import load_config, parse_config
+from prefetch.agent.config_values import AgentConfig
 from prefetch.errors import ConfigError
 from prefetch.metrics import AgentMetrics
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
 
-from prefetch.agent.config import AgentConfig
+from prefetch.agent.config_values import AgentConfig
 from prefetch.agent.event_recorder import EventRecorder
 from prefetch.agent.events import gate_opened
 from prefetch.logjson import scrub

@@ -20,7 +20,8 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
 
-from prefetch.agent.config import AgentConfig, render_spec_error
+from prefetch.agent.config_models import render_spec_error
+from prefetch.agent.config_values import AgentConfig
 from prefetch.agent.event_recorder import EventRecorder
 from prefetch.agent.events import (
     checksum_failed,

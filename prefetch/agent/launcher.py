@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from prefetch.agent.config import AgentConfig
+from prefetch.agent.config_values import AgentConfig
 from prefetch.agent.jobs import JobParts, SyncJob, VerifyJob
 from prefetch.agent.scheduler import Intervals, Job, JobKind, ModelState, Scheduler
 from prefetch.agent.warming import WarmingStory

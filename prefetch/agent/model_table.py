@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 
-from prefetch.agent.config import AgentConfig, spec_digest
+from prefetch.agent.config import spec_digest
+from prefetch.agent.config_values import AgentConfig
 from prefetch.agent.scheduler import ModelState, Scheduler
 from prefetch.metrics import AgentMetrics
 from prefetch.spec import ModelSpec

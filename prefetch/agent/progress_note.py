@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NotRequired, Protocol, TypedDict, runtime_checkable
 
-from prefetch.agent.config import AgentConfig
+from prefetch.agent.config_values import AgentConfig
 from prefetch.agent.scheduler import ModelPhase, ModelState, Scheduler
 from prefetch.constants import PROGRESS_ANNOTATION, PROGRESS_INTERVAL
 from prefetch.logjson import scrub

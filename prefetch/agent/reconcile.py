@@ -38,13 +38,13 @@ from prometheus_client import CollectorRegistry
 
 from prefetch.agent.background import BackgroundTasks
 from prefetch.agent.cache_push import PUSH_POLL, PUSH_SETTLE, CachePusher, PushClient
-from prefetch.agent.config import AgentConfig
 from prefetch.agent.config_file import (
     ConfigFile,
     ReloadTimer,
     keep_restart_fields,
     log_reloaded,
 )
+from prefetch.agent.config_values import AgentConfig
 from prefetch.agent.event_recorder import EventRecorder, EventSink
 from prefetch.agent.gate_driver import GateDriver, GateFactory
 from prefetch.agent.jobs import LOCK_TIMEOUT, JobParts

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from prefetch.agent.config import Backoff
+from prefetch.agent.config_values import Backoff
 from prefetch.errors import error_reason
 from prefetch.logjson import scrub
 from prefetch.metrics import MetricsSink

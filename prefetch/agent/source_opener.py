@@ -8,7 +8,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from prefetch import settings
-from prefetch.agent.config import AgentConfig, render_spec_error
+from prefetch.agent.config_models import render_spec_error
+from prefetch.agent.config_values import AgentConfig
 from prefetch.sources import S3Clients, SourceSettings, open_source
 from prefetch.sources.base import Source
 from prefetch.spec import ModelSpec, SpecError
