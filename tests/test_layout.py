@@ -108,7 +108,10 @@ print(" ".join(sorted(m for m in sys.modules if m.startswith("prefetch.layout.")
     [
         ("prefetch.layout.base", ["prefetch.layout.base"]),
         ("prefetch.layout.plain", ["prefetch.layout.base", "prefetch.layout.plain"]),
-        ("prefetch.layout.hf", ["prefetch.layout.base", "prefetch.layout.hf"]),
+        (
+            "prefetch.layout.hf",
+            ["prefetch.layout.base", "prefetch.layout.hf", "prefetch.layout.hf_tree"],
+        ),
     ],
 )
 def test_each_layout_module_imports_only_base_so_the_package_has_no_cycle(
