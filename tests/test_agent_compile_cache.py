@@ -19,7 +19,8 @@ from prefetch.agent.config import parse_config
 from prefetch.agent.kube_events import KubeEventSink
 from prefetch.agent.node import NodeGate
 from prefetch.agent.reconcile import Agent
-from prefetch.compile_cache import CACHE_READY, CLAIM, COMPLETE, GPU_PRODUCT_LABEL, CacheKey, push
+from prefetch.compile_cache import CACHE_READY, GPU_PRODUCT_LABEL, CacheKey, push
+from prefetch.compile_cache_claim import CLAIM, COMPLETE
 from prefetch.errors import ConfigError
 from tests.fakes.k8s_stub import KubeStub, running_stub
 from tests.support import AgentThread, config_text, model_status, put, wait_for

@@ -18,15 +18,13 @@ import pytest
 from prefetch import compile_cache
 from prefetch.compile_cache import (
     CACHE_READY,
-    CLAIM,
-    COMPLETE,
-    PUBLISHED,
     CacheKey,
     PushResult,
     finished_files,
     is_published,
     push,
 )
+from prefetch.compile_cache_claim import CLAIM, COMPLETE, PUBLISHED
 from prefetch.errors import CompileCacheError, CompileCacheRefused
 
 from .support import pull_s3, run_cli

@@ -37,7 +37,7 @@ from prefetch.agent.gate_driver import GateDriver
 from prefetch.agent.scheduler import ModelState, Scheduler
 from prefetch.agent.space import SpaceManager
 from prefetch.agent.warming import WarmingStory
-from prefetch.compile_cache import COMPLETE
+from prefetch.compile_cache_claim import COMPLETE
 from prefetch.errors import (
     ChecksumMismatchError,
     DeadlineExceededError,
