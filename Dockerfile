@@ -35,7 +35,7 @@ ENV PATH=/opt/prefetch/bin:${PATH} \
     PYTHONUNBUFFERED=1 \
     HF_HUB_DISABLE_TELEMETRY=1
 USER ${PREFETCH_UID}:${PREFETCH_UID}
-# /healthz, /readyz, /metrics (prefetch.constants.DEFAULT_LISTEN)
+# /healthz, /readyz, /metrics (prefetch.support.constants.DEFAULT_LISTEN)
 EXPOSE 8090
 ENTRYPOINT ["prefetch"]
 CMD ["agent"]

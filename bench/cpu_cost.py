@@ -37,8 +37,8 @@ sys.path.insert(0, str(REPO))
 from datasets import BUCKET, s3_put_small, s3_upload_stream  # noqa: E402
 from harness import MiB, say  # noqa: E402
 
-from prefetch.locals3 import SeaweedS3  # noqa: E402
-from prefetch.units import parse_size  # noqa: E402
+from prefetch.demo.locals3 import SeaweedS3  # noqa: E402
+from prefetch.support.units import parse_size  # noqa: E402
 
 PREFETCH = "import sys; sys.argv[0] = 'prefetch'; from prefetch.cli import main; main()"
 

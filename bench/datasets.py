@@ -1,6 +1,6 @@
 """The data the tools download: a generated model-like data set, served from S3 and a local Hub.
 
-Every byte comes from prefetch.modelgen (the one generator of model files).
+Every byte comes from prefetch.demo.modelgen (the one generator of model files).
 
 Where it lives on the servers (one bucket, one prefix per test) is named here once, so the tools'
 commands (bench/tools.py) and the uploads agree.
@@ -17,7 +17,7 @@ from typing import Any
 
 from harness import MiB, say
 
-from prefetch.modelgen import RandomStream, generate_model, random_bytes
+from prefetch.demo.modelgen import RandomStream, generate_model, random_bytes
 
 BUCKET = "bench"
 MODEL_PREFIX = "model"

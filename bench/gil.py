@@ -20,9 +20,9 @@ rights on the worker; SCHED_FIFO) and CPython 3.11.
 Modes, each a fresh subprocess, alternated over ``--runs`` rounds against one local SeaweedFS:
   prefetch            the engine in-process (sync of an S3 prefix, verify on, defaults) with the
                       client the CLI makes (a LazyS3Client): with static keys, as here, every
-                      request is signed and sent without botocore (prefetch/sources/s3_direct.py)
+                      request is signed and sent without botocore (prefetch/sources/s3/direct.py)
   prefetch-lean       the same on a boto3 client (as with IRSA or a profile): botocore's
-                      credentials and signer, the request on the transport seam (s3_botocore.py)
+                      credentials and signer, the request on the transport seam (sources/s3/sdk.py)
   prefetch-botocore   the same with every request through botocore (S3Source.signed_requests=False)
   awscrt              awscrt.s3.S3Client, one GET_OBJECT per object straight to a file
                       (recv_filepath: parts, parallelism and writes all native), part 8 MiB,
@@ -132,12 +132,12 @@ def sample(pid: int, address: int, period: float) -> None:
 
 
 def prepare_prefetch(endpoint: str, dest: Path, *, mode: str) -> Callable[[], int]:
-    from prefetch.layout import PlainLayout
-    from prefetch.locals3 import REGION, SeaweedS3
-    from prefetch.sources.s3 import S3Source, lazy_s3_client
-    from prefetch.spec import ModelSpec, parse_source_uri
-    from prefetch.sync import sync
-    from prefetch.transfer import TransferConfig
+    from prefetch.demo.locals3 import REGION, SeaweedS3
+    from prefetch.pipeline.layout import PlainLayout
+    from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+    from prefetch.pipeline.sync import sync
+    from prefetch.pipeline.transfer import TransferConfig
+    from prefetch.sources.s3.source import S3Source, lazy_s3_client
 
     server = SeaweedS3(endpoint=endpoint)
     spec = ModelSpec(source=parse_source_uri(f"s3://{BUCKET}/{PREFIX}/"))
@@ -160,7 +160,7 @@ def prepare_prefetch(endpoint: str, dest: Path, *, mode: str) -> Callable[[], in
 def prepare_awscrt(endpoint: str, dest: Path) -> Callable[[], int]:
     from awscrt import auth, http, io, s3
 
-    from prefetch.locals3 import ACCESS_KEY, REGION, SECRET_KEY, SeaweedS3
+    from prefetch.demo.locals3 import ACCESS_KEY, REGION, SECRET_KEY, SeaweedS3
 
     listing = SeaweedS3(endpoint=endpoint).client().list_objects_v2(Bucket=BUCKET, Prefix=PREFIX)
     objects = [(o["Key"], o["Size"]) for o in listing.get("Contents", [])]
@@ -228,9 +228,9 @@ def worker(mode: str, endpoint: str, dest: Path, period: float) -> None:
 
 
 def drive(args: argparse.Namespace) -> None:
-    from prefetch.locals3 import SeaweedS3
-    from prefetch.modelgen import generate_model, upload_model
-    from prefetch.units import parse_size
+    from prefetch.demo.locals3 import SeaweedS3
+    from prefetch.demo.modelgen import generate_model, upload_model
+    from prefetch.support.units import parse_size
 
     work = Path(args.workdir)
     shutil.rmtree(work, ignore_errors=True)

@@ -51,9 +51,9 @@ from harness import Cache, MiB, Sample, count_bytes, run_measured, say  # noqa: 
 from report import fmt, summarize  # noqa: E402
 from tools import VERSION_ARG, find_bin, prefetch_cmd  # noqa: E402
 
-from prefetch.locals3 import SeaweedS3  # noqa: E402
-from prefetch.modelgen import generate_model  # noqa: E402
-from prefetch.units import parse_size  # noqa: E402
+from prefetch.demo.locals3 import SeaweedS3  # noqa: E402
+from prefetch.demo.modelgen import generate_model  # noqa: E402
+from prefetch.support.units import parse_size  # noqa: E402
 
 MIRROR = "prefetch-mirror"
 TODAY = "hf+aws-sync"
@@ -149,7 +149,11 @@ class MirrorBench:
 
     def warm_cmds(self) -> list[list[str]]:
         cmds = [
-            [sys.executable, "-c", "import boto3, huggingface_hub, prefetch.cli, prefetch.mirror"]
+            [
+                sys.executable,
+                "-c",
+                "import boto3, huggingface_hub, prefetch.cli, prefetch.publish.s3_mirror",
+            ]
         ]
         cmds += [[exe, VERSION_ARG[n]] for n in ("hf", "aws") if (exe := find_bin(n))]
         return cmds

@@ -37,7 +37,7 @@ sys.path.insert(1, str(REPO / "bench"))
 
 from harness import Cache, MiB, count_bytes, mb_s, run_measured, say  # noqa: E402
 
-from prefetch.units import parse_size  # noqa: E402
+from prefetch.support.units import parse_size  # noqa: E402
 from tests.fakes.registry import Pusher, Registry  # noqa: E402
 
 #: oras-py (PyPI ``oras``) has no CLI: its client's ``pull``, run by a Python that has it.

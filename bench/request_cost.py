@@ -4,9 +4,9 @@ with each of its two signers.
 One local SeaweedFS, ``--objects`` objects of ``--size`` bytes; ``--requests`` whole-object
 GETs on 16 threads per mode, the modes alternated ``--rounds`` times in one process; the CPU
 time of the process (user+sys) per request is reported, body read included. ``seam-botocore``
-is the path the S3 source takes with botocore's credential chain (prefetch/sources/s3_botocore.py:
+is the path the S3 source takes with botocore's credential chain (prefetch/sources/s3/sdk.py:
 botocore's signer, set up from a listing as the source sets it up, on the seam's pool);
-``seam-static`` the one it takes with static keys (prefetch/sources/s3_direct.py: signed here,
+``seam-static`` the one it takes with static keys (prefetch/sources/s3/direct.py: signed here,
 no botocore).
 
     python bench/request_cost.py --rounds 3
@@ -31,9 +31,9 @@ BUCKET = "cost"
 
 def modes(client: Any, server: Any) -> dict[str, Callable[[str], None]]:
     """mode name -> one whole-object GET of a key, body read to the end."""
-    from prefetch.sources.s3 import S3Source, lazy_s3_client
-    from prefetch.sources.s3_direct import S3Bucket
-    from prefetch.spec import parse_source_uri
+    from prefetch.pipeline.spec import parse_source_uri
+    from prefetch.sources.s3.direct import S3Bucket
+    from prefetch.sources.s3.source import S3Source, lazy_s3_client
 
     source = S3Source(client, parse_source_uri(f"s3://{BUCKET}/k/"))
     source.ensure_signed_path()  # a listing: botocore's signer, as a pull sets it up
@@ -75,8 +75,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
 
-    from prefetch.locals3 import SeaweedS3
-    from prefetch.modelgen import random_bytes
+    from prefetch.demo.locals3 import SeaweedS3
+    from prefetch.demo.modelgen import random_bytes
 
     with SeaweedS3() as server:
         client = server.client(max_pool_connections=args.threads + 8)

@@ -80,9 +80,9 @@ from tools import (  # noqa: E402
     scaling_row,
 )
 
-from prefetch.locals3 import SeaweedS3  # noqa: E402
-from prefetch.modelgen import upload_model  # noqa: E402
-from prefetch.units import parse_size  # noqa: E402
+from prefetch.demo.locals3 import SeaweedS3  # noqa: E402
+from prefetch.demo.modelgen import upload_model  # noqa: E402
+from prefetch.support.units import parse_size  # noqa: E402
 from tests.tls import TestCA  # noqa: E402
 
 BIN_DIR = Path(sys.executable).parent
@@ -145,9 +145,9 @@ class Bench:
             [
                 sys.executable,
                 "-c",
-                "import boto3, s3transfer.manager, huggingface_hub, prefetch.cli, prefetch.sync, "
-                "prefetch.sources.s3, prefetch.transfer; boto3.client('s3', "
-                "region_name='us-east-1')",
+                "import boto3, s3transfer.manager, huggingface_hub, prefetch.cli, "
+                "prefetch.pipeline.sync, prefetch.sources.s3.source, prefetch.pipeline.transfer; "
+                "boto3.client('s3', region_name='us-east-1')",
             ]
         ]
         for name in ("s5cmd", "rclone", "aws", "hf", "curl", "dd"):

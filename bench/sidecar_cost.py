@@ -5,7 +5,7 @@ The sidecar is checked beside the server's own checksums (docs/pulling.md, "The 
 manifest"), so with one present a large file needs two checks: CRC64NVME per range as the bytes
 arrive, and sha256 fed in file order by hash workers reading back each finished run of pieces.
 This measures that second check, nothing else: one generated model uploaded twice to a local
-SeaweedFS (multipart with CRC64NVME, as ``prefetch.modelgen.upload_model`` does), once bare and
+SeaweedFS (multipart with CRC64NVME, as ``prefetch.demo.modelgen.upload_model`` does), once bare and
 once with a correct ``SHA256SUMS`` beside it, pulled alternately (bare, sidecar, bare, ...) by
 ``prefetch pull --json`` with verification on, each run into a fresh destination, after one
 unmeasured pull of each.
@@ -35,9 +35,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from prefetch.locals3 import SeaweedS3  # noqa: E402
-from prefetch.modelgen import GeneratedFile, generate_model, upload_model  # noqa: E402
-from prefetch.units import parse_size  # noqa: E402
+from prefetch.demo.locals3 import SeaweedS3  # noqa: E402
+from prefetch.demo.modelgen import GeneratedFile, generate_model, upload_model  # noqa: E402
+from prefetch.support.units import parse_size  # noqa: E402
 
 BUCKET = "bench"
 VARIANTS = ("no-sidecar", "sidecar")

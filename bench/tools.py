@@ -27,7 +27,7 @@ from typing import Any
 from datasets import BUCKET, HUB_REPO
 from harness import GiB, MiB, count_bytes
 
-from prefetch.executables import find_executable
+from prefetch.support.executables import find_executable
 
 CLIENTS = Path(__file__).resolve().with_name("clients.py")
 #: How each external tool prints its version (warm-up runs and the report's tool versions).

@@ -89,15 +89,15 @@ def run_child(argv: list[str], env: dict[str, str], work: Path) -> tuple[str, fl
 
 
 def resident(dest: Path) -> int:
-    from prefetch.warm import resident_bytes
+    from prefetch.pipeline.warmup import resident_bytes
 
     return sum(resident_bytes(p) for p in dest.rglob("*.safetensors"))
 
 
 def main() -> None:
-    from prefetch.locals3 import SeaweedS3
-    from prefetch.modelgen import generate_model, upload_model
-    from prefetch.units import format_bytes, parse_size
+    from prefetch.demo.locals3 import SeaweedS3
+    from prefetch.demo.modelgen import generate_model, upload_model
+    from prefetch.support.units import format_bytes, parse_size
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="2304MiB", help="model size (default 2304MiB = 2.25 GiB)")

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from prefetch.executables import find_executable
-from prefetch.locals3 import SeaweedS3
-from prefetch.modelgen import make_model_dir
+from prefetch.demo.locals3 import SeaweedS3
+from prefetch.demo.modelgen import make_model_dir
+from prefetch.support.executables import find_executable
 
 from .fakes.hubserver import HubServer
 from .fakes.registry import Registry, registry_binary

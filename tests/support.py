@@ -29,18 +29,18 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import yaml
 
-from prefetch.layout import PlainLayout
-from prefetch.locals3 import SeaweedS3
-from prefetch.modelgen import generate_model, upload_model
-from prefetch.retry import RetryPolicy
-from prefetch.snapshot import Checksum, RemoteFile, Snapshot
-from prefetch.sources.s3 import S3Source
-from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.sync import SyncResult, sync
-from prefetch.transfer import TransferConfig
+from prefetch.demo.locals3 import SeaweedS3
+from prefetch.demo.modelgen import generate_model, upload_model
+from prefetch.pipeline.layout import PlainLayout
+from prefetch.pipeline.retry import RetryPolicy
+from prefetch.pipeline.snapshot import Checksum, RemoteFile, Snapshot
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.sync import SyncResult, sync
+from prefetch.pipeline.transfer import TransferConfig
+from prefetch.sources.s3.source import S3Source
 
 if TYPE_CHECKING:
-    from prefetch.agent.reconcile import Agent
+    from prefetch.agent.loop import Agent
 
     from .fakes.hubserver import HubServer
 
@@ -447,15 +447,15 @@ def write_mirror(
     repo_id: str | None = None,
 ) -> str:
     """Write ``repo@revision`` as the Hub server serves it into ``s3://bucket/prefix`` in the
-    mirror format (prefetch/mirror_format.py), directly with boto3 as ``prefetch mirror`` would:
-    blobs named by Hub id, then the commit's metadata, then its refs (``refs``: default
+    mirror format (prefetch/sources/s3_mirror/format.py), directly with boto3 as ``prefetch mirror``
+    would: blobs named by Hub id, then the commit's metadata, then its refs (``refs``: default
     ``(revision,)`` unless it is a sha). ``repo_id`` overrides the recorded repo. Returns the
     commit sha."""
     import base64
     from datetime import UTC, datetime
 
-    from prefetch import verify
-    from prefetch.mirror_format import (
+    from prefetch.pipeline import verify
+    from prefetch.sources.s3_mirror.format import (
         MirrorCommit,
         MirrorFile,
         blob_key,

@@ -19,12 +19,12 @@ from urllib.parse import urlsplit
 import pytest
 from click.testing import CliRunner
 
+from prefetch.agent.loop import Agent
 from prefetch.agent.node import NodeGate, label_key
-from prefetch.agent.reconcile import Agent
 from prefetch.cli import main
-from prefetch.constants import DEFAULT_LABEL_PREFIX, DEFAULT_STARTUP_TAINT_KEY
-from prefetch.locals3 import SeaweedS3
-from prefetch.store import Store
+from prefetch.demo.locals3 import SeaweedS3
+from prefetch.pipeline.store import Store
+from prefetch.support.constants import DEFAULT_LABEL_PREFIX, DEFAULT_STARTUP_TAINT_KEY
 from tests.fakes.k8s_stub import KubeStub, running_stub
 from tests.support import (
     AgentProcess,

@@ -17,11 +17,11 @@ import pytest
 
 from prefetch.agent.config import parse_config
 from prefetch.agent.kube_events import KubeEventSink
+from prefetch.agent.loop import Agent
 from prefetch.agent.node import NodeGate
-from prefetch.agent.reconcile import Agent
-from prefetch.compile_cache import CACHE_READY, GPU_PRODUCT_LABEL, CacheKey, push
-from prefetch.compile_cache_claim import CLAIM, COMPLETE
-from prefetch.errors import ConfigError
+from prefetch.publish.compile_cache import CACHE_READY, GPU_PRODUCT_LABEL, CacheKey, push
+from prefetch.publish.compile_cache_claim import CLAIM, COMPLETE
+from prefetch.support.errors import ConfigError
 from tests.fakes.k8s_stub import KubeStub, running_stub
 from tests.support import AgentThread, config_text, model_status, put, wait_for
 
@@ -89,7 +89,7 @@ def test_the_node_gate_reads_the_gpu_product_label(stub: KubeStub) -> None:
 
 
 def test_outside_a_cluster_the_agent_knows_no_gpu_product(monkeypatch: pytest.MonkeyPatch) -> None:
-    from prefetch.agent.cli import _node_gpu_product
+    from prefetch.cli.agent import _node_gpu_product
 
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     assert _node_gpu_product("gpu-1") is None
@@ -290,7 +290,7 @@ def test_extra_dirs_are_published_with_the_key_and_undeclared_ones_are_left_out(
     flashinfer = next(k for k in extra if k.startswith("flashinfer/"))
     assert published == set(files) | {flashinfer, CLAIM, COMPLETE}
 
-    from prefetch.compile_cache import extra_env
+    from prefetch.publish.compile_cache import extra_env
 
     assert extra_env("/var/cache/vllm", ["flashinfer", "deepgemm"]) == {
         "FLASHINFER_WORKSPACE_BASE": "/var/cache/vllm/flashinfer",

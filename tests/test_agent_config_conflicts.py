@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from prefetch.agent.config import parse_config
-from prefetch.errors import ConfigError
+from prefetch.support.errors import ConfigError
 
 
 def _config(*models: str) -> str:

@@ -15,10 +15,10 @@ import pytest
 
 from prefetch.agent.config import parse_config, spec_digest
 from prefetch.agent.config_values import AgentConfig
-from prefetch.agent.reconcile import Agent
+from prefetch.agent.loop import Agent
 from prefetch.agent.scheduler import Intervals, JobKind
-from prefetch.errors import ConfigError
-from prefetch.sources.s3 import make_s3_client
+from prefetch.sources.s3.source import make_s3_client
+from prefetch.support.errors import ConfigError
 
 from .fakes.hubserver import HubServer, make_model_repo
 from .fakes.s3proxy import S3FaultProxy

@@ -20,7 +20,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from prefetch.agent.server import HealthServer
-from prefetch.logjson import JsonFormatter, setup_logging
+from prefetch.support.logjson import JsonFormatter, setup_logging
 
 from . import support
 

@@ -14,9 +14,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefetch.agent.config_values import AgentConfig
-from prefetch.agent.reconcile import HEALTH_STALE_AFTER, Agent, failure_reason
+from prefetch.agent.loop import HEALTH_STALE_AFTER, Agent, failure_reason
+from prefetch.agent.metrics import MODEL_STATES, AgentMetrics
 from prefetch.agent.watch import ConfigWatcher
-from prefetch.errors import (
+from prefetch.support.errors import (
     AccessDeniedError,
     BucketNotFoundError,
     DeadlineExceededError,
@@ -25,8 +26,7 @@ from prefetch.errors import (
     SourceError,
     TransientSourceError,
 )
-from prefetch.logjson import JsonFormatter, TextFormatter, scrub, setup_logging
-from prefetch.metrics import MODEL_STATES, AgentMetrics
+from prefetch.support.logjson import JsonFormatter, TextFormatter, scrub, setup_logging
 
 
 def test_json_log_lines_carry_the_fields() -> None:
@@ -139,7 +139,7 @@ def _kinds(cls: type[BaseException]) -> list[type[BaseException]]:
 
 
 def test_the_agents_failure_labels_and_the_clis_error_reasons_are_one_vocabulary() -> None:
-    from prefetch.cli import error_reason
+    from prefetch.cli.common import error_reason
 
     kinds = _kinds(PrefetchError)
     assert len(kinds) > 20

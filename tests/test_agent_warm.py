@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from prefetch.agent.config import parse_config
-from prefetch.agent.reconcile import Agent
-from prefetch.errors import ConfigError
-from prefetch.warm import DEFAULT_MEMORY_SHARE, DEFAULT_READ_RATE, resident_bytes
+from prefetch.agent.loop import Agent
+from prefetch.pipeline.warmup import DEFAULT_MEMORY_SHARE, DEFAULT_READ_RATE, resident_bytes
+from prefetch.support.errors import ConfigError
 from tests.support import AgentThread, config_text, model_status, upload, wait_for
 
 MiB = 1024 * 1024
@@ -147,7 +147,7 @@ def test_gate_on_warm_holds_readiness_until_the_warm_up_ends_and_warm_alone_does
 def test_a_model_over_its_memory_share_is_skipped_and_still_ready(
     s3_client: Any, bucket: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="prefetch.warm")
+    caplog.set_level(logging.INFO, logger="prefetch.pipeline.warmup")
     upload(s3_client, bucket, "big", tmp_path, 4 * MiB, seed=5)
     config = tmp_path / "models.yaml"
     config.write_text(

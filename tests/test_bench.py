@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from prefetch.executables import find_executable
+from prefetch.support.executables import find_executable
 
 REPO = Path(__file__).resolve().parent.parent
 MiB = 1024 * 1024

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from prefetch.executables import find_executable
+from prefetch.support.executables import find_executable
 
 REPO = Path(__file__).resolve().parent.parent
 

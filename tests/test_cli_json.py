@@ -16,15 +16,16 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from prefetch.cli import error_reason, main
-from prefetch.errors import (
+from prefetch.cli import main
+from prefetch.cli.common import error_reason
+from prefetch.pipeline.transfer import Cancelled
+from prefetch.support.errors import (
     BucketNotFoundError,
     ChecksumMismatchError,
     DeadlineExceededError,
     InsufficientSpaceError,
     NoMatchingFilesError,
 )
-from prefetch.transfer import Cancelled
 
 MiB = 1024 * 1024
 SUCCESS_KEYS = {

@@ -1,11 +1,13 @@
-"""The flags ``prefetch pull`` and ``prefetch mirror`` share are declared once (prefetch/cli.py's
-option groups): the same help, default and environment twin in both commands."""
+"""The flags ``prefetch pull`` and ``prefetch mirror`` share are declared once
+(prefetch/cli/__init__.py's option groups): the same help, default and environment twin in both
+commands."""
 
 from __future__ import annotations
 
 import click
 
-from prefetch.cli import mirror, pull
+from prefetch.cli.mirror import mirror
+from prefetch.cli.pull import pull
 
 SHARED = (
     "revision", "token", "endpoint", "endpoint_url", "proxy",

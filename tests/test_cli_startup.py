@@ -10,12 +10,12 @@ import sys
 import click
 from click.testing import CliRunner
 
-from prefetch.cli import _LazyGroup, main
+from prefetch.cli import main
 
 #: Libraries `import prefetch.cli` must not load: each is imported by the command that needs it.
 HEAVY = (
     "boto3", "botocore", "huggingface_hub", "kubernetes", "prometheus_client", "awscrt", "psutil",
-    "yaml", "prefetch.agent", "prefetch.sources.s3", "prefetch.sources.hf",
+    "yaml", "prefetch.agent", "prefetch.sources.s3.source", "prefetch.sources.hf.source",
 )  # fmt: skip
 
 
@@ -31,7 +31,7 @@ def test_importing_the_cli_loads_no_sdk_or_agent_module() -> None:
 def test_lazy_commands_are_listed_and_resolve_to_themselves() -> None:
     ctx = click.Context(main)
     names = main.list_commands(ctx)
-    for name in _LazyGroup.lazy_commands:
+    for name in main.lazy_commands:
         assert name in names
         command = main.get_command(ctx, name)
         assert command is not None and command.name == name
@@ -46,8 +46,22 @@ def test_help_of_a_lazy_command_runs() -> None:
 def test_the_pipeline_a_pull_runs_loads_no_warm_up_code() -> None:
     """psutil and the warm-up module are imported for a warm-up only (a no-op pull is timed)."""
     code = (
-        "import json, sys; import prefetch.cli, prefetch.pipeline; "
-        "print(json.dumps(sorted(m for m in ('psutil', 'prefetch.warm') if m in sys.modules)))"
+        "import json, sys; import prefetch.cli, prefetch.pipeline.compose; "
+        "print(json.dumps(sorted(m for m in ('psutil', 'prefetch.pipeline.warmup') "
+        "if m in sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []
+
+
+def test_the_top_level_help_loads_no_cluster_client() -> None:
+    """``prefetch --help`` lists ``status`` without loading the kubernetes client its report
+    reads the cluster with (the command imports it when it runs)."""
+    code = (
+        "import json, sys; from prefetch.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(json.dumps(sorted(m for m in ('kubernetes', 'prefetch.cli.status_report') "
+        "if m in sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.splitlines()[-1]) == []

@@ -1,4 +1,4 @@
-"""Compile caches (prefetch.compile_cache): the key table, refusing an unfinished cache, and
+"""Compile caches (prefetch.publish.compile_cache): the key table, refusing an unfinished cache, and
 push/pull between two "nodes" (two cache dirs) against the real local S3 server (SeaweedFS),
 with a conditional-write race that exactly one pusher wins."""
 
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from prefetch import compile_cache
-from prefetch.compile_cache import (
+from prefetch.publish import compile_cache
+from prefetch.publish.compile_cache import (
     CACHE_READY,
     CacheKey,
     PushResult,
@@ -24,8 +24,8 @@ from prefetch.compile_cache import (
     is_published,
     push,
 )
-from prefetch.compile_cache_claim import CLAIM, COMPLETE, PUBLISHED
-from prefetch.errors import CompileCacheError, CompileCacheRefused
+from prefetch.publish.compile_cache_claim import CLAIM, COMPLETE, PUBLISHED
+from prefetch.support.errors import CompileCacheError, CompileCacheRefused
 
 from .support import pull_s3, run_cli
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from prefetch.agent.reconcile import Agent
-from prefetch.compile_cache import CACHE_READY, CacheKey
+from prefetch.agent.loop import Agent
+from prefetch.publish.compile_cache import CACHE_READY, CacheKey
 from tests.support import AgentThread, config_text, model_status, run_cli, wait_for
 
 COMPILE = """

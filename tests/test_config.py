@@ -9,8 +9,12 @@ import pytest
 from prefetch.agent.config import load_config, parse_config, spec_digest
 from prefetch.agent.config_checks import parse_listen
 from prefetch.agent.config_values import AgentConfig, Backoff
-from prefetch.constants import DEFAULT_LABEL_PREFIX, DEFAULT_LISTEN, DEFAULT_STARTUP_TAINT_KEY
-from prefetch.errors import ConfigError
+from prefetch.support.constants import (
+    DEFAULT_LABEL_PREFIX,
+    DEFAULT_LISTEN,
+    DEFAULT_STARTUP_TAINT_KEY,
+)
+from prefetch.support.errors import ConfigError
 
 from .tls import TestCA
 
@@ -222,7 +226,7 @@ def test_backoff_doubles_up_to_max() -> None:
 
 
 def test_a_spec_rule_reads_the_same_from_the_cli_and_the_config_file() -> None:
-    from prefetch.cli import pull_spec
+    from prefetch.cli.pull import pull_spec
 
     with pytest.raises(ConfigError) as from_cli:
         pull_spec("hf://o/n@v1", name="", include=(), exclude=(), revision="v2", hf_repo=None,

@@ -1,4 +1,4 @@
-"""The one coordinator (prefetch.coordinator) the pull engine and the mirror run on."""
+"""The one coordinator (prefetch.pipeline.coordinator) the pull engine and the mirror run on."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from prefetch.coordinator import Coordinator
-from prefetch.transfer import Cancelled
+from prefetch.pipeline.coordinator import Coordinator
+from prefetch.pipeline.transfer import Cancelled
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""The one deadline mechanism (prefetch.deadline): alarms, watches, the watchdog, deadlines on
-calls; a stop or a deadline interrupts a wait for response headers through the HTTP seam."""
+"""The one deadline mechanism (prefetch.pipeline.deadline): alarms, watches, the watchdog, deadlines
+on calls; a stop or a deadline interrupts a wait for response headers through the HTTP seam."""
 
 from __future__ import annotations
 
@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from prefetch.deadline import Alarms, Watchdog, call_with_deadline
-from prefetch.errors import NotFoundError, TransientSourceError
-from prefetch.layout import PlainLayout
-from prefetch.logjson import JsonFormatter, sync_context
-from prefetch.retry import RetryPolicy
-from prefetch.sources._http import make_http_pool
-from prefetch.sources.s3 import S3Source, lazy_s3_client
-from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.sync import sync
-from prefetch.transfer import Cancelled, TransferConfig, engine_watchdog, open_watched
+from prefetch.pipeline.deadline import Alarms, Watchdog, call_with_deadline
+from prefetch.pipeline.layout import PlainLayout
+from prefetch.pipeline.retry import RetryPolicy
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.sync import sync
+from prefetch.pipeline.transfer import Cancelled, TransferConfig, engine_watchdog, open_watched
+from prefetch.sources.http.transport import make_http_pool
+from prefetch.sources.s3.source import S3Source, lazy_s3_client
+from prefetch.support.errors import NotFoundError, TransientSourceError
+from prefetch.support.logjson import JsonFormatter, sync_context
 from tests.fakes.misbehaving import SilentServer
 from tests.tls import TestCA
 
@@ -141,7 +141,7 @@ def test_the_watchdogs_abort_lines_carry_the_sync_id(caplog: pytest.LogCaptureFi
     )
     with sync_context("5eed1d00"):
         watch = watchdog.watch("w.bin bytes 0-9")
-    caplog.set_level(logging.DEBUG, logger="prefetch.deadline")
+    caplog.set_level(logging.DEBUG, logger="prefetch.pipeline.deadline")
     checked = threading.Thread(target=watchdog.check, args=(time.monotonic() + 5,))
     checked.start()  # another thread, with no sync context: as the watchdog's
     checked.join()

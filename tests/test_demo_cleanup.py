@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from prefetch.demo import BUCKET, PREFIX, equivalent_command
-from prefetch.executables import find_executable
-from prefetch.locals3 import SeaweedS3
-from prefetch.modelgen import generate_model, upload_model
+from prefetch.demo.locals3 import SeaweedS3
+from prefetch.demo.modelgen import generate_model, upload_model
+from prefetch.demo.run import BUCKET, PREFIX, equivalent_command
+from prefetch.support.executables import find_executable
 
 from .support import REPO_ROOT
 
@@ -164,7 +164,7 @@ def test_stop_kills_the_group_even_when_ctrl_c_cuts_its_wait(tmp_path: Path) -> 
     script = textwrap.dedent(
         """
         import os, signal, subprocess, sys, threading
-        from prefetch.locals3 import end_process_group
+        from prefetch.demo.locals3 import end_process_group
 
         proc = subprocess.Popen(
             ["sh", "-c", "trap '' TERM; sleep 300 & echo $!; wait"],
@@ -196,7 +196,7 @@ def test_stop_kills_the_group_even_when_ctrl_c_cuts_its_wait(tmp_path: Path) -> 
 def test_one_ctrl_c_stops_a_server_that_ignores_sigterm_without_the_whole_grace() -> None:
     """weed sometimes ignores SIGTERM: after a single Ctrl-C (the ``with`` block ends with a
     KeyboardInterrupt) the server is killed after a short grace, not the 10 s of a normal stop."""
-    from prefetch.locals3 import STOP_GRACE, SeaweedS3
+    from prefetch.demo.locals3 import STOP_GRACE, SeaweedS3
 
     server = SeaweedS3()
     server._proc = subprocess.Popen(  # what start() sets: the server, in its own session

@@ -24,17 +24,17 @@ from prefetch.agent import events as ev
 from prefetch.agent import kube_events
 from prefetch.agent.event_recorder import EventRecorder
 from prefetch.agent.kube_events import KubeEventSink
+from prefetch.agent.loop import Agent
+from prefetch.agent.metrics import AgentMetrics
 from prefetch.agent.node import NodeGate
-from prefetch.agent.reconcile import Agent
 from prefetch.agent.space import SpaceManager
 from prefetch.agent.warming import WarmingStory
-from prefetch.constants import DEFAULT_STARTUP_TAINT_KEY, PROGRESS_ANNOTATION
-from prefetch.locals3 import SeaweedS3
-from prefetch.logjson import JsonFormatter, current_sync_id, sync_context
-from prefetch.metrics import AgentMetrics
-from prefetch.sources.s3 import make_s3_client
-from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.units import format_bytes
+from prefetch.demo.locals3 import SeaweedS3
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.sources.s3.source import make_s3_client
+from prefetch.support.constants import DEFAULT_STARTUP_TAINT_KEY, PROGRESS_ANNOTATION
+from prefetch.support.logjson import JsonFormatter, current_sync_id, sync_context
+from prefetch.support.units import format_bytes
 from tests import manifests_util as mu
 from tests.fakes.k8s_events import describe_events
 from tests.fakes.k8s_stub import KubeStub, running_stub
@@ -640,7 +640,7 @@ def test_the_warm_up_and_the_compile_cache_are_told_as_events_in_the_note_and_in
     cache tells CompileCacheNotPublished (once, not at every resolve), then CompileCachePulled
     for its key once another node published it; the progress note and `prefetch status` show
     the warm-up's and the compile cache's state."""
-    from prefetch.compile_cache import CacheKey, push
+    from prefetch.publish.compile_cache import CacheKey, push
 
     from .test_compile_cache import vllm_cache
     from .test_status_cmd import kubeconfig, status

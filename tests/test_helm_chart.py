@@ -519,7 +519,7 @@ def _nested(key: str, value: Any) -> dict[str, Any]:
 def test_the_chart_refuses_what_the_agent_refuses(key: str, value: Any) -> None:
     """Before: eleven keys took any string or number, and the agent exited 1 on every node."""
     from prefetch.agent.config import parse_config
-    from prefetch.errors import ConfigError
+    from prefetch.support.errors import ConfigError
 
     config = _nested(key, value)
     with pytest.raises(ConfigError):
@@ -578,7 +578,7 @@ def test_the_chart_refuses_what_the_agent_refuses_across_keys(
     """Before: each key passed the schema alone, the chart rendered, and every agent exited 1
     at start (a duplicate model name, a backoff whose max is below its initial, ...)."""
     from prefetch.agent.config import parse_config
-    from prefetch.errors import ConfigError
+    from prefetch.support.errors import ConfigError
 
     with pytest.raises(ConfigError):
         parse_config(yaml.safe_dump(config))

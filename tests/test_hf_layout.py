@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from prefetch.errors import LayoutError
-from prefetch.layout import PlainLayout, layout_for
-from prefetch.layout.hf import HfCacheLayout, hub_layouts, repo_folder, repo_id_of
-from prefetch.layout.hf_tree import HubRepoTree
-from prefetch.snapshot import Checksum, RemoteFile, Snapshot
-from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.sync import verify_local
+from prefetch.pipeline.layout import PlainLayout, layout_for
+from prefetch.pipeline.layout.hf import HfCacheLayout, hub_layouts, repo_folder, repo_id_of
+from prefetch.pipeline.layout.hf_tree import HubRepoTree
+from prefetch.pipeline.snapshot import Checksum, RemoteFile, Snapshot
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.sync import verify_local
+from prefetch.support.errors import LayoutError
 
 REPO = "org/model"
 C1, C2 = "1" * 40, "2" * 40
@@ -191,7 +191,7 @@ def test_a_moved_ref_prunes_what_it_left_behind_after_the_grace(  # type: ignore
     changed = {"config.json": b'{"a": 2}', "model.safetensors": FILES["model.safetensors"]}
     assert pull_files(layout, C2, changed, delete=False) == []  # no --delete: C1 stays
     clock = [1_000_000.0]
-    monkeypatch.setattr("prefetch.layout.hf.time.time", lambda: clock[0])
+    monkeypatch.setattr("prefetch.pipeline.layout.hf.time.time", lambda: clock[0])
     # the first commit that finds C1 superseded starts its grace; C1 stays meanwhile
     assert pull_files(layout, C2, changed, delete=True, superseded_grace=60) == []
     clock[0] += 59
@@ -249,7 +249,7 @@ def test_an_interrupted_prune_leaves_no_snapshot_half_removed(  # type: ignore[n
             raise KeyboardInterrupt
         rmtree(path, **kw)
 
-    monkeypatch.setattr("prefetch.layout.hf_tree.shutil.rmtree", crash)
+    monkeypatch.setattr("prefetch.pipeline.layout.hf_tree.shutil.rmtree", crash)
     with pytest.raises(KeyboardInterrupt):
         pull_files(layout, C2, FILES, delete=True)
     monkeypatch.undo()

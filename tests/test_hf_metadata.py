@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 import urllib3
 
-from prefetch.errors import InvalidListingError, SourceError, TransientSourceError
-from prefetch.retry import RetryPolicy
-from prefetch.snapshot import RemoteFile
-from prefetch.sources.hf import HubSource, hub_token
-from prefetch.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.retry import RetryPolicy
+from prefetch.pipeline.snapshot import RemoteFile
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.sources.hf.source import HubSource, hub_token
+from prefetch.support.errors import InvalidListingError, SourceError, TransientSourceError
 
 from .fakes.hubserver import HubServer
 from .support import HUB_REPO, HUB_TOKEN, REPO_ROOT, clean_env, run_cli, server_files

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from prefetch.errors import InvalidListingError, SourceError, TransientSourceError
-from prefetch.mirror_format import parse_mirror_commit
-from prefetch.safejson import load_json
+from prefetch.sources.s3_mirror.format import parse_mirror_commit
+from prefetch.support.errors import InvalidListingError, SourceError, TransientSourceError
+from prefetch.support.safejson import load_json
 
 from .support import clean_env, run_cli, upload
 from .test_hf_metadata import API, TREE, CannedHub, _json, _resolve, _source

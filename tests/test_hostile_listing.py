@@ -17,11 +17,11 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from prefetch.errors import InvalidListingError, TransientSourceError
-from prefetch.retry import RetryPolicy
-from prefetch.sources.s3 import S3Source, lazy_s3_client
-from prefetch.sources.s3_xml import ListingPages, MalformedListingPage, parse_list_page
-from prefetch.spec import parse_source_uri
+from prefetch.pipeline.retry import RetryPolicy
+from prefetch.pipeline.spec import parse_source_uri
+from prefetch.sources.s3.listing import ListingPages, MalformedListingPage, parse_list_page
+from prefetch.sources.s3.source import S3Source, lazy_s3_client
+from prefetch.support.errors import InvalidListingError, TransientSourceError
 
 from .fakes.tlsserver import TLSThreadingHTTPServer
 from .support import clean_env, run_cli

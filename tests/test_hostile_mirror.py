@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from prefetch.mirror_format import ref_key
+from prefetch.sources.s3_mirror.format import ref_key
 
 from .fakes.hubserver import HubServer, make_model_dir
 from .support import run_cli

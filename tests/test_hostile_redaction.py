@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from prefetch.redact import RedactingFilter, redact
+from prefetch.support.redact import RedactingFilter, redact
 
 from .support import run_cli, upload
 
@@ -88,7 +88,7 @@ def test_vv_never_prints_the_session_token(
 def test_json_log_fields_of_any_type_are_redacted() -> None:
     import json
 
-    from prefetch.logjson import JsonFormatter
+    from prefetch.support.logjson import JsonFormatter
 
     record = logging.LogRecord("prefetch.x", logging.WARNING, __file__, 1, "failed", None, None)
     record.error = ValueError(f"proxy http://user:{TOKEN}@127.0.0.1:3128 refused")

@@ -24,21 +24,21 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from prefetch.agent.config import parse_config
-from prefetch.errors import (
+from prefetch.pipeline.layout import PlainLayout
+from prefetch.pipeline.layout.hf import HfCacheLayout
+from prefetch.pipeline.retry import RetryPolicy
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.sync import SyncResult, sync
+from prefetch.pipeline.transfer import Cancelled, TransferConfig
+from prefetch.sources.base import range_answer_problem
+from prefetch.sources.hf.source import HubOptions, open_hub_source
+from prefetch.sources.s3.source import S3Source
+from prefetch.support.errors import (
     ConfigError,
     DeadlineExceededError,
     SourceError,
     TransientSourceError,
 )
-from prefetch.layout import PlainLayout
-from prefetch.layout.hf import HfCacheLayout
-from prefetch.retry import RetryPolicy
-from prefetch.sources.base import range_answer_problem
-from prefetch.sources.hf import HubOptions, open_hub_source
-from prefetch.sources.s3 import S3Source
-from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.sync import SyncResult, sync
-from prefetch.transfer import Cancelled, TransferConfig
 
 from .fakes.hubserver import HubServer, make_model_dir
 from .fakes.misbehaving import MisbehavingS3
@@ -437,7 +437,8 @@ def test_a_stop_interrupts_a_describe_waiting_for_response_headers(
 def test_stall_and_deadline_options_and_their_environment_twins(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from prefetch.cli import make_config, pull
+    from prefetch.cli.common import make_config
+    from prefetch.cli.pull import pull
 
     cfg = make_config(16, "64MiB", False, False, 6, "1MiB", "2m", "1h30m")
     assert (cfg.min_rate, cfg.stall_window, cfg.deadline) == (MiB, 120.0, 5400.0)
@@ -471,7 +472,7 @@ def test_agent_config_sets_the_stall_rule() -> None:
 def test_a_trickling_model_never_keeps_a_healthy_one_waiting(
     s3: MisbehavingS3, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from prefetch.agent.reconcile import Agent
+    from prefetch.agent.loop import Agent
 
     from .support import AgentThread, config_text, is_ready, model_status, wait_for
 
@@ -545,7 +546,7 @@ def test_a_trickling_model_is_bounded_by_its_sync_deadline_and_a_healthy_one_get
     cannot help (off here: its retries would trickle again), model B is healthy. Each of A's
     attempts ends at its syncDeadline, resumably, as a failure with reason ``deadline``; the
     slot passes to B, which gets ready; A keeps the gate closed and says why."""
-    from prefetch.agent.reconcile import Agent
+    from prefetch.agent.loop import Agent
 
     from .support import AgentThread, config_text, is_ready, model_status, wait_for
 

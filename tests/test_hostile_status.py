@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from prefetch.constants import PROGRESS_ANNOTATION
+from prefetch.support.constants import PROGRESS_ANNOTATION
 
 from .fakes.k8s_stub import KubeStub, running_stub
 from .test_status_cmd import kubeconfig, status, warming_node

@@ -13,17 +13,7 @@ from typing import Any
 import pytest
 import urllib3
 
-from prefetch import settings
-from prefetch.errors import (
-    AccessDeniedError,
-    NotFoundError,
-    RepoNotFoundError,
-    RevisionNotFoundError,
-    SourceChangedError,
-    SourceError,
-    TransientSourceError,
-)
-from prefetch.sources._http import (
+from prefetch.sources.http.transport import (
     BodyReader,
     ProxyRouter,
     error_class,
@@ -33,6 +23,16 @@ from prefetch.sources._http import (
     parse_retry_after,
     redact_url,
     status_error,
+)
+from prefetch.support import settings
+from prefetch.support.errors import (
+    AccessDeniedError,
+    NotFoundError,
+    RepoNotFoundError,
+    RevisionNotFoundError,
+    SourceChangedError,
+    SourceError,
+    TransientSourceError,
 )
 
 # -- the status table ----------------------------------------------------------------------------
@@ -299,7 +299,7 @@ def test_no_proxy_matches_a_name_and_its_subdomains(
 def test_credentials_go_only_to_their_origin() -> None:
     """The seam's redirect rule: credentials (the Hub's token) reach only the origin they are
     for; a redirect or next-page link to another host, scheme or port never gets them."""
-    from prefetch.sources._http import send
+    from prefetch.sources.http.transport import send
 
     sent: list[tuple[str, dict[str, str]]] = []
 

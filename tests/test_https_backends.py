@@ -32,7 +32,7 @@ import pytest
 import trustme
 import urllib3
 
-from prefetch.locals3 import SeaweedS3
+from prefetch.demo.locals3 import SeaweedS3
 
 from .fakes.hubserver import HubServer
 from .fakes.oci_proxy import RegistryProxy
@@ -650,7 +650,7 @@ def test_the_agent_reports_a_refused_certificate_as_its_own_reason(
 def test_the_ca_bundle_order_is_flag_then_variables_then_profile_then_system(
     test_ca: TestCA, tmp_path: Path
 ) -> None:
-    from prefetch.settings import ca_bundle
+    from prefetch.support.settings import ca_bundle
 
     pems = {}
     for name in ("flag", "requests", "ssl", "aws", "profile"):
@@ -685,7 +685,7 @@ def test_a_variable_naming_the_public_store_gives_way_to_a_private_ca(
     profile is the one trusted; alone, the public store is still what the run is given."""
     import certifi
 
-    from prefetch.settings import ca_bundle
+    from prefetch.support.settings import ca_bundle
 
     public = certifi.where()
     private = str(test_ca.ca_file)
@@ -721,7 +721,7 @@ def test_the_agents_ca_bundle_keys_are_checked_when_the_config_loads(
     test_ca: TestCA, tmp_path: Path
 ) -> None:
     from prefetch.agent.config import parse_config
-    from prefetch.errors import ConfigError
+    from prefetch.support.errors import ConfigError
 
     ca = str(test_ca.ca_file)
     model = {"name": "tiny", "source": f"hf://{HUB_REPO}"}

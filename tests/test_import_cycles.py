@@ -2,7 +2,7 @@
 
 The layer contract in pyproject.toml (lint-imports) leaves ``if TYPE_CHECKING:`` imports out, so a
 cycle through one passes it; this test counts them: a module that needs a type from a higher one
-names the shape it needs as a Protocol instead (``prefetch.paths.ListedFile``)."""
+names the shape it needs as a Protocol instead (``prefetch.support.paths.ListedFile``)."""
 
 from __future__ import annotations
 

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from prefetch.errors import ConfigError, LayoutError
-from prefetch.layout import (
+from prefetch.pipeline.layout import (
     HfCacheLayout,
     PlainLayout,
     check_repo_folder,
@@ -18,8 +17,9 @@ from prefetch.layout import (
     layouts_under,
     repo_state_dir,
 )
-from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.store import Store
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.store import Store
+from prefetch.support.errors import ConfigError, LayoutError
 
 HF = ModelSpec(source=parse_source_uri("hf://org/model"))
 MIRROR = ModelSpec(source=parse_source_uri("s3://bucket/m"), hf_repo="org/mirror")
@@ -93,24 +93,35 @@ _ISOLATED_IMPORT = """
 import sys, types
 from pathlib import Path
 import prefetch
-# the package as a bare namespace: importing a submodule must not need its __init__
-package = types.ModuleType("prefetch.layout")
-package.__path__ = [str(Path(prefetch.__file__).parent / "layout")]
-sys.modules["prefetch.layout"] = package
+# the package as a bare namespace: importing a submodule must not need its __init__ (nor the
+# pipeline's, which imports the layouts)
+pipeline = types.ModuleType("prefetch.pipeline")
+pipeline.__path__ = [str(Path(prefetch.__file__).parent / "pipeline")]
+sys.modules["prefetch.pipeline"] = pipeline
+package = types.ModuleType("prefetch.pipeline.layout")
+package.__path__ = [str(Path(prefetch.__file__).parent / "pipeline" / "layout")]
+sys.modules["prefetch.pipeline.layout"] = package
 import importlib
 importlib.import_module(sys.argv[1])
-print(" ".join(sorted(m for m in sys.modules if m.startswith("prefetch.layout."))))
+print(" ".join(sorted(m for m in sys.modules if m.startswith("prefetch.pipeline.layout."))))
 """
 
 
 @pytest.mark.parametrize(
     ("module", "imports"),
     [
-        ("prefetch.layout.base", ["prefetch.layout.base"]),
-        ("prefetch.layout.plain", ["prefetch.layout.base", "prefetch.layout.plain"]),
+        ("prefetch.pipeline.layout.base", ["prefetch.pipeline.layout.base"]),
         (
-            "prefetch.layout.hf",
-            ["prefetch.layout.base", "prefetch.layout.hf", "prefetch.layout.hf_tree"],
+            "prefetch.pipeline.layout.plain",
+            ["prefetch.pipeline.layout.base", "prefetch.pipeline.layout.plain"],
+        ),
+        (
+            "prefetch.pipeline.layout.hf",
+            [
+                "prefetch.pipeline.layout.base",
+                "prefetch.pipeline.layout.hf",
+                "prefetch.pipeline.layout.hf_tree",
+            ],
         ),
     ],
 )
@@ -128,8 +139,8 @@ def test_each_layout_module_imports_only_base_so_the_package_has_no_cycle(
 
 
 def test_the_layout_package_imports_on_its_own_in_a_fresh_interpreter() -> None:
-    code = "import prefetch.layout as p; print(p.layout_for.__module__)"
+    code = "import prefetch.pipeline.layout as p; print(p.layout_for.__module__)"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
-    assert out.stdout.strip() == "prefetch.layout"
+    assert out.stdout.strip() == "prefetch.pipeline.layout"

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from prefetch.errors import LayoutError
-from prefetch.layout.plain import PlainLayout, model_dir
-from prefetch.snapshot import Checksum, RemoteFile, Snapshot
-from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.sync import verify_local
+from prefetch.pipeline.layout.plain import PlainLayout, model_dir
+from prefetch.pipeline.snapshot import Checksum, RemoteFile, Snapshot
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.sync import verify_local
+from prefetch.support.errors import LayoutError
 
 SOURCE = "s3://bucket/m"
 SPEC = ModelSpec(source=parse_source_uri(SOURCE))

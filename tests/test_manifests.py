@@ -4,8 +4,8 @@ together with the agent, its config and the node bootstrap.
 Validation: built-in kinds against the Kubernetes OpenAPI schemas (kubernetes-validate, strict),
 custom resources against the upstream CRDs in <repo>/../shared/crds (skipped when absent), and
 the output of ``kubectl kustomize`` the same way. Consistency: every value that two places must
-agree on is read from both places (the agent's models.yaml, prefetch.constants, the bootstrap
-script, the NodePool, the Dockerfile, pyproject.toml), never restated here.
+agree on is read from both places (the agent's models.yaml, prefetch.support.constants, the
+bootstrap script, the NodePool, the Dockerfile, pyproject.toml), never restated here.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import click
 import pytest
 import yaml
 
-from prefetch import constants
+from prefetch.support import constants
 from tests import manifests_util as mu
 
 REPO = mu.REPO
@@ -359,8 +359,8 @@ def test_vllm_reads_the_cache_offline_and_read_only() -> None:
 
 def test_vllm_keeps_the_extra_jit_caches_where_extra_dirs_publishes_them() -> None:
     """FLASHINFER_WORKSPACE_BASE and DG_JIT_CACHE_DIR are the subdirectories of VLLM_CACHE_ROOT
-    that a compileCaches entry's extraDirs names (prefetch.compile_cache.EXTRA_DIRS)."""
-    from prefetch.compile_cache import EXTRA_DIRS, extra_env
+    that a compileCaches entry's extraDirs names (prefetch.publish.compile_cache.EXTRA_DIRS)."""
+    from prefetch.publish.compile_cache import EXTRA_DIRS, extra_env
 
     c = mu.container(mu.one("Deployment", under="deploy/vllm"))
     root = mu.env_value(c, "VLLM_CACHE_ROOT")

@@ -1,6 +1,6 @@
 """``prefetch mirror``: the local Hub server (tests/fakes/hubserver.py) or an S3 mirror into
 SeaweedFS, checked object by object with boto3 (CRC64NVME read back with ChecksumMode=ENABLED),
-through the mirror format's own parser (prefetch.mirror_format)."""
+through the mirror format's own parser (prefetch.sources.s3_mirror.format)."""
 
 from __future__ import annotations
 
@@ -18,15 +18,15 @@ import pytest
 import urllib3
 from awscrt import checksums as crt
 
-from prefetch.errors import ChecksumMismatchError, ConfigError, InvalidListingError
-from prefetch.mirror import MirrorConfig, MirrorResult, S3Prefix, mirror_hub, mirror_s3
-from prefetch.mirror.stream import part_size_for, plan_parts
-from prefetch.mirror_format import MirrorCommit, blob_key, parse_mirror_commit, ref_key
-from prefetch.retry import RetryPolicy
-from prefetch.sources.hf import HubOptions, open_hub_source
-from prefetch.sources.s3 import S3Source
-from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.transfer import TransferConfig
+from prefetch.pipeline.retry import RetryPolicy
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.transfer import TransferConfig
+from prefetch.publish.s3_mirror import MirrorConfig, MirrorResult, S3Prefix, mirror_hub, mirror_s3
+from prefetch.publish.s3_mirror.stream import part_size_for, plan_parts
+from prefetch.sources.hf.source import HubOptions, open_hub_source
+from prefetch.sources.s3.source import S3Source
+from prefetch.sources.s3_mirror.format import MirrorCommit, blob_key, parse_mirror_commit, ref_key
+from prefetch.support.errors import ChecksumMismatchError, ConfigError, InvalidListingError
 
 from .fakes.hubserver import HubServer, make_model_dir
 from .support import HUB_TOKEN, REPO_ROOT, kill_9_when, run_cli, server_files, upload
@@ -558,8 +558,8 @@ def signed_payload_of_a_part(client: Any) -> str:
 def test_the_mirror_sends_parts_unsigned_over_https_where_their_crc64nvme_covers_them(  # type: ignore[no-untyped-def]
     monkeypatch,
 ):
-    from prefetch.mirror.upload import make_writer_client
-    from prefetch.sources.s3 import make_s3_client
+    from prefetch.publish.s3_mirror.upload import make_writer_client
+    from prefetch.sources.s3.source import make_s3_client
 
     monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
     keys = {"access_key": "a", "secret_key": "b", "region": "us-east-1"}
@@ -573,7 +573,7 @@ def test_the_mirror_sends_parts_unsigned_over_https_where_their_crc64nvme_covers
 
 
 def test_a_part_body_hands_out_the_pooled_buffer_itself_not_copies() -> None:
-    from prefetch.mirror.upload import _ViewBody
+    from prefetch.publish.s3_mirror.upload import _ViewBody
 
     buffer = bytearray(b"0123456789")
     body = _ViewBody(memoryview(buffer)[2:])

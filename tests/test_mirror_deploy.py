@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from prefetch.cli import main as cli_main
-from prefetch.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
 from tests import manifests_util as mu
 
 FOLDER = mu.REPO / "deploy" / "mirror"

@@ -1,5 +1,5 @@
-"""The mirror format (prefetch/mirror_format.py): keys, round trip, and refusal of anything
-malformed before a byte is fetched."""
+"""The mirror format (prefetch/sources/s3_mirror/format.py): keys, round trip, and refusal of
+anything malformed before a byte is fetched."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefetch.errors import InvalidListingError
-from prefetch.mirror_format import (
+from prefetch.sources.s3_mirror.format import (
     FORMAT,
     MirrorCommit,
     MirrorFile,
@@ -21,6 +20,7 @@ from prefetch.mirror_format import (
     ref_key,
     snapshot_key,
 )
+from prefetch.support.errors import InvalidListingError
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 SHA1 = "a" * 40

@@ -1,5 +1,5 @@
-"""Pulling a Hub model through its S3 mirror (prefetch/sources/mirror.py, ordered.py): the cache
-is the one a Hub pull makes, huggingface_hub loads it offline, and the fallback rule (a mirror
+"""Pulling a Hub model through its S3 mirror (prefetch/sources/s3_mirror/source.py, ordered.py): the
+cache is the one a Hub pull makes, huggingface_hub loads it offline, and the fallback rule (a mirror
 lacking the commit or unreachable: the next source; wrong bytes or another repo: a failure)."""
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ from typing import Any
 import pytest
 import urllib3
 
-from prefetch.errors import (
+from prefetch.pipeline.layout.hf import HfCacheLayout
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.sync import SyncResult, sync
+from prefetch.sources import SourceSettings, open_source
+from prefetch.sources.hf.source import HubOptions
+from prefetch.sources.s3.source import make_s3_client
+from prefetch.sources.s3_mirror.format import blob_key
+from prefetch.support.errors import (
     ChecksumMismatchError,
     ConfigError,
     RevisionNotFoundError,
 )
-from prefetch.layout.hf import HfCacheLayout
-from prefetch.mirror_format import blob_key
-from prefetch.sources import SourceSettings, open_source
-from prefetch.sources.hf import HubOptions
-from prefetch.sources.s3 import make_s3_client
-from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.sync import SyncResult, sync
 
 from .fakes.hubserver import HubServer
 from .support import (

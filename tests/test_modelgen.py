@@ -1,4 +1,5 @@
-"""prefetch/modelgen.py: the one generator of model files (tests, fake Hub, demo, benchmark)."""
+"""prefetch/demo/modelgen.py: the one generator of model files (tests, fake Hub, demo,
+benchmark)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from prefetch.modelgen import (
+from prefetch.demo.modelgen import (
     BLOCK_SIZE,
     RandomStream,
     generate_model,

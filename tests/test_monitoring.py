@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import yaml
 
-from prefetch.locals3 import SeaweedS3
+from prefetch.demo.locals3 import SeaweedS3
 from tests.support import (
     AgentProcess,
     config_text,

@@ -18,10 +18,10 @@ import urllib3
 from click.testing import CliRunner
 
 from prefetch.cli import main
-from prefetch.errors import ConfigError, TransientSourceError
-from prefetch.retry import RetryPolicy, call_with_retries
-from prefetch.sources._http import transport_error
-from prefetch.spec import parse_source_uri
+from prefetch.pipeline.retry import RetryPolicy, call_with_retries
+from prefetch.pipeline.spec import parse_source_uri
+from prefetch.sources.http.transport import transport_error
+from prefetch.support.errors import ConfigError, TransientSourceError
 
 from .support import HUB_REPO, clean_env, free_port, mounted_tmpfs, run_cli
 

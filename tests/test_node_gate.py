@@ -13,8 +13,8 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from prefetch.agent.node import GateResult, NodeGate, in_cluster_gate, label_key
-from prefetch.constants import DEFAULT_LABEL_PREFIX, DEFAULT_STARTUP_TAINT_KEY
-from prefetch.errors import ConfigError, NodeGateError
+from prefetch.support.constants import DEFAULT_LABEL_PREFIX, DEFAULT_STARTUP_TAINT_KEY
+from prefetch.support.errors import ConfigError, NodeGateError
 from tests.fakes.k8s_stub import KubeStub, apply_json_patch, running_stub, validate_node
 
 NODE = "ip-10-0-1-23.ec2.internal"
@@ -291,12 +291,12 @@ def test_the_gate_waits_as_the_one_retry_policy_says(
 ) -> None:
     # the jitter drawn at its low end: full jitter (RetryPolicy) goes down to 0; a formula of
     # its own (the old [0.5, 1) of the backoff) would not
-    monkeypatch.setattr("prefetch.retry.random.uniform", lambda low, high: low)
+    monkeypatch.setattr("prefetch.pipeline.retry.random.uniform", lambda low, high: low)
     stub.fail_next(2, 500)
     sleep = RecordingSleep()
     make_gate(stub, max_attempts=4, backoff=0.01, max_backoff=1.0, sleep=sleep).apply([], True)
     assert sleep.calls == [0.0, 0.0]
-    monkeypatch.setattr("prefetch.retry.random.uniform", lambda low, high: high)
+    monkeypatch.setattr("prefetch.pipeline.retry.random.uniform", lambda low, high: high)
     stub.fail_next(2, 500)
     make_gate(stub, max_attempts=4, backoff=0.01, max_backoff=1.0, sleep=sleep).apply([], True)
     assert sleep.calls[2:] == [0.01, 0.02]

@@ -17,7 +17,7 @@ _PADDED_UNPACK = textwrap.dedent(
     """
     import hashlib, io, json, resource, sys, tarfile
     from pathlib import Path
-    from prefetch.sources.oci_tar import unpack_layer
+    from prefetch.sources.oci.archive import unpack_layer
 
     padding = int(sys.argv[2])
     out = io.BytesIO()
@@ -68,8 +68,8 @@ def test_tar_padding_is_hashed_in_bounded_buffers(tmp_path: Path) -> None:
 _HELPER_CALL = textwrap.dedent(
     """
     import json, resource
-    from prefetch.errors import SourceError
-    from prefetch.sources.oci_auth import helper_credentials
+    from prefetch.support.errors import SourceError
+    from prefetch.sources.oci.auth import helper_credentials
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     try:

@@ -19,20 +19,20 @@ from pathlib import Path
 
 import pytest
 
-from prefetch.errors import (
+from prefetch.pipeline.layout import PlainLayout
+from prefetch.pipeline.retry import RetryPolicy
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.sync import sync
+from prefetch.pipeline.transfer import TransferConfig
+from prefetch.sources.http.transport import HttpClient, make_http_pool
+from prefetch.sources.oci.auth import RegistryAuth, parse_challenge
+from prefetch.sources.oci.source import OciMirrors, OciSource
+from prefetch.support.errors import (
     InsufficientSpaceError,
     SourceError,
     TransientSourceError,
     UnsafePathError,
 )
-from prefetch.layout import PlainLayout
-from prefetch.retry import RetryPolicy
-from prefetch.sources._http import HttpClient, make_http_pool
-from prefetch.sources.oci import OciMirrors, OciSource
-from prefetch.sources.oci_auth import RegistryAuth, parse_challenge
-from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.sync import sync
-from prefetch.transfer import TransferConfig
 
 from .fakes.scripted_registry import REPO, ScriptedRegistry, digest_of, tar_of
 from .support import clean_env, mounted_tmpfs, run_cli, wait_for
@@ -291,10 +291,10 @@ def test_a_bad_raw_layer_path_is_refused_before_any_archive_layer_is_fetched(
 
 _STAGING_PULL = """
 import sys
-from prefetch.sources._http import make_http_pool
-from prefetch.sources.oci import OciSource
-from prefetch.sources.oci_auth import RegistryAuth
-from prefetch.spec import ModelSpec, parse_source_uri
+from prefetch.sources.http.transport import make_http_pool
+from prefetch.sources.oci.source import OciSource
+from prefetch.sources.oci.auth import RegistryAuth
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
 
 uri, ca = sys.argv[1], sys.argv[2]
 http = make_http_pool(4, ca_certs=ca)

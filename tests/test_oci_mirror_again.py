@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import urllib3
 
-from prefetch.mirror.oci_push import mirror_to_oci
-from prefetch.retry import RetryPolicy
-from prefetch.sources.hf import HubOptions, open_hub_source
-from prefetch.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.retry import RetryPolicy
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.publish.oci_push import mirror_to_oci
+from prefetch.sources.hf.source import HubOptions, open_hub_source
 
 from .fakes.hubserver import HubServer, make_model_repo
 from .fakes.registry import Registry

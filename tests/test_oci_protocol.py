@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 import urllib3
 
-from prefetch.errors import AccessDeniedError, SourceChangedError, TransientSourceError
-from prefetch.layout import PlainLayout
-from prefetch.retry import RetryPolicy
-from prefetch.sources.oci import OciSource
-from prefetch.sources.oci_auth import RegistryAuth, docker_credentials, parse_challenge
-from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.sync import sync
-from prefetch.transfer import TransferConfig
+from prefetch.pipeline.layout import PlainLayout
+from prefetch.pipeline.retry import RetryPolicy
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.sync import sync
+from prefetch.pipeline.transfer import TransferConfig
+from prefetch.sources.oci.auth import RegistryAuth, docker_credentials, parse_challenge
+from prefetch.sources.oci.source import OciSource
+from prefetch.support.errors import AccessDeniedError, SourceChangedError, TransientSourceError
 
 from .fakes.oci_proxy import RegistryProxy
 from .fakes.registry import Registry
@@ -235,7 +235,7 @@ def test_ecr_hosts_get_a_login_from_the_aws_credential_chain():
     import boto3
     from botocore.stub import Stubber
 
-    from prefetch.sources.oci_auth import ecr_credentials, ecr_region
+    from prefetch.sources.oci.auth import ecr_credentials, ecr_region
 
     host = "123456789012.dkr.ecr.eu-west-1.amazonaws.com"
     assert ecr_region(host) == "eu-west-1"

@@ -13,17 +13,17 @@ from pathlib import Path
 import pytest
 import urllib3
 
-from prefetch.errors import ChecksumMismatchError
-from prefetch.layout import PlainLayout
-from prefetch.layout.hf import HfCacheLayout
-from prefetch.mirror.oci_push import layer_media_type, mirror_to_oci
-from prefetch.retry import RetryPolicy
+from prefetch.pipeline.layout import PlainLayout
+from prefetch.pipeline.layout.hf import HfCacheLayout
+from prefetch.pipeline.retry import RetryPolicy
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.sync import sync
+from prefetch.pipeline.transfer import TransferConfig
+from prefetch.publish.oci_push import layer_media_type, mirror_to_oci
 from prefetch.sources import open_source
-from prefetch.sources.hf import HubOptions, open_hub_source
-from prefetch.sources.oci import open_oci_source
-from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.sync import sync
-from prefetch.transfer import TransferConfig
+from prefetch.sources.hf.source import HubOptions, open_hub_source
+from prefetch.sources.oci.source import open_oci_source
+from prefetch.support.errors import ChecksumMismatchError
 
 from .fakes.hubserver import HubServer, make_model_repo
 from .tls import TestCA

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from prefetch.agent.config import parse_config
-from prefetch.errors import ConfigError
-from prefetch.spec import ModelSpec, SpecError, parse_source_uri
+from prefetch.pipeline.spec import ModelSpec, SpecError, parse_source_uri
+from prefetch.support.errors import ConfigError
 
 DIGEST = "sha256:" + "ab" * 32
 
@@ -90,8 +90,8 @@ def test_a_registry_host_may_name_an_env_var(monkeypatch):
 
 
 def test_a_hostile_manifest_document_is_one_error():
-    from prefetch.errors import InvalidListingError
-    from prefetch.sources.oci_manifest import parse_document
+    from prefetch.sources.oci.manifest import parse_document
+    from prefetch.support.errors import InvalidListingError
 
     with pytest.raises(InvalidListingError, match="nested"):
         parse_document(b"[" * 10_000, "reg/m@sha256:x")
@@ -102,7 +102,7 @@ def test_a_hostile_manifest_document_is_one_error():
 
 
 def test_registry_addresses(monkeypatch):
-    from prefetch.sources.oci import registry_base
+    from prefetch.sources.oci.source import registry_base
 
     monkeypatch.delenv("PREFETCH_OCI_PLAIN_HTTP", raising=False)
     assert registry_base("ghcr.io") == "https://ghcr.io"
@@ -120,7 +120,7 @@ def test_an_ipv6_node_ip_is_a_registry_host_in_brackets(monkeypatch: pytest.Monk
     """docs/mirrors.md's Spegel recipe on an IPv6 cluster (status.hostIP is a bare IPv6
     address). Before: 'fd00::1:30020' is not a registry host, and every agent exited 1; and
     the mirror was spoken to over TLS, PREFETCH_OCI_PLAIN_HTTP=$(NODE_IP):30020 not matching."""
-    from prefetch.sources.oci import registry_base
+    from prefetch.sources.oci.source import registry_base
 
     monkeypatch.setenv("NODE_IP", "fd00::1")
     mirror = parse_source_uri("oci://${NODE_IP}:30020")

@@ -13,15 +13,16 @@ import yaml
 
 from prefetch.agent.config import parse_config
 from prefetch.agent.jobs import model_pipeline
-from prefetch.agent.reconcile import Agent
+from prefetch.agent.loop import Agent
 from prefetch.agent.source_opener import SourceOpener
-from prefetch.cli import make_config, open_pull_source, pull_spec
-from prefetch.errors import ConfigError
-from prefetch.layout import layout_for
-from prefetch.locals3 import SeaweedS3
-from prefetch.pipeline import Pipeline, Resolved
+from prefetch.cli.common import make_config
+from prefetch.cli.pull import open_pull_source, pull_spec
+from prefetch.demo.locals3 import SeaweedS3
+from prefetch.pipeline.compose import Pipeline, Resolved
+from prefetch.pipeline.layout import layout_for
+from prefetch.pipeline.store import Store
 from prefetch.sources import S3Clients, pool_size
-from prefetch.store import Store
+from prefetch.support.errors import ConfigError
 
 from .fakes.hubserver import HubServer
 from .support import (

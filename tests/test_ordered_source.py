@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from prefetch.errors import (
+from prefetch.pipeline.snapshot import RemoteFile, Snapshot
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.sources.base import RangeReader
+from prefetch.sources.ordered import NoSourceServedError, OrderedSource
+from prefetch.support.errors import (
     AccessDeniedError,
     NoMatchingFilesError,
     NotFoundError,
@@ -15,10 +19,6 @@ from prefetch.errors import (
     SourceError,
     TransientSourceError,
 )
-from prefetch.snapshot import RemoteFile, Snapshot
-from prefetch.sources.base import RangeReader
-from prefetch.sources.ordered import NoSourceServedError, OrderedSource
-from prefetch.spec import ModelSpec, parse_source_uri
 
 SPEC = ModelSpec(source=parse_source_uri("hf://org/model"))
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from prefetch import executables
-from prefetch.errors import PrefetchError
-from prefetch.executables import find_executable
-from prefetch.locals3 import SeaweedS3
+from prefetch.demo.locals3 import SeaweedS3
+from prefetch.support import executables
+from prefetch.support.errors import PrefetchError
+from prefetch.support.executables import find_executable
 
 REPO = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())

@@ -16,7 +16,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from prefetch.agent.config import parse_config
-from prefetch.errors import (
+from prefetch.pipeline.layout import PlainLayout, make_dirs_inside, safe_join
+from prefetch.pipeline.layout.hf import HfCacheLayout
+from prefetch.pipeline.snapshot import RemoteFile, Snapshot
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.sync import SyncResult, sync
+from prefetch.sources.hf.source import HubOptions, open_hub_source
+from prefetch.support.errors import (
     ConfigError,
     InvalidListingError,
     LayoutError,
@@ -24,13 +30,7 @@ from prefetch.errors import (
     TransientSourceError,
     UnsafePathError,
 )
-from prefetch.layout import PlainLayout, make_dirs_inside, safe_join
-from prefetch.layout.hf import HfCacheLayout
-from prefetch.paths import file_dir_conflicts, path_problem, ref_name_problem
-from prefetch.snapshot import RemoteFile, Snapshot
-from prefetch.sources.hf import HubOptions, open_hub_source
-from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.sync import SyncResult, sync
+from prefetch.support.paths import file_dir_conflicts, path_problem, ref_name_problem
 
 from .fakes.hubserver import HubServer
 from .support import FAST, clean_env, pull_s3, put, run_cli

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from prefetch.agent.reconcile import Agent
+from prefetch.agent.loop import Agent
 from prefetch.cli import main
-from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.store import Store
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.store import Store
 from tests.support import AgentThread, config_text, is_ready, publish_plain, upload, wait_for
 
 MiB = 1024 * 1024

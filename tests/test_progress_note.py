@@ -14,6 +14,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from prefetch.agent.config_values import AgentConfig
+from prefetch.agent.loop import Agent
+from prefetch.agent.metrics import AgentMetrics
 from prefetch.agent.node import GateResult, NodeGate
 from prefetch.agent.progress_note import (
     ProgressReporter,
@@ -21,12 +23,10 @@ from prefetch.agent.progress_note import (
     build_note,
     encode,
 )
-from prefetch.agent.reconcile import Agent
 from prefetch.agent.scheduler import Job, JobKind, ModelPhase, ModelState
-from prefetch.constants import PROGRESS_ANNOTATION, PROGRESS_INTERVAL
-from prefetch.metrics import AgentMetrics
-from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.sync import SyncResult
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.sync import SyncResult
+from prefetch.support.constants import PROGRESS_ANNOTATION, PROGRESS_INTERVAL
 from tests.fakes.k8s_stub import KubeStub, running_stub
 from tests.support import AgentThread, wait_for
 
@@ -83,7 +83,7 @@ def test_a_retry_after_a_deadline_says_why_in_the_note_and_in_readyz() -> None:
     """`prefetch status` (the note) and /readyz tell why a model is not ready yet, both while it
     backs off and while it tries again: most of a trickling model's time is spent trying."""
     from prefetch.agent.status import model_status
-    from prefetch.errors import DeadlineExceededError
+    from prefetch.support.errors import DeadlineExceededError
 
     metrics = AgentMetrics(CollectorRegistry())
     ms = state("slow")
@@ -348,7 +348,7 @@ def test_a_hung_annotation_write_never_stalls_the_reconcile_loop(tmp_path: Path)
 
 def test_the_note_shows_the_warm_up_and_the_compile_cache_state_and_a_change_is_written() -> None:
     from prefetch.agent.progress_note import note_shape
-    from prefetch.warm import WarmReport
+    from prefetch.pipeline.warmup import WarmReport
 
     model = ready("llama", 2 * GiB)
     cache = ready("llama-compile", 0)
@@ -383,7 +383,7 @@ def test_an_optional_model_that_keeps_failing_writes_nothing_once_the_node_is_re
 ) -> None:
     """docs/operations.md: 0 writes/s once ready. A failing optional model's retries fetch
     nothing, so its note keeps saying ``failed``: no change, nothing moving, nothing written."""
-    from prefetch.errors import TransientSourceError
+    from prefetch.support.errors import TransientSourceError
 
     scene = Scene(stub)
     extra = state("extra", required=False)

@@ -18,15 +18,15 @@ from pathlib import Path
 import pytest
 
 from prefetch.agent.config import parse_config
-from prefetch.errors import ConfigError
-from prefetch.layout import layout_for
-from prefetch.locals3 import SeaweedS3
-from prefetch.settings import parse_proxy, proxies
+from prefetch.demo.locals3 import SeaweedS3
+from prefetch.pipeline.layout import layout_for
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.sync import sync
 from prefetch.sources import SourceSettings, open_source
-from prefetch.sources.hf import HubOptions
-from prefetch.sources.s3 import s3_proxies
-from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.sync import sync
+from prefetch.sources.hf.source import HubOptions
+from prefetch.sources.s3.source import s3_proxies
+from prefetch.support.errors import ConfigError
+from prefetch.support.settings import parse_proxy, proxies
 
 from .fakes.forward_proxy import ForwardProxy
 from .fakes.hubserver import HubServer, make_model_repo
@@ -365,6 +365,6 @@ def test_a_proxy_password_never_reaches_the_error_line(tmp_path: Path) -> None:
     ],
 )
 def test_redact_hides_the_password_of_a_url_with_user_info(text: str, shown: str) -> None:
-    from prefetch.redact import redact
+    from prefetch.support.redact import redact
 
     assert redact(text) == shown

@@ -18,8 +18,17 @@ from typing import Any
 import pytest
 import urllib3
 
-from prefetch.cli import pull_spec
-from prefetch.errors import (
+from prefetch.cli.pull import pull_spec
+from prefetch.demo.modelgen import generate_model, tree_bytes, upload_model
+from prefetch.pipeline.layout.hf import HfCacheLayout
+from prefetch.pipeline.retry import RetryPolicy
+from prefetch.pipeline.snapshot import Checksum, RemoteFile
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.sync import SyncResult, sync, verify_local
+from prefetch.pipeline.transfer import TransferConfig, staged_name
+from prefetch.sources.hf.source import HubOptions, HubSource, open_hub_source
+from prefetch.sources.http.transport import parse_retry_after
+from prefetch.support.errors import (
     AccessDeniedError,
     ChecksumMismatchError,
     ConfigError,
@@ -31,15 +40,6 @@ from prefetch.errors import (
     SourceError,
     TransientSourceError,
 )
-from prefetch.layout.hf import HfCacheLayout
-from prefetch.modelgen import generate_model, tree_bytes, upload_model
-from prefetch.retry import RetryPolicy
-from prefetch.snapshot import Checksum, RemoteFile
-from prefetch.sources._http import parse_retry_after
-from prefetch.sources.hf import HubOptions, HubSource, open_hub_source
-from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.sync import SyncResult, sync, verify_local
-from prefetch.transfer import TransferConfig, staged_name
 
 from .fakes.hubserver import HubServer, make_model_dir, write_random_file
 from .support import (

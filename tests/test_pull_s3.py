@@ -15,7 +15,14 @@ from typing import Any
 import pytest
 from awscrt import checksums as crt
 
-from prefetch.errors import (
+from prefetch.demo.modelgen import generate_model, tree_bytes, upload_model
+from prefetch.pipeline.layout import PlainLayout
+from prefetch.pipeline.progress import NullProgress
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.sync import sync, verify_local
+from prefetch.pipeline.transfer import TransferConfig
+from prefetch.sources.s3.source import S3Source, make_s3_client
+from prefetch.support.errors import (
     AccessDeniedError,
     BucketNotFoundError,
     ChecksumMismatchError,
@@ -25,13 +32,6 @@ from prefetch.errors import (
     NoMatchingFilesError,
     SourceChangedError,
 )
-from prefetch.layout import PlainLayout
-from prefetch.modelgen import generate_model, tree_bytes, upload_model
-from prefetch.progress import NullProgress
-from prefetch.sources.s3 import S3Source, make_s3_client
-from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.sync import sync, verify_local
-from prefetch.transfer import TransferConfig
 
 from .fakes.s3proxy import S3FaultProxy
 from .support import FAST, journaled_bytes, put, run_cli

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from prefetch.cli import fail
-from prefetch.errors import LayoutError
-from prefetch.logjson import setup_logging
-from prefetch.redact import RedactingFilter, printable, redact
+from prefetch.cli.common import fail
+from prefetch.support.errors import LayoutError
+from prefetch.support.logjson import setup_logging
+from prefetch.support.redact import RedactingFilter, printable, redact
 
 from .fakes.hubserver import HubServer, make_model_dir
 from .support import HUB_REPO as REPO
@@ -93,7 +93,9 @@ def test_the_agents_text_log_is_one_line_per_record_and_redacted() -> None:
     try:
         setup_logging("text", level=logging.DEBUG, stream=stream)
         logging.getLogger("urllib3.connectionpool").warning("GET %s", SIGNED)
-        logging.getLogger("prefetch.sync").warning("no checksum for %s", "evil\nError: forged")
+        logging.getLogger("prefetch.pipeline.sync").warning(
+            "no checksum for %s", "evil\nError: forged"
+        )
     finally:
         for h in list(root.handlers):
             root.removeHandler(h)

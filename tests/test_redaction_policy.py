@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from prefetch.redact import RedactingFilter, redact
+from prefetch.support.redact import RedactingFilter, redact
 
 AZURE_SAS = (
     "https://acct.blob.core.windows.net/registry/docker/blobs/data?sv=2021-08-06"

@@ -1,4 +1,4 @@
-"""The one retry policy (prefetch.retry.RetryPolicy) and the loops that wait as it says."""
+"""The one retry policy (prefetch.pipeline.retry.RetryPolicy) and the loops that wait as it says."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from prometheus_client import CollectorRegistry
 from prefetch.agent import gate_driver
 from prefetch.agent.config_values import AgentConfig
 from prefetch.agent.gate_driver import GATE_RETRY, GateDriver
-from prefetch.errors import ConfigError, SourceError, TransientSourceError
-from prefetch.metrics import AgentMetrics
-from prefetch.retry import AdaptiveRate, RetryPolicy, call_with_retries
-from prefetch.transfer import Cancelled, retry_read
+from prefetch.agent.metrics import AgentMetrics
+from prefetch.pipeline.retry import AdaptiveRate, RetryPolicy, call_with_retries
+from prefetch.pipeline.transfer import Cancelled, retry_read
+from prefetch.support.errors import ConfigError, SourceError, TransientSourceError
 
 
 def low(a: float, b: float) -> float:
@@ -93,11 +93,11 @@ class RecordingStop(threading.Event):
 def test_call_with_retries_waits_as_the_policy_says(monkeypatch: pytest.MonkeyPatch) -> None:
     stop = RecordingStop()
     policy = RetryPolicy(attempts=4, base_delay=0.5, max_delay=10.0)
-    monkeypatch.setattr("prefetch.retry.random.uniform", high)
+    monkeypatch.setattr("prefetch.pipeline.retry.random.uniform", high)
     assert call_with_retries(Flaky(3), policy, what="x", stop=stop) == "ok"
     assert stop.waits == [0.5, 1.0, 2.0]
     stop.waits.clear()
-    monkeypatch.setattr("prefetch.retry.random.uniform", low)  # full jitter: down to 0
+    monkeypatch.setattr("prefetch.pipeline.retry.random.uniform", low)  # full jitter: down to 0
     assert call_with_retries(Flaky(3), policy, what="x", stop=stop) == "ok"
     assert stop.waits == [0.0, 0.0, 0.0]
     stop.waits.clear()
@@ -113,7 +113,7 @@ def test_one_attempt_is_said_in_the_singular() -> None:
 
 
 def test_retry_read_waits_as_the_policy_says(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("prefetch.retry.random.uniform", low)
+    monkeypatch.setattr("prefetch.pipeline.retry.random.uniform", low)
     stop = RecordingStop()
     policy = RetryPolicy(attempts=4, base_delay=0.5, max_delay=10.0, min_delay=0.25)
     read = Flaky(3)
@@ -152,7 +152,7 @@ class FailingGate:
 
 
 def test_the_gate_driver_backs_off_as_its_policy_says(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("prefetch.retry.random.uniform", high)
+    monkeypatch.setattr("prefetch.pipeline.retry.random.uniform", high)
     clock = [1000.0]
     monkeypatch.setattr(gate_driver.time, "monotonic", lambda: clock[0])
     gate = FailingGate()

@@ -15,12 +15,12 @@ from botocore.awsrequest import AWSResponse
 from botocore.config import Config
 from botocore.credentials import CredentialProvider, RefreshableCredentials
 
-from prefetch.errors import AccessDeniedError, SourceChangedError
-from prefetch.locals3 import REGION
-from prefetch.snapshot import RemoteFile
-from prefetch.sources.s3 import S3Source
-from prefetch.sources.s3_botocore import capture_listing_requests, endpoint_of_listing
-from prefetch.spec import ModelSpec, parse_source_uri
+from prefetch.demo.locals3 import REGION
+from prefetch.pipeline.snapshot import RemoteFile
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.sources.s3.sdk import capture_listing_requests, endpoint_of_listing
+from prefetch.sources.s3.source import S3Source
+from prefetch.support.errors import AccessDeniedError, SourceChangedError
 
 from .support import pull_s3 as pull
 from .support import put

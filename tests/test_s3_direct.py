@@ -1,4 +1,4 @@
-"""The listing without botocore (prefetch/sources/s3_direct.py) and the lazy client: signed as
+"""The listing without botocore (prefetch/sources/s3/direct.py) and the lazy client: signed as
 botocore signs, the same keys as botocore lists, the region redirect, the fallbacks, and a no-op
 pull of an S3 model that never imports botocore."""
 
@@ -18,11 +18,9 @@ from typing import Any
 
 import pytest
 
-from prefetch.errors import AccessDeniedError, BucketNotFoundError
-from prefetch.sources import s3_direct
-from prefetch.sources.s3 import LazyS3Client, S3Source, lazy_s3_client
-from prefetch.sources.s3_botocore import BotocoreObjects
-from prefetch.sources.s3_direct import (
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.sources.s3 import direct as s3_direct
+from prefetch.sources.s3.direct import (
     S3Bucket,
     StaticCredentials,
     canonical_query,
@@ -31,7 +29,9 @@ from prefetch.sources.s3_direct import (
     sends_as_signed,
     sign_v4,
 )
-from prefetch.spec import ModelSpec, parse_source_uri
+from prefetch.sources.s3.sdk import BotocoreObjects
+from prefetch.sources.s3.source import LazyS3Client, S3Source, lazy_s3_client
+from prefetch.support.errors import AccessDeniedError, BucketNotFoundError
 
 from .support import pull_s3, put
 
@@ -383,10 +383,10 @@ def test_a_pull_through_a_mirror_reads_everything_but_a_listing_on_the_seam(
     where and how to sign), and with the static keys no botocore client is even created."""
     import urllib3
 
-    from prefetch.layout.hf import HfCacheLayout
+    from prefetch.pipeline.layout.hf import HfCacheLayout
+    from prefetch.pipeline.sync import sync
     from prefetch.sources import SourceSettings, open_source
-    from prefetch.sources.hf import HubOptions
-    from prefetch.sync import sync
+    from prefetch.sources.hf.source import HubOptions
 
     from .fakes.hubserver import HubServer
     from .support import FAST, HUB_REPO, write_mirror
@@ -426,8 +426,8 @@ def test_the_two_signers_sign_an_object_request_alike(monkeypatch, token):
     import botocore.auth
     from botocore.credentials import Credentials
 
-    from prefetch.sources.s3_botocore import BotocoreSigner
-    from prefetch.sources.s3_direct import StaticKeySigner
+    from prefetch.sources.s3.direct import StaticKeySigner
+    from prefetch.sources.s3.sdk import BotocoreSigner
 
     class _RequestSigner:  # botocore's RequestSigner.get_auth_instance, as the client's gives it
         def get_auth_instance(self, signing_name, region_name, signature_version=None, **_):
@@ -450,7 +450,7 @@ def test_the_static_signer_derives_its_signing_key_once_a_day_and_signs_as_witho
     """Issue 33: the SigV4 signing key (four HMACs) is derived once per day and region, not per
     request; every signature equals the uncached one's, also across a day change, and only
     the current day's key is kept."""
-    from prefetch.sources.s3_direct import StaticKeySigner
+    from prefetch.sources.s3.direct import StaticKeySigner
 
     creds = StaticCredentials(KEYS.access_key, KEYS.secret_key, None)
     when = [WHEN]

@@ -18,10 +18,10 @@ from urllib.parse import urlsplit
 import pytest
 import trustme
 
-from prefetch.errors import PrefetchError
-from prefetch.locals3 import SeaweedS3
-from prefetch.modelgen import generate_model, upload_model
+from prefetch.demo.locals3 import SeaweedS3
+from prefetch.demo.modelgen import generate_model, upload_model
 from prefetch.sources import pool_size
+from prefetch.support.errors import PrefetchError
 
 from .fakes.s3proxy import S3FaultProxy
 from .support import run_cli

@@ -1,5 +1,5 @@
-"""Issue 29 item 2: :func:`prefetch.safejson.load_json` takes linear time on any input up to the
-1 MiB it allows (the depth pre-scan was quadratic on an unterminated string of escaped quotes:
+"""Issue 29 item 2: :func:`prefetch.support.safejson.load_json` takes linear time on any input up to
+the 1 MiB it allows (the depth pre-scan was quadratic on an unterminated string of escaped quotes:
 26 s on 80 KB). The bound is a generous limit, not a benchmark: a quadratic scan takes hours."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from prefetch.errors import SourceError
-from prefetch.safejson import load_json
+from prefetch.support.errors import SourceError
+from prefetch.support.safejson import load_json
 
 MIB = 1 << 20
 

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from prefetch.agent.config_values import Backoff
+from prefetch.agent.metrics import MODEL_STATES
 from prefetch.agent.scheduler import (
     Intervals,
     Job,
@@ -20,10 +21,9 @@ from prefetch.agent.scheduler import (
     failure_reason,
     sync_retry_policy,
 )
-from prefetch.errors import InsufficientSpaceError, NotFoundError
-from prefetch.metrics import MODEL_STATES
-from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.sync import SyncResult
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.sync import SyncResult
+from prefetch.support.errors import InsufficientSpaceError, NotFoundError
 
 HOURLY = Intervals(resolve=3600.0, verify=None)
 
@@ -247,7 +247,7 @@ def test_a_sync_is_stalled_after_a_window_without_enough_bytes(job: Job) -> None
     """Issue 29 item 18: what frees a parallelModels slot (see JobLauncher.stalled_syncs)."""
     from prometheus_client import CollectorRegistry
 
-    from prefetch.metrics import AgentMetrics
+    from prefetch.agent.metrics import AgentMetrics
 
     ms = state("m")
     sink = AgentMetrics(CollectorRegistry()).sink("m", "s3")

@@ -1,4 +1,5 @@
-"""Environment variables: each read in prefetch.settings only, at call time, bad values named."""
+"""Environment variables: each read in prefetch.support.settings only, at call time, bad values
+named."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import pytest
 from click.testing import CliRunner
 
 import prefetch
-from prefetch import settings
 from prefetch.cli import main
-from prefetch.errors import ConfigError
+from prefetch.support import settings
+from prefetch.support.errors import ConfigError
 
 
 @pytest.mark.parametrize(
@@ -79,7 +80,7 @@ def test_no_module_but_settings_reads_the_environment() -> None:
     package = Path(prefetch.__file__).parent
     readers = []
     for path in sorted(package.rglob("*.py")):
-        if path.name == "settings.py" and path.parent == package:
+        if path == package / "support" / "settings.py":
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv"):

@@ -18,15 +18,15 @@ import pytest
 from awscrt import checksums as crt
 from click.testing import CliRunner
 
-from prefetch import verify
 from prefetch.cli import main
-from prefetch.errors import ChecksumMismatchError
-from prefetch.layout import PlainLayout
-from prefetch.snapshot import Checksum, RemoteFile
-from prefetch.sources.s3 import S3Source
-from prefetch.spec import parse_source_uri
-from prefetch.sync import verify_local
-from prefetch.transfer import TransferConfig
+from prefetch.pipeline import verify
+from prefetch.pipeline.layout import PlainLayout
+from prefetch.pipeline.snapshot import Checksum, RemoteFile
+from prefetch.pipeline.spec import parse_source_uri
+from prefetch.pipeline.sync import verify_local
+from prefetch.pipeline.transfer import TransferConfig
+from prefetch.sources.s3.source import S3Source
+from prefetch.support.errors import ChecksumMismatchError
 
 from .support import fast_config, pull_s3
 

@@ -15,18 +15,18 @@ import yaml
 from click.testing import CliRunner, Result
 from prometheus_client import CollectorRegistry
 
+from prefetch.agent.metrics import AgentMetrics
 from prefetch.agent.node import NodeGate, label_key
 from prefetch.agent.progress_note import build_note, encode
 from prefetch.agent.scheduler import Job, JobKind, ModelState
 from prefetch.cli import main
-from prefetch.constants import (
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.sync import SyncResult
+from prefetch.support.constants import (
     DEFAULT_LABEL_PREFIX,
     DEFAULT_STARTUP_TAINT_KEY,
     PROGRESS_ANNOTATION,
 )
-from prefetch.metrics import AgentMetrics
-from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.sync import SyncResult
 from tests.fakes.k8s_stub import KubeStub, running_stub
 from tests.support import free_port
 

@@ -13,10 +13,10 @@ from click.testing import CliRunner
 
 from prefetch.agent.config import parse_config, spec_digest
 from prefetch.cli import main
-from prefetch.errors import LayoutError, LockTimeoutError
-from prefetch.layout import model_lock
-from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.store import Store, tree_size
+from prefetch.pipeline.layout import model_lock
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.store import Store, tree_size
+from prefetch.support.errors import LayoutError, LockTimeoutError
 
 from .support import publish_plain
 

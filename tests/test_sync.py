@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from prefetch import verify
-from prefetch.errors import LayoutError, LockTimeoutError
-from prefetch.layout import PlainLayout, RecordedFile
-from prefetch.progress import NullProgress
-from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.sync import execute, forget_failures, prepare, sync, verify_local
-from prefetch.transfer import TransferConfig, staged_name
+from prefetch.pipeline import verify
+from prefetch.pipeline.layout import PlainLayout, RecordedFile
+from prefetch.pipeline.progress import NullProgress
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.sync import execute, forget_failures, prepare, sync, verify_local
+from prefetch.pipeline.transfer import TransferConfig, staged_name
+from prefetch.support.errors import LayoutError, LockTimeoutError
 from tests.fakes.memory import MemorySource
 
 SPEC = ModelSpec(source=parse_source_uri("s3://bucket/model"), name="model")
@@ -181,7 +181,7 @@ def test_forget_failures_leaves_a_clean_copy_alone(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("stop_set", [False, True])
 def test_sync_still_runs_both_phases_and_honours_stop(tmp_path: Path, stop_set: bool) -> None:
-    from prefetch.transfer import Cancelled
+    from prefetch.pipeline.transfer import Cancelled
 
     source = MemorySource(dict(FILES))
     layout = PlainLayout(tmp_path / "dest")
@@ -201,11 +201,11 @@ def test_sync_still_runs_both_phases_and_honours_stop(tmp_path: Path, stop_set: 
 _KILLED_AT_THE_RECORD = """
 import os, signal, sys
 from pathlib import Path
-from prefetch.layout import PlainLayout
-from prefetch.layout.base import RecordBook
-from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.sync import sync
-from prefetch.transfer import TransferConfig
+from prefetch.pipeline.layout import PlainLayout
+from prefetch.pipeline.layout.base import RecordBook
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.sync import sync
+from prefetch.pipeline.transfer import TransferConfig
 from tests.fakes.memory import MemorySource
 
 objects = {f"f{i:02d}.bin": bytes([i]) * (1000 + i) for i in range(40)}

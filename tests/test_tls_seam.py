@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from prefetch.sources._http import make_http_pool
+from prefetch.sources.http.transport import make_http_pool
 
 from .tls import TestCA
 

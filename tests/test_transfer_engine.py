@@ -17,18 +17,18 @@ from pathlib import Path
 
 import pytest
 
-from prefetch import transfer, verify
-from prefetch.errors import (
+from prefetch.pipeline import transfer, verify
+from prefetch.pipeline.progress import NullProgress
+from prefetch.pipeline.retry import RetryPolicy
+from prefetch.pipeline.snapshot import Checksum, RemoteFile
+from prefetch.pipeline.transfer import Transfer, TransferConfig, group_chunks, no_space, plan_chunks
+from prefetch.support.errors import (
     ChecksumMismatchError,
     InsufficientSpaceError,
     SourceChangedError,
     SourceError,
     TransferError,
 )
-from prefetch.progress import NullProgress
-from prefetch.retry import RetryPolicy
-from prefetch.snapshot import Checksum, RemoteFile
-from prefetch.transfer import Transfer, TransferConfig, group_chunks, no_space, plan_chunks
 from tests.fakes.memory import MemoryReader, MemorySource, crc32_file, sha256_file
 
 KiB = 1024

@@ -7,15 +7,15 @@ import itertools
 
 import pytest
 
-from prefetch.errors import (
+from prefetch.pipeline.layout import safe_join
+from prefetch.pipeline.snapshot import listing_digest
+from prefetch.pipeline.spec import ModelSpec, default_model_name, parse_source_uri
+from prefetch.pipeline.transfer import TransferConfig, plan_chunks
+from prefetch.support.errors import (
     ConfigError,
     LayoutError,
 )
-from prefetch.layout import safe_join
-from prefetch.snapshot import listing_digest
-from prefetch.spec import ModelSpec, default_model_name, parse_source_uri
-from prefetch.transfer import TransferConfig, plan_chunks
-from prefetch.units import format_bytes, parse_duration, parse_size
+from prefetch.support.units import format_bytes, parse_duration, parse_size
 
 MiB = 1024 * 1024
 

@@ -1,5 +1,5 @@
-"""prefetch/verify.py: the hashers, CRC combination per range, composite checksums, which checks a
-file gets (checks_for / inline_check), value encoding, and check()'s errors."""
+"""prefetch/pipeline/verify.py: the hashers, CRC combination per range, composite checksums, which
+checks a file gets (checks_for / inline_check), value encoding, and check()'s errors."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from awscrt import checksums as crt
 
-from prefetch import verify
-from prefetch.errors import ChecksumMismatchError, ConfigError
-from prefetch.snapshot import Checksum
-from prefetch.transfer import plan_chunks
+from prefetch.pipeline import verify
+from prefetch.pipeline.snapshot import Checksum
+from prefetch.pipeline.transfer import plan_chunks
+from prefetch.support.errors import ChecksumMismatchError, ConfigError
 
 MiB = 1024 * 1024
 DATA = bytes(range(256)) * 41 + b"tail"  # 10500 bytes: not a multiple of anything handy

@@ -1,5 +1,5 @@
-"""Page-cache warm-up (prefetch.warm), checked through the kernel: ``mincore`` says which pages
-of a file are resident, before and after."""
+"""Page-cache warm-up (prefetch.pipeline.warmup), checked through the kernel: ``mincore`` says which
+pages of a file are resident, before and after."""
 
 from __future__ import annotations
 
@@ -14,8 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from prefetch.modelgen import generate_model, upload_model
-from prefetch.warm import WarmLimits, cgroup_memory, resident_bytes, share_text, warm_files
+from prefetch.demo.modelgen import generate_model, upload_model
+from prefetch.pipeline.warmup import (
+    WarmLimits,
+    cgroup_memory,
+    resident_bytes,
+    share_text,
+    warm_files,
+)
 
 from .support import run_cli
 
@@ -52,7 +58,7 @@ def test_files_dropped_from_the_page_cache_are_resident_after_the_warm_up(tmp_pa
 
 def test_a_model_larger_than_its_share_of_memory_is_skipped_with_a_log_line(tmp_path, caplog):
     big = cold_file(tmp_path / "big.bin", 6 * MiB)
-    caplog.set_level(logging.INFO, logger="prefetch.warm")
+    caplog.set_level(logging.INFO, logger="prefetch.pipeline.warmup")
     # 10 MiB available, half of it allowed: 6 MiB does not fit
     report = warm_files(
         [big], WarmLimits(memory_share=0.5, read_rate=None), available=lambda: 10 * MiB, model="m"
@@ -372,7 +378,7 @@ def _test_cgroup_parent() -> Path | None:
 WARM_ONE = """
 import json, sys
 from pathlib import Path
-from prefetch.warm import WarmLimits, warm_files
+from prefetch.pipeline.warmup import WarmLimits, warm_files
 report = warm_files([Path(sys.argv[1])], WarmLimits(read_rate=None))
 print(json.dumps(report.to_json()))
 """

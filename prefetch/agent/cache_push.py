@@ -4,7 +4,7 @@ The vLLM pod writes its compile cache into a host directory (the entry's ``pushF
 ``VLLM_CACHE_ROOT``). :class:`CachePusher` looks at that directory every ``poll`` seconds from the
 agent's loop (in a worker thread) and, once vLLM has finished (its ``.cache_ready`` marker is
 there and no file changes for the settle period), publishes it with
-:func:`prefetch.compile_cache.push` under the entry's key: first writer wins by
+:func:`prefetch.publish.compile_cache.push` under the entry's key: first writer wins by
 ``If-None-Match: *``, nothing is overwritten, a cache still being written is left for the next
 look. Each key is published (or found published by another writer) once per agent process. A
 key another writer's live claim holds is looked at again (that push may die; its lease then
@@ -26,7 +26,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from prefetch import settings
 from prefetch.agent.config_values import AgentConfig, PushTarget
 from prefetch.agent.event_recorder import EventRecorder
 from prefetch.agent.events import (
@@ -35,9 +34,10 @@ from prefetch.agent.events import (
     compile_cache_pushed,
 )
 from prefetch.agent.scheduler import Scheduler
-from prefetch.compile_cache import CACHE_READY, push
-from prefetch.errors import CompileCacheError, CompileCacheRefused, PrefetchError
-from prefetch.logjson import scrub
+from prefetch.publish.compile_cache import CACHE_READY, push
+from prefetch.support import settings
+from prefetch.support.errors import CompileCacheError, CompileCacheRefused, PrefetchError
+from prefetch.support.logjson import scrub
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class PushClient:
         if self._given is not None:
             return self._given
         if self._made is None:
-            from prefetch.sources.s3 import make_s3_client
+            from prefetch.sources.s3.source import make_s3_client
 
             self._made = make_s3_client(
                 endpoint_url=config.s3_endpoint_url or settings.aws_endpoint_url(),

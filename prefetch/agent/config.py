@@ -56,8 +56,8 @@ another model's repo) are rejected, naming both; merge their include patterns in
 A model's ``pin`` is written into the cache's records each time the config loads, so pinning (or
 unpinning) a model that is already cached takes effect at once, with no download.
 
-Every error is a :class:`~prefetch.errors.ConfigError` whose message starts with the file and the
-field path (``models[1].source: ...``). Unknown keys and duplicate model names are rejected.
+Every error is a :class:`~prefetch.support.errors.ConfigError` whose message starts with the file
+and the field path (``models[1].source: ...``). Unknown keys and duplicate model names are rejected.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ from prefetch.agent.config_compile_caches import parse_compile_caches
 from prefetch.agent.config_models import ca_bundle, flagged, parse_models, per_model
 from prefetch.agent.config_tables import BACKOFF, S3, TOP
 from prefetch.agent.config_values import AgentConfig, Backoff, SyncDeadline
-from prefetch.errors import ConfigError
-from prefetch.spec import ModelSpec
+from prefetch.pipeline.spec import ModelSpec
+from prefetch.support.errors import ConfigError
 
 __all__ = ["load_config", "parse_config", "spec_digest"]
 

@@ -1,7 +1,7 @@
 """The config file's value checks: each turns one key's YAML value into its Python value or
-raises a :class:`~prefetch.errors.ConfigError` naming the key's path (``models[1].source: ...``).
-The field table (:mod:`prefetch.agent.config_fields`) pairs each with the JSON Schema of what it
-accepts; the patterns both use are here."""
+raises a :class:`~prefetch.support.errors.ConfigError` naming the key's path (``models[1].source:
+...``). The field table (:mod:`prefetch.agent.config_fields`) pairs each with the JSON Schema of
+what it accepts; the patterns both use are here."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from prefetch.errors import ConfigError
-from prefetch.spec import parse_source_uri, validate_name
-from prefetch.units import parse_duration, parse_size
+from prefetch.pipeline.spec import parse_source_uri, validate_name
+from prefetch.support.errors import ConfigError
+from prefetch.support.units import parse_duration, parse_size
 
 __all__ = [
     "DNS_SUBDOMAIN",
@@ -269,7 +269,7 @@ def endpoint_url(value: Any, path: str) -> str | None:
 
 def proxy(value: Any, path: str) -> str | None:
     """A model's ``proxy``: a URL, or ``none``/"" for direct; null: the environment's
-    (ModelSpec reads the URL: :func:`prefetch.settings.parse_proxy`)."""
+    (ModelSpec reads the URL: :func:`prefetch.support.settings.parse_proxy`)."""
     if value is None:
         return None
     if not isinstance(value, str):

@@ -11,8 +11,8 @@ from typing import Any
 from prefetch.agent.config_checks import kind_of
 from prefetch.agent.config_tables import COMPILE_CACHE
 from prefetch.agent.config_values import CompileCacheEntry
-from prefetch.compile_cache import CacheKey
-from prefetch.errors import ConfigError, PrefetchError
+from prefetch.publish.compile_cache import CacheKey
+from prefetch.support.errors import ConfigError, PrefetchError
 
 __all__ = ["parse_compile_caches"]
 

@@ -9,13 +9,13 @@ Why a table of our own rather than pydantic or msgspec: the agent imports this a
 and a pydantic model of the file made ``import prefetch.agent.config`` cost 161 ms instead of
 94 ms; msgspec cost nothing but reports only the first error, with its path inside the
 message. A :class:`Kind` holds a parser and the schema of exactly what it accepts, both
-written from the same constants (the unit tables of :mod:`prefetch.units`, the URI schemes of
-:mod:`prefetch.spec`); tests/test_config_schema.py checks, key by key, that they agree.
+written from the same constants (the unit tables of :mod:`prefetch.support.units`, the URI schemes
+of :mod:`prefetch.pipeline.spec`); tests/test_config_schema.py checks, key by key, that they agree.
 
 Adding a key is one :class:`Field` line in its :class:`Table` (and reading it where it is
 used). Rules about several fields at once (a duplicate model name, ``hfRepo`` only for S3 and
 OCI sources) stay in the section parsers (:mod:`prefetch.agent.config_models`, ...) and
-:class:`~prefetch.spec.ModelSpec`. The tables themselves are in
+:class:`~prefetch.pipeline.spec.ModelSpec`. The tables themselves are in
 :mod:`prefetch.agent.config_tables`.
 """
 
@@ -52,9 +52,9 @@ from prefetch.agent.config_checks import (
     uri,
     uri_list,
 )
-from prefetch.backends import mirror_schemes, mirrors_by_source, source_schemes
-from prefetch.errors import ConfigError
-from prefetch.units import (
+from prefetch.pipeline.backends import mirror_schemes, mirrors_by_source, source_schemes
+from prefetch.support.errors import ConfigError
+from prefetch.support.units import (
     DURATION_PATTERN,
     POSITIVE_DURATION_PATTERN,
     SIZE_PATTERN,
@@ -62,7 +62,7 @@ from prefetch.units import (
 )
 
 #: The schemes of a model's ``source``, of its ``mirrors`` (by its source's), and where a mirror
-#: lives: the backends' (see prefetch.backends); the chart's schema is generated from them.
+#: lives: the backends' (see prefetch.pipeline.backends); the chart's schema is generated from them.
 SOURCE_SCHEMES = source_schemes()
 MIRRORS_BY_SOURCE = mirrors_by_source()
 MIRROR_SCHEMES = mirror_schemes()
@@ -155,8 +155,8 @@ def _nullable(schema: Schema) -> Schema:
 
 
 #: Each scheme's URIs, as far as a pattern can say it without the environment: a subset of
-#: what :func:`prefetch.spec.parse_source_uri` and ModelSpec accept (odd spellings they take,
-#: like ``S3://`` or a blank inside, are refused). ``${NAME}`` in a registry host is read from
+#: what :func:`prefetch.pipeline.spec.parse_source_uri` and ModelSpec accept (odd spellings they
+#: take, like ``S3://`` or a blank inside, are refused). ``${NAME}`` in a registry host is read from
 #: the agent's environment, so the agent alone can judge it. A scheme added to
 #: SOURCE_SCHEMES without a shape here is checked by its ``scheme://`` only.
 _SEGMENT = r"[A-Za-z0-9_]+([.-][A-Za-z0-9_]+)*"
@@ -235,7 +235,7 @@ def mirror_rules() -> list[Schema]:
     return [*rules, {"if": no_hub, "then": with_mirrors}]
 
 
-#: A git ref name as :func:`prefetch.paths.ref_name_problem` allows it: no blank, control
+#: A git ref name as :func:`prefetch.support.paths.ref_name_problem` allows it: no blank, control
 #: character or any of ``~^:?*[\\``, and none of the shapes of :data:`_BAD_REF`.
 _REF = r"^[^\x00-\x20\x7f-\x9f~^:?*\[\\]+$"
 _BAD_REF = r"\.\.|@\{|^@$|^[/-]|[/.]$|//|(^|/)\.|\.lock(/|$)"
@@ -284,7 +284,7 @@ def mirrors_schema(schemes: tuple[str, ...]) -> Schema:
 
 
 _USERINFO = r"[A-Za-z0-9._~%!$&'()*+,;=:-]+@"
-#: What :func:`prefetch.settings.parse_proxy` takes (but IPv6 hosts, left to the agent).
+#: What :func:`prefetch.support.settings.parse_proxy` takes (but IPv6 hosts, left to the agent).
 _PROXY_SHAPE = (
     rf"^{_BLANKS}({_any_case('none')}|{_any_case('direct')}|{_any_case('http')}[sS]?://"
     rf"({_USERINFO})?[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?(:{_PORT})?(/[!-~]*)?)?{_BLANKS}$"

@@ -14,11 +14,11 @@ from pathlib import Path
 
 from prefetch.agent.config import load_config, parse_config
 from prefetch.agent.config_values import AgentConfig
-from prefetch.errors import ConfigError
-from prefetch.metrics import AgentMetrics
+from prefetch.agent.metrics import AgentMetrics
+from prefetch.support.errors import ConfigError
 
 # Its lines keep the logger name they have always had, so log queries keep matching.
-log = logging.getLogger("prefetch.agent.reconcile")
+log = logging.getLogger("prefetch.agent.loop")
 
 #: Re-read the config file this often even without a watchdog event (belt and braces).
 CONFIG_POLL_INTERVAL = 30.0

@@ -1,5 +1,5 @@
-"""The config file's ``models``: each entry a :class:`~prefetch.spec.ModelSpec` (its keys read
-through the ``MODEL`` table), duplicate names and models sharing one Hub repo rejected, and the
+"""The config file's ``models``: each entry a :class:`~prefetch.pipeline.spec.ModelSpec` (its keys
+read through the ``MODEL`` table), duplicate names and models sharing one Hub repo rejected, and the
 per-model settings the :class:`~prefetch.agent.config_values.AgentConfig` keeps by model name
 (``syncDeadline``, ``warmPageCache``, ``gateOnWarm``)."""
 
@@ -8,11 +8,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from prefetch import settings
 from prefetch.agent.config_checks import kind_of
 from prefetch.agent.config_tables import MODEL
-from prefetch.errors import ConfigError
-from prefetch.spec import ModelSpec, SpecError, publish_revision
+from prefetch.pipeline.spec import ModelSpec, SpecError, publish_revision
+from prefetch.support import settings
+from prefetch.support.errors import ConfigError
 
 __all__ = ["ca_bundle", "flagged", "parse_models", "per_model", "render_spec_error"]
 

@@ -44,11 +44,15 @@ from prefetch.agent.config_fields import (
     sync_deadline_kind,
 )
 from prefetch.agent.config_values import DEFAULT_CACHE_DIR, SyncDeadline
-from prefetch.backends import backend
-from prefetch.compile_cache import EXTRA_DIRS
-from prefetch.constants import DEFAULT_LABEL_PREFIX, DEFAULT_LISTEN, DEFAULT_STARTUP_TAINT_KEY
-from prefetch.errors import ConfigError
-from prefetch.spec import SourceURI
+from prefetch.pipeline.backends import backend
+from prefetch.pipeline.spec import SourceURI
+from prefetch.publish.compile_cache import EXTRA_DIRS
+from prefetch.support.constants import (
+    DEFAULT_LABEL_PREFIX,
+    DEFAULT_LISTEN,
+    DEFAULT_STARTUP_TAINT_KEY,
+)
+from prefetch.support.errors import ConfigError
 
 __all__ = ["BACKOFF", "COMPILE_CACHE", "MODEL", "S3", "TOP"]
 

@@ -10,12 +10,16 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from prefetch.agent.config_checks import parse_listen
-from prefetch.compile_cache import CacheKey
-from prefetch.constants import DEFAULT_LABEL_PREFIX, DEFAULT_LISTEN, DEFAULT_STARTUP_TAINT_KEY
-from prefetch.retry import RetryPolicy
-from prefetch.spec import ModelSpec, parse_source_uri
-from prefetch.transfer import TransferConfig
-from prefetch.warm import DEFAULT_MEMORY_SHARE, DEFAULT_READ_RATE, WarmLimits
+from prefetch.pipeline.retry import RetryPolicy
+from prefetch.pipeline.spec import ModelSpec, parse_source_uri
+from prefetch.pipeline.transfer import TransferConfig
+from prefetch.pipeline.warmup import DEFAULT_MEMORY_SHARE, DEFAULT_READ_RATE, WarmLimits
+from prefetch.publish.compile_cache import CacheKey
+from prefetch.support.constants import (
+    DEFAULT_LABEL_PREFIX,
+    DEFAULT_LISTEN,
+    DEFAULT_STARTUP_TAINT_KEY,
+)
 
 __all__ = [
     "DEFAULT_CACHE_DIR",
@@ -70,8 +74,8 @@ class CompileCacheEntry:
     #: ``push: true``: the host directory the vLLM pod writes this cache into (``pushFrom``),
     #: published from there once per key when finished (:mod:`prefetch.agent.cache_push`).
     push_from: Path | None = None
-    #: ``extraDirs``: the opt-in JIT caches (:data:`~prefetch.compile_cache.EXTRA_DIRS`) kept
-    #: beside vLLM's under its cache root, published with it under the same key.
+    #: ``extraDirs``: the opt-in JIT caches (:data:`~prefetch.publish.compile_cache.EXTRA_DIRS`)
+    #: kept beside vLLM's under its cache root, published with it under the same key.
     extra_dirs: tuple[str, ...] = ()
 
     def spec(self, node_gpu: str | None) -> tuple[ModelSpec, CacheKey] | None:
@@ -146,7 +150,7 @@ class AgentConfig:
     min_free_space: int = 1 * GiB
     s3_endpoint_url: str | None = None
     #: ``caBundle``: the CA bundle of every model without its own (``ModelSpec.ca_bundle``) and
-    #: of compile-cache pushes; first in :func:`prefetch.settings.ca_bundle`'s order.
+    #: of compile-cache pushes; first in :func:`prefetch.support.settings.ca_bundle`'s order.
     ca_bundle: str | None = None
     models: tuple[ModelSpec, ...] = ()
     #: Models whose files are read into the page cache once published (``warmPageCache``), and

@@ -43,8 +43,8 @@ from typing import Protocol
 
 from prefetch.agent.event_log import log_event
 from prefetch.agent.events import NodeEvent
-from prefetch.logjson import scrub
-from prefetch.metrics import AgentMetrics
+from prefetch.agent.metrics import AgentMetrics
+from prefetch.support.logjson import scrub
 
 # Its lines keep the logger name they have always had, so log queries keep matching.
 log = logging.getLogger("prefetch.agent.events")

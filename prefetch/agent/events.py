@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from prefetch.units import format_bytes
+from prefetch.support.units import format_bytes
 
 __all__ = [
     "NodeEvent",

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Protocol
 from prefetch.agent.config_values import AgentConfig
 from prefetch.agent.event_recorder import EventRecorder
 from prefetch.agent.events import gate_opened
-from prefetch.logjson import scrub
-from prefetch.metrics import AgentMetrics
-from prefetch.retry import RetryPolicy
+from prefetch.agent.metrics import AgentMetrics
+from prefetch.pipeline.retry import RetryPolicy
+from prefetch.support.logjson import scrub
 
 if TYPE_CHECKING:
     from prefetch.agent.node import GateResult

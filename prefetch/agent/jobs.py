@@ -5,7 +5,7 @@
 * :class:`VerifyJob`: re-hash the cached files; on damage, take the model out of the ready set
   *and the node gate* first, then delete the bad files so that a sync fetches them again.
 
-They live apart from :class:`~prefetch.agent.reconcile.Agent` so that the Agent keeps only the
+They live apart from :class:`~prefetch.agent.loop.Agent` so that the Agent keeps only the
 loop, config reloads, starting jobs and shutdown. Everything a job touches is handed to it in
 :class:`JobParts`; it never reaches back into the Agent.
 """
@@ -34,31 +34,31 @@ from prefetch.agent.events import (
     warm_up_started,
 )
 from prefetch.agent.gate_driver import GateDriver
+from prefetch.agent.metrics import AgentMetrics
 from prefetch.agent.scheduler import ModelState, Scheduler
 from prefetch.agent.space import SpaceManager
 from prefetch.agent.warming import WarmingStory
-from prefetch.compile_cache_claim import COMPLETE
-from prefetch.errors import (
+from prefetch.pipeline.compose import Hooks, Pipeline
+from prefetch.pipeline.compose import warm as warm_up
+from prefetch.pipeline.layout import Layout
+from prefetch.pipeline.spec import ModelSpec
+from prefetch.pipeline.store import Store
+from prefetch.pipeline.sync import Plan, SyncResult, VerifyReport, forget_failures, verify_local
+from prefetch.pipeline.transfer import Cancelled, TransferConfig
+from prefetch.pipeline.warmup import WarmReport
+from prefetch.publish.compile_cache_claim import COMPLETE
+from prefetch.sources.base import Source
+from prefetch.support.errors import (
     ChecksumMismatchError,
     DeadlineExceededError,
     NoMatchingFilesError,
     PrefetchError,
 )
-from prefetch.layout import Layout
-from prefetch.logjson import scrub, sync_context
-from prefetch.metrics import AgentMetrics
-from prefetch.pipeline import Hooks, Pipeline
-from prefetch.pipeline import warm as warm_up
-from prefetch.sources.base import Source
-from prefetch.spec import ModelSpec
-from prefetch.store import Store
-from prefetch.sync import Plan, SyncResult, VerifyReport, forget_failures, verify_local
-from prefetch.transfer import Cancelled, TransferConfig
-from prefetch.units import format_bytes
-from prefetch.warm import WarmReport
+from prefetch.support.logjson import scrub, sync_context
+from prefetch.support.units import format_bytes
 
 # The jobs' lines keep the logger name they have always had, so log queries keep matching.
-log = logging.getLogger("prefetch.agent.reconcile")
+log = logging.getLogger("prefetch.agent.loop")
 
 #: How long a sync waits for another process (prefetch pull/gc) holding the model's lock.
 LOCK_TIMEOUT = 60.0

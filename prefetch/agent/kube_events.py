@@ -11,7 +11,7 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
-from prefetch import settings
+from prefetch.support import settings
 
 if TYPE_CHECKING:
     from kubernetes import client as k8s_client

@@ -13,12 +13,12 @@ from collections.abc import Callable
 
 from prefetch.agent.config_values import AgentConfig
 from prefetch.agent.jobs import JobParts, SyncJob, VerifyJob
+from prefetch.agent.metrics import AgentMetrics
 from prefetch.agent.scheduler import Intervals, Job, JobKind, ModelState, Scheduler
 from prefetch.agent.warming import WarmingStory
-from prefetch.metrics import AgentMetrics
 
 # Its lines keep the logger name they have always had, so log queries keep matching.
-log = logging.getLogger("prefetch.agent.reconcile")
+log = logging.getLogger("prefetch.agent.loop")
 
 __all__ = ["JobLauncher"]
 

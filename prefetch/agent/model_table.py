@@ -1,7 +1,7 @@
 """The model table in line with the config: each model the config names has a
 :class:`~prefetch.agent.scheduler.ModelState` in the :class:`~prefetch.agent.scheduler.Scheduler`;
-a new model starts from what the :class:`~prefetch.store.Store` holds, a re-specced one keeps
-its copy when its content is the same (and syncs again when it is not), a dropped one has its
+a new model starts from what the :class:`~prefetch.pipeline.store.Store` holds, a re-specced one
+keeps its copy when its content is the same (and syncs again when it is not), a dropped one has its
 job cancelled and its metrics forgotten. Each cached model's pin is written from the config at
 once."""
 
@@ -11,13 +11,13 @@ import logging
 
 from prefetch.agent.config import spec_digest
 from prefetch.agent.config_values import AgentConfig
+from prefetch.agent.metrics import AgentMetrics
 from prefetch.agent.scheduler import ModelState, Scheduler
-from prefetch.metrics import AgentMetrics
-from prefetch.spec import ModelSpec
-from prefetch.store import Store
+from prefetch.pipeline.spec import ModelSpec
+from prefetch.pipeline.store import Store
 
 # Its lines keep the logger name they have always had, so log queries keep matching.
-log = logging.getLogger("prefetch.agent.reconcile")
+log = logging.getLogger("prefetch.agent.loop")
 
 __all__ = ["ModelTable", "cancel"]
 

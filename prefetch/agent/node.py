@@ -17,7 +17,8 @@ the node is already right. A change goes out as one JSON Patch whose first opera
 ``/metadata/resourceVersion``, so a write that landed between our GET and our PATCH makes the
 API server refuse the patch (422) instead of us overwriting it; the gate then reads the node again
 and recomputes. Conflicts, throttling, server errors and connection failures are retried with
-exponential backoff and jitter; what persists becomes a :class:`~prefetch.errors.NodeGateError`.
+exponential backoff and jitter; what persists becomes a
+:class:`~prefetch.support.errors.NodeGateError`.
 
 The Kubernetes client is synchronous; the agent's asyncio loop calls :meth:`NodeGate.apply`
 through ``asyncio.to_thread``. RBAC needed: ``nodes`` ``get`` and ``patch``.
@@ -40,14 +41,14 @@ from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
-from prefetch import settings
-from prefetch.constants import (
+from prefetch.pipeline.retry import RetryPolicy
+from prefetch.support import settings
+from prefetch.support.constants import (
     DEFAULT_LABEL_PREFIX,
     DEFAULT_STARTUP_TAINT_EFFECT,
     DEFAULT_STARTUP_TAINT_KEY,
 )
-from prefetch.errors import ConfigError, NodeGateError
-from prefetch.retry import RetryPolicy
+from prefetch.support.errors import ConfigError, NodeGateError
 
 __all__ = [
     "FIELD_MANAGER",
@@ -225,9 +226,10 @@ class NodeGate:
 
     *api* is a ``CoreV1Api`` the caller built (in a cluster: :func:`in_cluster_gate`; in tests: a
     client pointed at a local stub). ``max_attempts`` bounds the GET/PATCH rounds of one
-    :meth:`apply`; between rounds the gate sleeps as :class:`prefetch.retry.RetryPolicy` says:
-    a random time up to ``backoff * 2**(n-1)`` seconds capped at ``max_backoff`` (full jitter),
-    or the server's ``Retry-After`` (same cap). ``request_timeout`` bounds each HTTP request.
+    :meth:`apply`; between rounds the gate sleeps as :class:`prefetch.pipeline.retry.RetryPolicy`
+    says: a random time up to ``backoff * 2**(n-1)`` seconds capped at ``max_backoff`` (full
+    jitter), or the server's ``Retry-After`` (same cap). ``request_timeout`` bounds each HTTP
+    request.
     """
 
     def __init__(

@@ -1,7 +1,7 @@
 """The progress annotation: one compact JSON document on the agent's Node, for ``prefetch status``.
 
-The annotation (:data:`~prefetch.constants.PROGRESS_ANNOTATION`) says, per configured model, its
-phase, bytes done and total of the current sync, the download rate and an ETA, plus when it was
+The annotation (:data:`~prefetch.support.constants.PROGRESS_ANNOTATION`) says, per configured model,
+its phase, bytes done and total of the current sync, the download rate and an ETA, plus when it was
 written and whether every required model is ready::
 
     {"v":1,"at":"2026-12-03T18:10:00Z","ready":false,"prefix":"model-prefetch.io",
@@ -37,11 +37,11 @@ from collections.abc import Callable, Sequence
 from typing import NotRequired, Protocol, TypedDict, runtime_checkable
 
 from prefetch.agent.config_values import AgentConfig
+from prefetch.agent.metrics import AgentMetrics
 from prefetch.agent.scheduler import ModelPhase, ModelState, Scheduler
-from prefetch.constants import PROGRESS_ANNOTATION, PROGRESS_INTERVAL
-from prefetch.logjson import scrub
-from prefetch.metrics import AgentMetrics
-from prefetch.units import iso_utc
+from prefetch.support.constants import PROGRESS_ANNOTATION, PROGRESS_INTERVAL
+from prefetch.support.logjson import scrub
+from prefetch.support.units import iso_utc
 
 log = logging.getLogger(__name__)
 

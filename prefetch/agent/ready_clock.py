@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
-from prefetch.logjson import scrub
-from prefetch.metrics import AgentMetrics
+from prefetch.agent.metrics import AgentMetrics
+from prefetch.support.logjson import scrub
 
 log = logging.getLogger(__name__)
 

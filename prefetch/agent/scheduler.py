@@ -19,17 +19,18 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from prefetch.agent.config_values import Backoff
-from prefetch.errors import error_reason
-from prefetch.logjson import scrub
-from prefetch.metrics import MetricsSink
-from prefetch.retry import RetryPolicy
-from prefetch.spec import ModelSpec
-from prefetch.sync import SyncResult
-from prefetch.warm import WarmReport
+from prefetch.agent.metrics import MetricsSink
+from prefetch.pipeline.retry import RetryPolicy
+from prefetch.pipeline.spec import ModelSpec
+from prefetch.pipeline.sync import SyncResult
+from prefetch.pipeline.warmup import WarmReport
+from prefetch.support.errors import error_reason
+from prefetch.support.logjson import scrub
 
 
 def failure_reason(exc: BaseException) -> str:
-    """The ``reason`` label of a failure: the package's one vocabulary (``prefetch.errors``)."""
+    """The ``reason`` label of a failure: the package's one vocabulary
+    (``prefetch.support.errors``)."""
     return error_reason(exc)
 
 

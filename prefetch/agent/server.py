@@ -34,7 +34,7 @@ from http import HTTPStatus
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from prefetch.agent.config_checks import parse_listen
-from prefetch.constants import HEALTHZ_PATH, METRICS_PATH, READYZ_PATH
+from prefetch.support.constants import HEALTHZ_PATH, METRICS_PATH, READYZ_PATH
 
 log = logging.getLogger(__name__)
 

@@ -7,15 +7,15 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from prefetch import settings
 from prefetch.agent.config_models import render_spec_error
 from prefetch.agent.config_values import AgentConfig
+from prefetch.pipeline.spec import ModelSpec, SpecError
 from prefetch.sources import S3Clients, SourceSettings, open_source
 from prefetch.sources.base import Source
-from prefetch.spec import ModelSpec, SpecError
+from prefetch.support import settings
 
 if TYPE_CHECKING:
-    from prefetch.sources.hf import HubOptions
+    from prefetch.sources.hf.source import HubOptions
 
 __all__ = ["SourceOpener"]
 

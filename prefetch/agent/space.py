@@ -4,8 +4,9 @@ Owns the accounting that lets parallel syncs share one cache volume: a sync rese
 its plan still needs (so two syncs do not both count the same free space), marks its cache
 entry busy (so it is never evicted under itself), and, when the space is short, evicts the
 least-recently-used entries that are neither in the config nor pinned, through the
-:class:`~prefetch.store.Store`. When even that cannot make room it fails with a clear reason and
-evicts nothing. It also records each ready model's use (the LRU order) and measures the cache.
+:class:`~prefetch.pipeline.store.Store`. When even that cannot make room it fails with a clear
+reason and evicts nothing. It also records each ready model's use (the LRU order) and measures the
+cache.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from dataclasses import dataclass
 
 from prefetch.agent.event_recorder import EventRecorder
 from prefetch.agent.events import evicted
-from prefetch.errors import InsufficientSpaceError, LockTimeoutError
-from prefetch.metrics import AgentMetrics, MetricsSink
-from prefetch.spec import ModelSpec
-from prefetch.store import Store
-from prefetch.sync import SPACE_MARGIN
-from prefetch.units import format_bytes, iso_utc
+from prefetch.agent.metrics import AgentMetrics, MetricsSink
+from prefetch.pipeline.spec import ModelSpec
+from prefetch.pipeline.store import Store
+from prefetch.pipeline.sync import SPACE_MARGIN
+from prefetch.support.errors import InsufficientSpaceError, LockTimeoutError
+from prefetch.support.units import format_bytes, iso_utc
 
 log = logging.getLogger(__name__)
 

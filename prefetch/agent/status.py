@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TypedDict
 
 from prefetch.agent.scheduler import ModelPhase, ModelState
-from prefetch.units import format_bytes, iso_utc
+from prefetch.support.units import format_bytes, iso_utc
 
 #: A JSON object as served (the /readyz body and its parts).
 JsonObject = dict[str, object]

@@ -9,9 +9,9 @@ import asyncio
 import contextlib
 
 from prefetch.agent.background import BackgroundTasks
+from prefetch.agent.metrics import AgentMetrics
 from prefetch.agent.scheduler import Scheduler
 from prefetch.agent.space import SpaceManager
-from prefetch.metrics import AgentMetrics
 
 #: Record "still wanted" on each cached entry this often (it orders eviction).
 TOUCH_INTERVAL = 300.0

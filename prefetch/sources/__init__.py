@@ -1,4 +1,4 @@
-"""Sources: one backend per scheme, declared in :mod:`prefetch.backends`, behind the
+"""Sources: one backend per scheme, declared in :mod:`prefetch.pipeline.backends`, behind the
 protocol in :mod:`prefetch.sources.base`, and the one front door that opens them,
 :func:`open_source`.
 
@@ -15,13 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prefetch.backends import backend
-from prefetch.retry import AdaptiveRate, RetryPolicy
+from prefetch.pipeline.backends import backend
+from prefetch.pipeline.retry import AdaptiveRate, RetryPolicy
+from prefetch.pipeline.spec import ModelSpec
 from prefetch.sources.base import RangeReader, Source
-from prefetch.spec import ModelSpec
 
 if TYPE_CHECKING:
-    from prefetch.sources.hf import HubOptions
+    from prefetch.sources.hf.source import HubOptions
 
 __all__ = [
     "RangeReader",
@@ -51,7 +51,7 @@ class S3Clients:
     (endpoint, pool size, proxy, CA bundle), so parallel syncs reuse connections instead of
     each building its own, and a model with its own proxy never shares a client with one going
     direct.
-    ``make`` is :func:`prefetch.sources.s3.make_s3_client` unless a test passes another."""
+    ``make`` is :func:`prefetch.sources.s3.source.make_s3_client` unless a test passes another."""
 
     def __init__(self, make: Callable[..., Any] | None = None) -> None:
         self._make = make
@@ -82,7 +82,7 @@ class S3Clients:
     def _new(self, **settings: Any) -> Any:
         if self._make is not None:
             return self._make(**settings)
-        from prefetch.sources.s3 import make_s3_client
+        from prefetch.sources.s3.source import make_s3_client
 
         return make_s3_client(**settings)
 
@@ -92,7 +92,7 @@ class SourceSettings:
     """How to reach a model's source; the model's own ``proxy`` is in its spec.
 
     ``s3_endpoint``: the S3 endpoint (None: ``AWS_ENDPOINT_URL``, else AWS). ``hub_endpoint``
-    and ``token``: the Hub's (see :class:`~prefetch.sources.hf.HubOptions`). ``concurrency``
+    and ``token``: the Hub's (see :class:`~prefetch.sources.hf.source.HubOptions`). ``concurrency``
     and ``streams``: the ranged reads of one sync and the syncs sharing a client, which size
     every pool (:func:`pool_size`). ``retry``: the metadata calls' policy (None: the default).
 
@@ -121,9 +121,9 @@ class SourceSettings:
 def open_source(
     spec: ModelSpec, settings: SourceSettings | None = None, *, layout: str | None = None
 ) -> Source:
-    """Open ``spec``'s source through its backend (:mod:`prefetch.backends`): the one
+    """Open ``spec``'s source through its backend (:mod:`prefetch.pipeline.backends`): the one
     way anything opens one. Opening makes no request; resolving makes the snapshot (once per
-    sync, see :class:`prefetch.pipeline.Pipeline`).
+    sync, see :class:`prefetch.pipeline.compose.Pipeline`).
 
     ``layout`` is the layout asked for (``--layout``; None: the spec decides). An ``s3://``
     source is probed for a mirror prefix when resolved unless the plain layout was asked for:
@@ -142,7 +142,7 @@ def s3_client(spec: ModelSpec, settings: SourceSettings, *, lazy: bool) -> Any:
         return settings.s3_client
     if settings.clients is not None:
         return settings.clients.get(settings.s3_endpoint, settings.pool, spec.proxy, spec.ca_bundle)
-    from prefetch.sources.s3 import lazy_s3_client, make_s3_client
+    from prefetch.sources.s3.source import lazy_s3_client, make_s3_client
 
     make = lazy_s3_client if lazy else make_s3_client
     return make(
@@ -158,7 +158,7 @@ def shared_pace(settings: SourceSettings) -> AdaptiveRate | None:
 
 
 def _hub_options(settings: SourceSettings) -> HubOptions:
-    from prefetch.sources.hf import HubOptions
+    from prefetch.sources.hf.source import HubOptions
 
     if settings.hub is not None:
         return settings.hub
@@ -172,6 +172,6 @@ def _hub_options(settings: SourceSettings) -> HubOptions:
 
 def hub_source(spec: ModelSpec, settings: SourceSettings) -> Source:
     """The Hub's source for ``spec``, with the options ``settings`` gives."""
-    from prefetch.sources import hf
+    from prefetch.sources.hf import source as hf
 
     return hf.open_hub_source(spec, _hub_options(settings))

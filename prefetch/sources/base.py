@@ -9,8 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from prefetch.snapshot import RemoteFile, Snapshot
-from prefetch.spec import ModelSpec
+from prefetch.pipeline.snapshot import RemoteFile, Snapshot
+from prefetch.pipeline.spec import ModelSpec
 
 
 @runtime_checkable

@@ -1,13 +1,13 @@
 """Ordered sources: a Hub model's mirrors first, the Hub after; the one place the fallback lives.
 
-The Hub backend (:mod:`prefetch.sources.hf_backend`) opens an :class:`OrderedSource` for a
+The Hub backend (:mod:`prefetch.sources.hf.backend`) opens an :class:`OrderedSource` for a
 model with ``mirrors``, so ``prefetch pull --mirror`` and the agent fall back by the same rule:
 
 * resolving tries each source in order and keeps the first that has the revision (a pinned
   commit: the first source that has that commit);
-* it moves on when a source lacks it (:class:`~prefetch.errors.NotFoundError`: no ref, no
+* it moves on when a source lacks it (:class:`~prefetch.support.errors.NotFoundError`: no ref, no
   commit, no bucket), refuses access, or stays unreachable or throttled after its retries
-  (:class:`~prefetch.errors.TransientSourceError`);
+  (:class:`~prefetch.support.errors.TransientSourceError`);
 * it never moves on from anything else: a mirror of another repo (ConfigError), malformed
   metadata (InvalidListingError). And once a source has resolved, the sync reads from it alone,
   so bytes that differ from the recorded ids fail the sync as a checksum failure, never a
@@ -22,7 +22,10 @@ import logging
 import threading
 from collections.abc import Sequence
 
-from prefetch.errors import (
+from prefetch.pipeline.snapshot import RemoteFile, Snapshot
+from prefetch.pipeline.spec import ModelSpec
+from prefetch.sources.base import RangeReader, Source
+from prefetch.support.errors import (
     AccessDeniedError,
     BucketNotFoundError,
     NoMatchingFilesError,
@@ -33,10 +36,7 @@ from prefetch.errors import (
     SourceError,
     TransientSourceError,
 )
-from prefetch.redact import redact
-from prefetch.snapshot import RemoteFile, Snapshot
-from prefetch.sources.base import RangeReader, Source
-from prefetch.spec import ModelSpec
+from prefetch.support.redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class NoSourceAnsweredError(NoSourceServedError, TransientSourceError):
     """The last source stayed unreachable or throttled after its retries."""
 
 
-#: The error for each kind of last failure (its class in prefetch.errors), subclasses first.
+#: The error for each kind of last failure (its class in prefetch.support.errors), subclasses first.
 _BY_KIND: tuple[tuple[type[SourceError], type[NoSourceServedError]], ...] = (
     (NoMatchingFilesError, NoSourceHasFilesError),
     (RevisionNotFoundError, NoSourceHasRevisionError),

@@ -37,8 +37,8 @@ Usage::
 
 Run standalone for benchmarks: ``python tests/fakes/hubserver.py --repo acme/m --dir DIR`` prints
 one JSON line (endpoint, cdn_endpoint, sha) and serves until interrupted. Model files come from
-:mod:`prefetch.modelgen`; :func:`make_model_dir` and :func:`write_random_file` here add only the
-digest memo that spares the server a re-hash.
+:mod:`prefetch.demo.modelgen`; :func:`make_model_dir` and :func:`write_random_file` here add only
+the digest memo that spares the server a re-hash.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
 
-from prefetch import modelgen
+from prefetch.demo import modelgen
 
 if TYPE_CHECKING:
     from tests.tls import TestCA
@@ -1568,7 +1568,7 @@ def _content_disposition(path: str) -> str:
 def write_random_file(
     path: str | os.PathLike[str], size: int, seed: int | str, *, safetensors: bool = False
 ) -> str:
-    """:func:`prefetch.modelgen.write_random_file`, its digests remembered so that serving the
+    """:func:`prefetch.demo.modelgen.write_random_file`, its digests remembered so that serving the
     file costs no re-hash; returns the sha256."""
     digests = modelgen.write_random_file(path, size, seed, safetensors=safetensors)
     _remember_written(Path(path), digests)
@@ -1588,7 +1588,7 @@ def make_model_dir(
     shard_sizes: Sequence[int] = (3 << 20, 2 << 20),
     extra_files: Mapping[str, bytes] | None = None,
 ) -> dict[str, Path]:
-    """:func:`prefetch.modelgen.make_model_dir`, the shards' digests remembered for serving."""
+    """:func:`prefetch.demo.modelgen.make_model_dir`, the shards' digests remembered for serving."""
     return modelgen.make_model_dir(
         directory,
         seed=seed,

@@ -8,9 +8,9 @@ import hashlib
 import threading
 import zlib
 
-from prefetch.errors import SourceError
-from prefetch.snapshot import Checksum, RemoteFile, Snapshot
-from prefetch.spec import ModelSpec
+from prefetch.pipeline.snapshot import Checksum, RemoteFile, Snapshot
+from prefetch.pipeline.spec import ModelSpec
+from prefetch.support.errors import SourceError
 
 SHORT_READ = 100 * 1024  # at most this many bytes per readinto, like a socket
 

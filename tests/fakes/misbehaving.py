@@ -32,7 +32,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 from xml.sax.saxutils import escape
 
-from prefetch.sources.s3 import make_s3_client
+from prefetch.sources.s3.source import make_s3_client
 
 from ..tls import TestCA
 from .tlsserver import HANDSHAKE_TIMEOUT, TLSThreadingHTTPServer

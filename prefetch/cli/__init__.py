@@ -1,0 +1,58 @@
+"""The ``prefetch`` command line: the group, and every command added to it.
+
+Results go to stdout (one JSON object with ``--json``); everything meant for a person (progress,
+warnings, errors) goes to stderr. Every PrefetchError becomes one ``Error: ...`` line, an optional
+``Hint: ...`` line and exit status 1; set PREFETCH_DEBUG=1 for a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import click
+
+from prefetch import __version__
+from prefetch.cli import demo, mirror, pull, verify
+from prefetch.cli.common import LazyGroup
+from prefetch.support.redact import install_filter
+
+
+@click.group(
+    cls=LazyGroup,
+    # imported when they run (or --help lists them): they bring kubernetes, prometheus_client,
+    # psutil, which a `prefetch pull` does not need
+    lazy_commands={
+        "agent": ("prefetch.cli.agent", "agent_cmd"),
+        "ls": ("prefetch.cli.store", "ls_cmd"),
+        "gc": ("prefetch.cli.store", "gc_cmd"),
+        "status": ("prefetch.cli.status", "status_cmd"),
+        "cache": ("prefetch.cli.compile_cache", "cache"),
+    },
+    context_settings={"help_option_names": ["-h", "--help"]},
+    examples=[
+        ("Try it on this machine: a local S3 server, a generated model, a pull",
+         "prefetch demo"),
+        ("Pull a model from the Hugging Face Hub into an HF_HOME",
+         "prefetch pull hf://org/name /mnt/models/huggingface"),
+        ("Pull a prefix of an S3 bucket into a folder",
+         "prefetch pull s3://my-bucket/models/llama /mnt/models/llama"),
+        ("The options and examples of one command", "prefetch pull --help"),
+    ],
+)  # fmt: skip
+@click.version_option(__version__, prog_name="prefetch")
+@click.option("-v", "--verbose", count=True, help="More log output on stderr (-vv for debug).")
+def main(verbose: int) -> None:
+    """Pre-fetch model weights to local disk, verified, in the Hugging Face cache layout."""
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        install_filter(handler)  # -vv shows urllib3's requests: never their signatures
+    if verbose < 2:
+        for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "filelock"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+main.add_command(pull.pull)
+main.add_command(verify.verify_cmd)
+main.add_command(mirror.mirror)
+main.add_command(demo.demo)

@@ -1,0 +1,5 @@
+"""``python -m prefetch.cli``."""
+
+from prefetch.cli import main
+
+main()

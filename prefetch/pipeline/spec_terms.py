@@ -1,0 +1,80 @@
+"""The words a spec's rules are stated in: :class:`SpecError` (a rule broken, naming the field
+at fault) and the checks every backend's rules share. Below :mod:`prefetch.pipeline.spec` and the
+backends (:mod:`prefetch.pipeline.backends`), which both state their rules with them."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from prefetch.support.errors import ConfigError
+from prefetch.support.paths import ref_name_problem
+
+#: A Hub repo id (org/name, or a bare name in a URI).
+HF_REPO = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$|^[A-Za-z0-9][\w.\-]*$")
+#: A 40-hex commit sha.
+COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
+#: The ModelSpec fields, and the layout asked for, that a rule's message may name (as
+#: ``{field}`` in its reason).
+SPEC_FIELDS = (
+    "name", "source", "revision", "include", "exclude", "hf_repo", "hf_revision", "proxy",
+    "mirrors", "hub_fallback", "layout",
+)  # fmt: skip
+
+
+class SpecError(ConfigError):
+    """A ModelSpec rule broken: ``field`` is the spec field at fault, ``reason`` says why and
+    may name other fields as ``{hf_repo}``-style placeholders. ``cross_field`` is true for a
+    rule about a combination of fields (its reason names the others). ``leads``: the message
+    starts with the field's name (``hf_repo: ...``); off, the reason names the field itself
+    where the sentence needs it (``{layout} hf needs {hf_repo} ...``).
+
+    ``str()`` names fields by their ModelSpec names (``hf_repo: ...``); a front end whose users
+    know the fields by other names (the CLI's flags, the config file's keys) calls
+    :meth:`render` with its names and the location of the spec, and changes nothing else.
+    """
+
+    def __init__(
+        self,
+        field: str,
+        reason: str,
+        *,
+        cross_field: bool = False,
+        hint: str | None = None,
+        leads: bool = True,
+    ) -> None:
+        self.field = field
+        self.reason = reason
+        self.cross_field = cross_field
+        self.leads = leads
+        super().__init__(self.render(), hint=hint)
+
+    def render(self, names: Mapping[str, str] | None = None, *, prefix: str = "") -> str:
+        """The message with each field called by ``names`` (default: its spec name), the
+        faulty field's name preceded by ``prefix`` (e.g. ``models[0].``)."""
+        called = {f: f for f in SPEC_FIELDS} | dict(names or {})
+        if not self.leads:
+            return f"{prefix}{self.reason.format_map(called)}"
+        return f"{prefix}{called.get(self.field, self.field)}: {self.reason.format_map(called)}"
+
+
+def escape(text: str) -> str:
+    """``text`` taken literally inside a SpecError reason (braces doubled)."""
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+def literal(value: object) -> str:
+    """``repr(value)`` taken literally inside a SpecError reason."""
+    return escape(repr(value))
+
+
+def validate_revision(revision: str, *, field_name: str = "revision") -> str:
+    """A revision must be a valid git ref name (or a commit sha, which is one): it names a file
+    under the cache's ``refs/`` and is sent in URLs, so ``../../x`` is refused up front."""
+    problem = ref_name_problem(revision)
+    if problem is not None:
+        raise SpecError(
+            field_name,
+            f"{literal(revision)} is not a valid branch, tag or commit name ({escape(problem)})",
+        )
+    return revision

@@ -1,0 +1,1 @@
+"""The Hugging Face Hub backend: its declaration (``backend``) and its source (``source``)."""

@@ -1,0 +1,1 @@
+"""The HTTP plumbing the backends share: pooled transports, proxy credentials, status texts."""

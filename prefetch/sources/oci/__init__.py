@@ -1,0 +1,1 @@
+"""The OCI registry backend: its declaration (``backend``) and the source it opens (``source``)."""

@@ -1,0 +1,1 @@
+"""The S3 backend: its declaration (``backend``) and the source it opens (``source``)."""

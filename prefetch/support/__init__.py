@@ -1,0 +1,1 @@
+"""Small things every layer uses: errors, units, redaction, JSON, settings, paths."""
