@@ -16,17 +16,11 @@ from typing import Any
 import pytest
 
 from prefetch.agent.config import parse_config
-from prefetch.agent.events import KubeEventSink
+from prefetch.agent.kube_events import KubeEventSink
 from prefetch.agent.loop import Agent
 from prefetch.agent.node import NodeGate
-from prefetch.publish.compile_cache import (
-    CACHE_READY,
-    CLAIM,
-    COMPLETE,
-    GPU_PRODUCT_LABEL,
-    CacheKey,
-    push,
-)
+from prefetch.publish.compile_cache import CACHE_READY, GPU_PRODUCT_LABEL, CacheKey, push
+from prefetch.publish.compile_cache_claim import CLAIM, COMPLETE
 from prefetch.support.errors import ConfigError
 from tests.fakes.k8s_stub import KubeStub, running_stub
 from tests.support import AgentThread, config_text, model_status, put, wait_for

@@ -13,7 +13,8 @@ from urllib.parse import parse_qs
 
 import pytest
 
-from prefetch.agent.config import AgentConfig, parse_config, spec_digest
+from prefetch.agent.config import parse_config, spec_digest
+from prefetch.agent.config_values import AgentConfig
 from prefetch.agent.loop import Agent
 from prefetch.agent.scheduler import Intervals, JobKind
 from prefetch.sources.s3.factory import make_s3_client

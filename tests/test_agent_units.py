@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefetch.agent.config import AgentConfig
+from prefetch.agent.config_values import AgentConfig
 from prefetch.agent.loop import HEALTH_STALE_AFTER, Agent, failure_reason
 from prefetch.agent.metrics import MODEL_STATES, AgentMetrics
 from prefetch.agent.watch import ConfigWatcher

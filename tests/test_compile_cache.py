@@ -18,15 +18,13 @@ import pytest
 from prefetch.publish import compile_cache
 from prefetch.publish.compile_cache import (
     CACHE_READY,
-    CLAIM,
-    COMPLETE,
-    PUBLISHED,
     CacheKey,
     PushResult,
     finished_files,
     is_published,
     push,
 )
+from prefetch.publish.compile_cache_claim import CLAIM, COMPLETE, PUBLISHED
 from prefetch.support.errors import CompileCacheError, CompileCacheRefused
 
 from .support import pull_s3, run_cli

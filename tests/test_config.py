@@ -6,14 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from prefetch.agent.config import (
-    AgentConfig,
-    Backoff,
-    load_config,
-    parse_config,
-    parse_listen,
-    spec_digest,
-)
+from prefetch.agent.config import load_config, parse_config, spec_digest
+from prefetch.agent.config_checks import parse_listen
+from prefetch.agent.config_values import AgentConfig, Backoff
 from prefetch.support.constants import (
     DEFAULT_LABEL_PREFIX,
     DEFAULT_LISTEN,

@@ -21,8 +21,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from prefetch.agent import config_fields, config_schema
-from prefetch.agent.config import BACKOFF, COMPILE_CACHE, MODEL, S3, TOP, parse_config
+from prefetch.agent.config import parse_config
 from prefetch.agent.config_fields import MIRRORS_BY_SOURCE, SOURCE_SCHEMES, Table
+from prefetch.agent.config_tables import BACKOFF, COMPILE_CACHE, MODEL, S3, TOP
 from prefetch.support.errors import ConfigError
 
 

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
-from prefetch.agent.config import TOP, parse_config
+from prefetch.agent.config import parse_config
+from prefetch.agent.config_tables import TOP
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "model-prefetch"

@@ -21,11 +21,14 @@ from kubernetes.config import incluster_config
 from prometheus_client import CollectorRegistry
 
 from prefetch.agent import events as ev
-from prefetch.agent.events import EventRecorder, KubeEventSink
+from prefetch.agent import kube_events
+from prefetch.agent.event_recorder import EventRecorder
+from prefetch.agent.kube_events import KubeEventSink
 from prefetch.agent.loop import Agent
 from prefetch.agent.metrics import AgentMetrics
 from prefetch.agent.node import NodeGate
 from prefetch.agent.space import SpaceManager
+from prefetch.agent.warming import WarmingStory
 from prefetch.demo.locals3 import SeaweedS3
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
 from prefetch.sources.s3.factory import make_s3_client
@@ -411,7 +414,7 @@ class Recording:
 def test_warming_started_waits_for_the_starting_syncs_plans_and_tells_their_sizes() -> None:
     sink = Recording()
     recorder = EventRecorder(AgentMetrics(CollectorRegistry()), sink)
-    story = ev.WarmingStory(recorder)
+    story = WarmingStory(recorder)
     story.begin(["a", "b", "c"], starting=["a", "b"], known={})
     story.planned("a", 1000, 600)
     assert recorder.flush() and sink.created == []  # b has not resolved yet
@@ -429,7 +432,7 @@ def test_warming_started_is_told_before_a_sync_of_its_episode_ends() -> None:
     the ended sync waits no time at all for the other to resolve)."""
     sink = Recording()
     recorder = EventRecorder(AgentMetrics(CollectorRegistry()), sink)
-    story = ev.WarmingStory(recorder, resolve_wait=0.0)
+    story = WarmingStory(recorder, resolve_wait=0.0)
     story.begin(["a", "b"], starting=["a", "b"], known={})
     story.planned("a", 10, 10)
     story.settled("a")  # a is done (ModelReady next) while b is still resolving
@@ -615,12 +618,12 @@ def test_outside_a_cluster_or_without_its_config_events_are_only_logged(
 ) -> None:
     monkeypatch.setattr(incluster_config, "SERVICE_TOKEN_FILENAME", str(tmp_path / "no-token"))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    assert ev.in_cluster_events(NODE) is None
+    assert kube_events.in_cluster_events(NODE) is None
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "1")
-    assert ev.in_cluster_events(None) is None
+    assert kube_events.in_cluster_events(None) is None
     # in a cluster but without a service account token: no Events, and no crash either
-    assert ev.in_cluster_events(NODE) is None
+    assert kube_events.in_cluster_events(NODE) is None
     with JsonLines() as logs:
         EventRecorder(AgentMetrics(CollectorRegistry())).emit(ev.evicted("old", 5, for_model="new"))
     (line,) = logs.lines()
@@ -732,7 +735,7 @@ def test_a_sync_that_ends_first_waits_for_the_others_sizes() -> None:
     """A small model synced before the large one resolved: WarmingStarted still has both."""
     sink = Recording()
     recorder = EventRecorder(AgentMetrics(CollectorRegistry()), sink)
-    story = ev.WarmingStory(recorder)
+    story = WarmingStory(recorder)
     story.begin(["small", "large"], starting=["small", "large"], known={})
     story.planned("small", 10, 10)
     threading.Timer(0.3, story.planned, ("large", 2048, 2048)).start()
@@ -748,7 +751,7 @@ def test_a_sync_that_ends_first_waits_for_the_others_sizes() -> None:
 def test_a_required_model_that_fails_fast_is_named_not_counted_as_0_bytes() -> None:
     sink = Recording()
     recorder = EventRecorder(AgentMetrics(CollectorRegistry()), sink)
-    story = ev.WarmingStory(recorder)
+    story = WarmingStory(recorder)
     story.begin(["broken", "llama"], starting=["broken", "llama"], known={})
     threading.Timer(0.3, story.planned, ("llama", 1024, 1024)).start()
     story.settled("broken")  # its listing was refused: no size, ever
@@ -764,7 +767,7 @@ def test_a_required_model_that_fails_fast_is_named_not_counted_as_0_bytes() -> N
 def test_with_no_size_resolved_warming_started_gives_none() -> None:
     sink = Recording()
     recorder = EventRecorder(AgentMetrics(CollectorRegistry()), sink)
-    story = ev.WarmingStory(recorder, resolve_wait=0.2)
+    story = WarmingStory(recorder, resolve_wait=0.2)
     story.begin(["a", "b"], starting=["a"], known={})
     story.settled("a")
     assert recorder.flush()
@@ -782,7 +785,7 @@ def test_a_model_that_starts_later_in_the_episode_is_counted_not_failed() -> Non
     the episode's begin), and WarmingStarted said it had "failed before resolving"."""
     sink = Recording()
     recorder = EventRecorder(AgentMetrics(CollectorRegistry()), sink)
-    story = ev.WarmingStory(recorder, resolve_wait=0.2)
+    story = WarmingStory(recorder, resolve_wait=0.2)
     story.begin(["stalled", "healthy"], starting=["stalled"], known={})
     story.planned("healthy", 1024, 1024)  # it got the stalled sync's slot
     story.settled("healthy")  # ready (ModelReady next); stalled still resolving
@@ -801,7 +804,7 @@ def test_a_stalled_sync_is_not_waited_for() -> None:
     one's size before its ModelReady (and its readiness): 10 s more to a node's ready."""
     sink = Recording()
     recorder = EventRecorder(AgentMetrics(CollectorRegistry()), sink)
-    story = ev.WarmingStory(recorder, resolve_wait=60.0)
+    story = WarmingStory(recorder, resolve_wait=60.0)
     story.begin(["stalled", "healthy"], starting=["stalled"], known={})
     story.stalled("stalled")  # its size is not known, and may never be
     story.planned("healthy", 1024, 1024)

@@ -741,18 +741,18 @@ def test_kubernetes_quantities_render() -> None:
 
 def test_schema_lists_exactly_the_agents_config_keys() -> None:
     """A key the agent gains or loses must be added to or removed from values.schema.json."""
-    from prefetch.agent import config as agent_config
+    from prefetch.agent import config_tables
 
     schema = json.loads((CHART / "values.schema.json").read_text(encoding="utf-8"))
     config = schema["properties"]["config"]
-    assert set(config["properties"]) == set(agent_config._TOP_KEYS)
+    assert set(config["properties"]) == set(config_tables.TOP.keys)
     assert set(config["properties"]["models"]["items"]["properties"]) == set(
-        agent_config._MODEL_KEYS
+        config_tables.MODEL.keys
     )
     assert set(config["properties"]["retryBackoff"]["properties"]) == set(
-        agent_config._BACKOFF_KEYS
+        config_tables.BACKOFF.keys
     )
-    assert set(config["properties"]["s3"]["properties"]) == set(agent_config._S3_KEYS)
+    assert set(config["properties"]["s3"]["properties"]) == set(config_tables.S3.keys)
 
 
 def test_default_config_is_daemonsets_models_yaml() -> None:

@@ -13,6 +13,7 @@ import pytest
 
 from prefetch.pipeline.layout import PlainLayout, layout_for
 from prefetch.pipeline.layout.hf import HfCacheLayout, hub_layouts, repo_folder, repo_id_of
+from prefetch.pipeline.layout.hf_tree import HubRepoTree
 from prefetch.pipeline.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
 from prefetch.pipeline.sync import verify_local
@@ -133,13 +134,13 @@ def test_a_new_snapshot_appears_complete_or_not_at_all(tmp_path: Path, monkeypat
     layout = HfCacheLayout(tmp_path, REPO)
     final = layout.snapshots / C1
     seen: list[bool] = []
-    real_link = HfCacheLayout._link
+    real_link = HubRepoTree._link
 
-    def link(self: HfCacheLayout, path: Path, blob: str) -> None:
+    def link(self: HubRepoTree, path: Path, blob: str) -> None:
         seen.append(final.exists())
         real_link(self, path, blob)
 
-    monkeypatch.setattr(HfCacheLayout, "_link", link)
+    monkeypatch.setattr(HubRepoTree, "_link", link)
     leftover = layout.snapshots / f".{C1}.999.incomplete"
     leftover.mkdir(parents=True)  # a crashed commit's temporary
     pull_files(layout, C1, FILES, delete=False)
@@ -248,7 +249,7 @@ def test_an_interrupted_prune_leaves_no_snapshot_half_removed(  # type: ignore[n
             raise KeyboardInterrupt
         rmtree(path, **kw)
 
-    monkeypatch.setattr("prefetch.pipeline.layout.hf.shutil.rmtree", crash)
+    monkeypatch.setattr("prefetch.pipeline.layout.hf_tree.shutil.rmtree", crash)
     with pytest.raises(KeyboardInterrupt):
         pull_files(layout, C2, FILES, delete=True)
     monkeypatch.undo()

@@ -117,7 +117,11 @@ print(" ".join(sorted(m for m in sys.modules if m.startswith("prefetch.pipeline.
         ),
         (
             "prefetch.pipeline.layout.hf",
-            ["prefetch.pipeline.layout.base", "prefetch.pipeline.layout.hf"],
+            [
+                "prefetch.pipeline.layout.base",
+                "prefetch.pipeline.layout.hf",
+                "prefetch.pipeline.layout.hf_tree",
+            ],
         ),
     ],
 )

@@ -321,7 +321,7 @@ def _config_cache_dir() -> str:
     configured = _agent_config().get("cacheDir")
     if configured:
         return str(configured)
-    from prefetch.agent.config import DEFAULT_CACHE_DIR
+    from prefetch.agent.config_values import DEFAULT_CACHE_DIR
 
     return str(DEFAULT_CACHE_DIR)
 

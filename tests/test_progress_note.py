@@ -13,7 +13,7 @@ from typing import Any, cast
 import pytest
 from prometheus_client import CollectorRegistry
 
-from prefetch.agent.config import AgentConfig
+from prefetch.agent.config_values import AgentConfig
 from prefetch.agent.loop import Agent
 from prefetch.agent.metrics import AgentMetrics
 from prefetch.agent.node import GateResult, NodeGate

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from prefetch.agent import gate_driver
-from prefetch.agent.config import AgentConfig
+from prefetch.agent.config_values import AgentConfig
 from prefetch.agent.gate_driver import GATE_RETRY, GateDriver
 from prefetch.agent.metrics import AgentMetrics
 from prefetch.pipeline.retry import AdaptiveRate, RetryPolicy, call_with_retries

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from prefetch.agent.config import Backoff
+from prefetch.agent.config_values import Backoff
 from prefetch.agent.metrics import MODEL_STATES
 from prefetch.agent.scheduler import (
     Intervals,
@@ -244,7 +244,7 @@ def test_the_table_reports_ready_names_required_readiness_and_config_order() -> 
 
 
 def test_a_sync_is_stalled_after_a_window_without_enough_bytes(job: Job) -> None:
-    """Issue 29 item 18: what frees a parallelModels slot (see Agent._stalled_syncs)."""
+    """Issue 29 item 18: what frees a parallelModels slot (see JobLauncher.stalled_syncs)."""
     from prometheus_client import CollectorRegistry
 
     from prefetch.agent.metrics import AgentMetrics

@@ -26,15 +26,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from prefetch.agent.config import AgentConfig, PushTarget
+from prefetch.agent.config_values import AgentConfig, PushTarget
+from prefetch.agent.event_recorder import EventRecorder
 from prefetch.agent.events import (
-    EventRecorder,
     compile_cache_already_published,
     compile_cache_push_refused,
     compile_cache_pushed,
 )
 from prefetch.agent.scheduler import Scheduler
 from prefetch.publish.compile_cache import CACHE_READY, push
+from prefetch.support import settings
 from prefetch.support.errors import CompileCacheError, CompileCacheRefused, PrefetchError
 from prefetch.support.logjson import scrub
 
@@ -52,7 +53,28 @@ PUSH_SETTLE = 30.0
 REFUSED_FIRST = 5 * 60.0
 REFUSED_MAX = 60 * 60.0
 
-__all__ = ["PUSH_POLL", "PUSH_SETTLE", "REFUSED_FIRST", "REFUSED_MAX", "CachePusher"]
+__all__ = ["PUSH_POLL", "PUSH_SETTLE", "REFUSED_FIRST", "REFUSED_MAX", "CachePusher", "PushClient"]
+
+
+class PushClient:
+    """The S3 client compile caches are published with (the tests' own, else one made on first
+    use, for the config's endpoint)."""
+
+    def __init__(self, s3_client: object | None) -> None:
+        self._given = s3_client
+        self._made: object | None = None
+
+    def __call__(self, config: AgentConfig) -> object:
+        if self._given is not None:
+            return self._given
+        if self._made is None:
+            from prefetch.sources.s3.factory import make_s3_client
+
+            self._made = make_s3_client(
+                endpoint_url=config.s3_endpoint_url or settings.aws_endpoint_url(),
+                ca_bundle=config.ca_bundle,
+            )
+        return self._made
 
 
 class _Stopped(Exception):
@@ -63,7 +85,7 @@ class CachePusher:
     """Publishes each ``push: true`` compile cache once per key (see the module docstring).
 
     ``client()`` gives the S3 client (made on first use); ``settle`` is how long the files must
-    stay unchanged before the upload."""
+    stay unchanged before the upload; ``poll`` how often the agent's loop looks (:meth:`due`)."""
 
     def __init__(
         self,
@@ -71,15 +93,26 @@ class CachePusher:
         client: Callable[[AgentConfig], Any],
         *,
         settle: float = PUSH_SETTLE,
+        poll: float = PUSH_POLL,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._events = events
         self._client = client
         self._settle = settle
+        self._poll = poll
+        self._next_look = 0.0
         self._clock = clock
         self._done: set[tuple[str, str]] = set()  # (entry, key) published or found published
         # (entry, key) refused for good -> (when to look again, the interval that gave it)
         self._refused: dict[tuple[str, str], tuple[float, float]] = {}
+
+    def due(self, now: float, config: AgentConfig) -> bool:
+        """Whether the loop should start a look now (``config`` has push targets and ``poll``
+        seconds passed since the last); the next one is counted from ``now``."""
+        if now < self._next_look or not config.push_targets():
+            return False
+        self._next_look = now + self._poll
+        return True
 
     def run(self, config: AgentConfig, scheduler: Scheduler, stop: threading.Event) -> None:
         """One look at every ``pushFrom`` directory whose key is not done (a worker thread)."""

@@ -16,8 +16,9 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
 
-from prefetch.agent.config import AgentConfig
-from prefetch.agent.events import EventRecorder, gate_opened
+from prefetch.agent.config_values import AgentConfig
+from prefetch.agent.event_recorder import EventRecorder
+from prefetch.agent.events import gate_opened
 from prefetch.agent.metrics import AgentMetrics
 from prefetch.pipeline.retry import RetryPolicy
 from prefetch.support.logjson import scrub

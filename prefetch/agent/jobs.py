@@ -20,10 +20,10 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
 
-from prefetch.agent.config import AgentConfig, render_spec_error
+from prefetch.agent.config_models import render_spec_error
+from prefetch.agent.config_values import AgentConfig
+from prefetch.agent.event_recorder import EventRecorder
 from prefetch.agent.events import (
-    EventRecorder,
-    WarmingStory,
     checksum_failed,
     compile_cache_not_published,
     compile_cache_pulled,
@@ -37,6 +37,7 @@ from prefetch.agent.gate_driver import GateDriver
 from prefetch.agent.metrics import AgentMetrics
 from prefetch.agent.scheduler import ModelState, Scheduler
 from prefetch.agent.space import SpaceManager
+from prefetch.agent.warming import WarmingStory
 from prefetch.pipeline.compose import Hooks, Pipeline
 from prefetch.pipeline.compose import warm as warm_up
 from prefetch.pipeline.layout import Layout
@@ -45,7 +46,7 @@ from prefetch.pipeline.store import Store
 from prefetch.pipeline.sync import Plan, SyncResult, VerifyReport, forget_failures, verify_local
 from prefetch.pipeline.transfer import Cancelled, TransferConfig
 from prefetch.pipeline.warmup import WarmReport
-from prefetch.publish.compile_cache import COMPLETE
+from prefetch.publish.compile_cache_claim import COMPLETE
 from prefetch.sources.base import Source
 from prefetch.support.errors import (
     ChecksumMismatchError,

@@ -321,20 +321,7 @@ class NodeGate:
                 refused_rv = None
                 retry_after = 0.0
             else:
-                logger.info(
-                    "node gate: node %s: labelled %s, unlabelled %s%s",
-                    self.node_name,
-                    list(plan.add),
-                    list(plan.remove),
-                    f", removed taint {self.startup_taint_key}" if plan.taint_indexes else "",
-                )
-                return GateResult(
-                    labels_added=plan.add,
-                    labels_removed=plan.remove,
-                    taint_removed=bool(plan.taint_indexes),
-                    patched=True,
-                    attempts=attempt,
-                )
+                return self._patched(plan, attempt)
             logger.warning(
                 "node gate: %s node %s failed (attempt %d/%d): %s",
                 verb,
@@ -347,6 +334,23 @@ class NodeGate:
             f"could not update labels/taints on node {self.node_name!r} in "
             f"{self._max_attempts} attempts; last error: {failure}",
             hint="check that the API server is reachable and healthy from the agent pod",
+        )
+
+    def _patched(self, plan: _Plan, attempt: int) -> GateResult:
+        """What :meth:`apply` returns (and logs) once ``plan`` was patched in."""
+        logger.info(
+            "node gate: node %s: labelled %s, unlabelled %s%s",
+            self.node_name,
+            list(plan.add),
+            list(plan.remove),
+            f", removed taint {self.startup_taint_key}" if plan.taint_indexes else "",
+        )
+        return GateResult(
+            labels_added=plan.add,
+            labels_removed=plan.remove,
+            taint_removed=bool(plan.taint_indexes),
+            patched=True,
+            attempts=attempt,
         )
 
     def annotate(self, key: str, value: str) -> None:

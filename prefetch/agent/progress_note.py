@@ -36,8 +36,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NotRequired, Protocol, TypedDict, runtime_checkable
 
+from prefetch.agent.config_values import AgentConfig
 from prefetch.agent.metrics import AgentMetrics
-from prefetch.agent.scheduler import ModelPhase, ModelState
+from prefetch.agent.scheduler import ModelPhase, ModelState, Scheduler
 from prefetch.support.constants import PROGRESS_ANNOTATION, PROGRESS_INTERVAL
 from prefetch.support.logjson import scrub
 from prefetch.support.units import iso_utc
@@ -174,6 +175,19 @@ def build_note(
             for ms in models
         ],
     }
+
+
+def agent_note(scheduler: Scheduler, rate: Callable[[str], float], config: AgentConfig) -> Note:
+    """The note for the agent's models now, under ``config`` (its gate and compile caches)."""
+    return build_note(
+        scheduler.states(),
+        rate,
+        all_ready=scheduler.all_required_ready(),
+        prefix=config.label_prefix,
+        taint=config.startup_taint,
+        now=time.time(),
+        compile_caches=frozenset(name for name, _key in config.compile_caches),
+    )
 
 
 def note_shape(note: Note) -> Shape:

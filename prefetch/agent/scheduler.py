@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from prefetch.agent.config import Backoff
+from prefetch.agent.config_values import Backoff
 from prefetch.agent.metrics import MetricsSink
 from prefetch.pipeline.retry import RetryPolicy
 from prefetch.pipeline.spec import ModelSpec

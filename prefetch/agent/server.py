@@ -33,7 +33,7 @@ from http import HTTPStatus
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from prefetch.agent.config import parse_listen
+from prefetch.agent.config_checks import parse_listen
 from prefetch.support.constants import HEALTHZ_PATH, METRICS_PATH, READYZ_PATH
 
 log = logging.getLogger(__name__)

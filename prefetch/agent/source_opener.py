@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from prefetch.agent.config import AgentConfig, render_spec_error
+from prefetch.agent.config_models import render_spec_error
+from prefetch.agent.config_values import AgentConfig
 from prefetch.pipeline.spec import ModelSpec, SpecError
 from prefetch.sources import S3Clients, SourceSettings, open_source
 from prefetch.sources.base import Source

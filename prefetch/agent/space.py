@@ -17,7 +17,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from prefetch.agent.events import EventRecorder, evicted
+from prefetch.agent.event_recorder import EventRecorder
+from prefetch.agent.events import evicted
 from prefetch.agent.metrics import AgentMetrics, MetricsSink
 from prefetch.pipeline.spec import ModelSpec
 from prefetch.pipeline.store import Store

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from prefetch.agent.config import DEFAULT_CACHE_DIR, DEFAULT_CONFIG_PATH, AgentConfig
+from prefetch.agent.config_values import DEFAULT_CACHE_DIR, DEFAULT_CONFIG_PATH, AgentConfig
 from prefetch.agent.gate_driver import GateFactory, NodeGateLike
 from prefetch.cli.help import HelpCommand
 from prefetch.publish.compile_cache import GPU_PRODUCT_LABEL
@@ -112,7 +112,7 @@ def agent_cmd(
     Serves /healthz, /readyz and /metrics; reloads the config file when it changes; on SIGTERM
     stops downloads resumably and exits 0.
     """
-    from prefetch.agent.events import in_cluster_events
+    from prefetch.agent.kube_events import in_cluster_events
     from prefetch.agent.loop import Agent
     from prefetch.support.logjson import setup_logging
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from prefetch.agent.config import DEFAULT_CACHE_DIR, DEFAULT_CONFIG_PATH, AgentConfig
+from prefetch.agent.config_values import DEFAULT_CACHE_DIR, DEFAULT_CONFIG_PATH, AgentConfig
 from prefetch.cli.help import HelpCommand
 from prefetch.support.errors import ConfigError, LockTimeoutError
 from prefetch.support.units import format_bytes

@@ -10,24 +10,22 @@ Each entry keeps a small usage record, ``usage.json`` in its state folder (``<en
 for plain entries, ``.prefetch/hub/models--<org>--<name>/`` for Hub repos), written by the agent
 (the mount is ``noatime``, so access times say nothing): when it was last wanted by the config,
 whether it is pinned, and per model what was last synced (spec digest, revision, complete) and
-re-verified. Eviction renames the entry into ``.trash/`` under the model's lock (readers see it
-vanish at once) and then deletes it.
+re-verified (:mod:`prefetch.pipeline.store_usage`). Eviction renames the entry into ``.trash/``
+under the model's lock (readers see it vanish at once) and then deletes it.
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
-import json
 import logging
 import os
 import shutil
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Required, TypedDict, cast
+from typing import TypedDict
 
 import psutil
 
@@ -38,7 +36,6 @@ from prefetch.pipeline.layout import (
     Layout,
     PlainLayout,
     RecordBook,
-    atomic_write,
     check_repo_folder,
     is_repo_folder,
     layout_for,
@@ -46,39 +43,14 @@ from prefetch.pipeline.layout import (
     model_dir,
     model_lock,
     repo_id_of,
-    repo_state_dir,
 )
 from prefetch.pipeline.spec import ModelSpec
+from prefetch.pipeline.store_usage import ModelUsage, UsageRecords
 from prefetch.support.errors import LayoutError
 
 log = logging.getLogger(__name__)
 
-USAGE_FILE = "usage.json"
 TRASH_DIR = ".trash"
-
-
-class ModelUsage(TypedDict, total=False):
-    """One model's part of an entry's usage record (each key written when it happens)."""
-
-    pin: bool
-    spec: str  # the digest of the spec last synced
-    source: str
-    revision: str
-    complete: bool
-    synced_at: float
-    files: int
-    bytes: int
-    verify_ok: bool
-    verified_at: float
-
-
-class UsageRecord(TypedDict, total=False):
-    """An entry's ``usage.json``."""
-
-    format: int
-    models: Required[dict[str, ModelUsage]]  # by config model name
-    last_used: float
-    pinned: bool
 
 
 class CachedModelJson(TypedDict):
@@ -158,8 +130,8 @@ class Store:
 
     def __init__(self, cache_dir: Path, *, clock: Callable[[], float] = time.time) -> None:
         self.cache_dir = Path(cache_dir)
-        self._clock = clock
-        self._lock = threading.Lock()
+        #: Each entry's usage.json (its last use, pins, what was synced and verified).
+        self._usage = UsageRecords(self.cache_dir, clock=clock)
 
     # -- where things are ----------------------------------------------------------------------
 
@@ -177,56 +149,20 @@ class Store:
         return entry_dir.relative_to(self.cache_dir).as_posix()
 
     def _is_hub_entry(self, entry_dir: Path) -> bool:
-        return entry_dir.parent == self.cache_dir / HUB_DIR
+        return self._usage.is_hub_entry(entry_dir)
 
     def _state_dir(self, entry_dir: Path) -> Path:
-        """Our state for an entry, where its layout keeps it: inside a plain entry, but outside
-        ``hub/`` for Hub repos (huggingface_hub's cache scan must see pristine repo folders),
-        beside the HfCacheLayout's records."""
-        if self._is_hub_entry(entry_dir):
-            return repo_state_dir(self.cache_dir, entry_dir.name)
-        return PlainLayout(entry_dir).state
+        return self._usage.state_dir(entry_dir)
 
-    def _usage_path(self, entry_dir: Path) -> Path:
-        return self._state_dir(entry_dir) / USAGE_FILE
-
-    # -- usage records -------------------------------------------------------------------------
-
-    def _read_usage(self, entry_dir: Path) -> UsageRecord:
-        try:
-            data = json.loads(self._usage_path(entry_dir).read_text())
-        except (FileNotFoundError, NotADirectoryError):
-            return {"format": 1, "models": {}}
-        except (OSError, ValueError) as exc:
-            log.warning("ignoring unreadable usage record in %s: %s", entry_dir, exc)
-            return {"format": 1, "models": {}}
-        if not isinstance(data, dict) or not isinstance(data.get("models"), dict):
-            return {"format": 1, "models": {}}
-        return cast(UsageRecord, data)  # as written; a model's record is type-checked where read
-
-    def _update_usage(self, spec: ModelSpec, change: Callable[[UsageRecord], None]) -> None:
-        entry = self.entry_dir(spec)
-        with self._lock:
-            data = self._read_usage(entry)
-            change(data)
-            data["pinned"] = any(bool(m.get("pin")) for m in data["models"].values())
-            atomic_write(self._usage_path(entry), json.dumps(data, sort_keys=True).encode())
+    # -- usage records (:class:`UsageRecords`) ---------------------------------------------------
 
     def usage(self, spec: ModelSpec) -> ModelUsage:
         """The usage record of ``spec`` in its entry ({} when none)."""
-        with self._lock:
-            record = self._read_usage(self.entry_dir(spec))["models"].get(spec.name)
-        return ModelUsage(**record) if isinstance(record, dict) else {}
+        return self._usage.model(self.entry_dir(spec), spec.name)
 
     def touch(self, spec: ModelSpec, when: float | None = None) -> None:
         """Record that the config wants ``spec`` now (its entry's last use), and its pin flag."""
-        now = self._clock() if when is None else when
-
-        def change(data: UsageRecord) -> None:
-            data["last_used"] = now
-            data["models"].setdefault(spec.name, {})["pin"] = spec.pin
-
-        self._update_usage(spec, change)
+        self._usage.touch(self.entry_dir(spec), spec, when)
 
     def record_pin(self, spec: ModelSpec) -> bool:
         """Record the config's pin flag for ``spec`` if its entry is in the cache.
@@ -239,61 +175,26 @@ class Store:
         entry = self.entry_dir(spec)
         if not entry.is_dir():
             return False
-        with self._lock:
-            record = self._read_usage(entry)["models"].get(spec.name)
-        if isinstance(record, dict) and record.get("pin") is spec.pin:
-            return False
-
-        def change(data: UsageRecord) -> None:
-            data["models"].setdefault(spec.name, {})["pin"] = spec.pin
-
-        self._update_usage(spec, change)
-        return True
+        return self._usage.record_pin(entry, spec)
 
     def record_sync(
         self, spec: ModelSpec, *, digest: str, revision: str, files: int, bytes_total: int
     ) -> None:
-        now = self._clock()
-
-        def change(data: UsageRecord) -> None:
-            data["last_used"] = now
-            rec = data["models"].setdefault(spec.name, {})
-            rec.update(
-                {
-                    "spec": digest,
-                    "source": str(spec.source),
-                    "revision": revision,
-                    "complete": True,
-                    "synced_at": now,
-                    "files": files,
-                    "bytes": bytes_total,
-                    "pin": spec.pin,
-                }
-            )
-            if rec.get("verify_ok") is False:
-                rec["verify_ok"] = True
-                rec["verified_at"] = now
-
-        self._update_usage(spec, change)
+        self._usage.record_sync(
+            self.entry_dir(spec),
+            spec,
+            digest=digest,
+            revision=revision,
+            files=files,
+            bytes_total=bytes_total,
+        )
 
     def record_verify(self, spec: ModelSpec, *, ok: bool) -> None:
-        now = self._clock()
-
-        def change(data: UsageRecord) -> None:
-            rec = data["models"].setdefault(spec.name, {})
-            rec.update({"verified_at": now, "verify_ok": ok})
-            if not ok:
-                rec["complete"] = False
-
-        self._update_usage(spec, change)
+        self._usage.record_verify(self.entry_dir(spec), spec, ok=ok)
 
     def set_last_used(self, key: str, when: float) -> None:
         """Set an entry's last use (for tests and operators moving entries up or down the LRU)."""
-        entry = self._safe_entry_dir(key)
-        with self._lock:
-            data = self._read_usage(entry)
-            data["last_used"] = when
-            atomic_write(self._usage_path(entry), json.dumps(data, sort_keys=True).encode())
+        self._usage.set_last_used(self._safe_entry_dir(key), when)
 
     def copy_intact(self, spec: ModelSpec, digest: str) -> bool:
         """Does the cache hold a complete, verified copy of ``spec`` (by its records; stat only)?"""
@@ -363,7 +264,7 @@ class Store:
             return False  # unreadable: count it, as before
 
     def _describe(self, kind: str, entry: Path) -> CachedModel:
-        usage = self._read_usage(entry)
+        usage = self._usage.read(entry)
         records = {k: v for k, v in usage["models"].items() if isinstance(v, dict)}
         synced = [r for r in records.values() if r.get("spec")]
         complete = (

@@ -33,15 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prefetch.sources.s3.errors import translate
+from prefetch.publish.compile_cache_claim import COMPLETE, Claim, exists, put, put_new, split_uri
 from prefetch.support.errors import CompileCacheError, CompileCacheRefused, PrefetchError
 
 #: vLLM writes this into a compile cache directory once it is complete.
 CACHE_READY = ".cache_ready"
-#: Ours, at the top of a published key: the claim (the first write) and the completion marker
-#: (the last). Neither is a vLLM file; both are small JSON.
-CLAIM = ".prefetch-claim.json"
-COMPLETE = ".prefetch-complete.json"
 #: The node label GPU feature discovery sets to the GPU product (e.g. NVIDIA-H100-80GB-HBM3).
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 #: How long a push watches the files for changes before uploading.
@@ -49,10 +45,6 @@ DEFAULT_SETTLE = 2.0
 #: How long a claim holds a key without being renewed (a push renews it as it goes): a push
 #: killed after its claim blocks the key this long at most, then another writer takes it over.
 DEFAULT_LEASE = 10 * 60.0
-#: Why a push left a key alone that has its :data:`COMPLETE` marker.
-PUBLISHED = "exists: another writer published this key"
-#: The most of a claim object read (ours are a few hundred bytes).
-CLAIM_LIMIT = 64 * 1024
 #: A file up to this size is copied into memory and the copy uploaded; a larger one is uploaded
 #: from the file with its SHA-256 for the store to check (see ``_upload_file``).
 IN_MEMORY = 16 * 1024 * 1024
@@ -71,12 +63,9 @@ EXTRA_DIRS: dict[str, tuple[str, str]] = {
 
 __all__ = [
     "CACHE_READY",
-    "CLAIM",
-    "COMPLETE",
     "DEFAULT_LEASE",
     "EXTRA_DIRS",
     "GPU_PRODUCT_LABEL",
-    "PUBLISHED",
     "CacheKey",
     "PushResult",
     "extra_env",
@@ -367,7 +356,7 @@ def _upload_file(client: Any, bucket: str, key: str, tree: _Root, rel: str, list
         body.seek(0)
         checksum = base64.b64encode(bytes.fromhex(digest)).decode()
         try:
-            etag = _put(client, bucket, key, body, checksum=checksum, IfNoneMatch="*")
+            etag = put(client, bucket, key, body, checksum=checksum, IfNoneMatch="*")
         except PrefetchError:  # e.g. BadDigest: the bytes read for the upload were others
             _check(tree, rel, fd, listed, "changed while it was uploaded")
             raise
@@ -392,183 +381,6 @@ def _what_changed(st: os.stat_result, listed: _Stamp) -> str:
     return "rewritten"
 
 
-def _split(uri: str) -> tuple[str, str]:
-    if not uri.startswith("s3://") or "/" not in uri[5:].strip("/"):
-        raise CompileCacheError(f"{uri!r}: expected s3://bucket/prefix/<key>")
-    bucket, _, prefix = uri[5:].partition("/")
-    return bucket, prefix.strip("/") + "/"
-
-
-def _exists_error(exc: Exception) -> bool:
-    response = getattr(exc, "response", None)
-    if not isinstance(response, dict):
-        return False
-    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    code = response.get("Error", {}).get("Code")
-    # 412: the object exists; 409: another conditional write to it is in progress
-    return status in (409, 412) or code in ("PreconditionFailed", "ConditionalRequestConflict")
-
-
-def _status(exc: Exception) -> int | None:
-    response = getattr(exc, "response", None)
-    if not isinstance(response, dict):
-        return None
-    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return status if isinstance(status, int) else None
-
-
-def _put(
-    client: Any, bucket: str, key: str, body: Any, *, checksum: str = "", **condition: str
-) -> str | None:
-    """PUT under ``condition`` (``IfNoneMatch="*"``: only if nothing is there; ``IfMatch=etag``:
-    only if that version is), with the body's SHA-256 (base64) when given, else one botocore
-    computes: the new object's ETag, None when the condition does not hold."""
-    sha256 = {"ChecksumSHA256": checksum} if checksum else {"ChecksumAlgorithm": "SHA256"}
-    try:
-        answer = client.put_object(Bucket=bucket, Key=key, Body=body, **sha256, **condition)
-    except Exception as exc:
-        if _exists_error(exc):
-            return None
-        raise translate(exc, f"s3://{bucket}/{key}") from exc
-    return str(answer.get("ETag", ""))
-
-
-def _put_new(client: Any, bucket: str, key: str, body: Any) -> bool:
-    """PUT only if nothing is there (``If-None-Match: *``): False when something is."""
-    return _put(client, bucket, key, body, IfNoneMatch="*") is not None
-
-
-def _exists(client: Any, bucket: str, key: str) -> bool:
-    try:
-        client.head_object(Bucket=bucket, Key=key)
-    except Exception as exc:
-        if _status(exc) == 404:
-            return False
-        raise translate(exc, f"s3://{bucket}/{key}") from exc
-    return True
-
-
-@dataclass(frozen=True)
-class _Held:
-    """A claim found on the key: its ETag (to replace exactly it) and when its lease ends."""
-
-    etag: str
-    expires_at: float
-
-
-def _read_claim(client: Any, bucket: str, key: str, lease: float) -> _Held | None:
-    """The claim at ``key`` (None: gone meanwhile). Its lease ends at the ``expires_at`` its
-    writer put in it; a claim without one (an older push, or unreadable) at its upload time
-    plus ``lease``."""
-    try:
-        answer = client.get_object(Bucket=bucket, Key=key)
-        body = answer["Body"].read(CLAIM_LIMIT)
-    except Exception as exc:
-        if _status(exc) == 404:
-            return None
-        raise translate(exc, f"s3://{bucket}/{key}") from exc
-    expires = answer["LastModified"].timestamp() + lease
-    try:
-        written = json.loads(body).get("expires_at")
-    except (ValueError, AttributeError):
-        written = None
-    if isinstance(written, int | float) and not isinstance(written, bool):
-        expires = float(written)
-    return _Held(str(answer.get("ETag", "")), expires)
-
-
-def _clear(client: Any, bucket: str, prefix: str) -> None:
-    """Delete what a push that died left under ``prefix`` (all but the claim): this push now
-    holds the key, and a reader must not get the dead push's files with the new ones."""
-    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-    try:
-        for page in pages:
-            for obj in page.get("Contents", []):
-                if obj["Key"] not in (prefix + CLAIM, prefix + COMPLETE):
-                    client.delete_object(Bucket=bucket, Key=obj["Key"])
-    except Exception as exc:
-        raise translate(exc, f"s3://{bucket}/{prefix}") from exc
-
-
-class _Claim:
-    """This push's hold on the key: a small JSON object with the time its lease ends, renewed
-    (``If-Match`` its own ETag) while the push runs, so a push killed after its claim blocks the
-    key only until the lease ends; the next writer then takes it over (``If-Match`` the expired
-    claim's ETag: of two, one does). A key with :data:`COMPLETE` is never taken over."""
-
-    def __init__(
-        self, client: Any, bucket: str, prefix: str, fields: dict[str, Any],
-        lease: float, clock: Callable[[], float],
-    ) -> None:  # fmt: skip
-        self._client, self._bucket, self._key = client, bucket, prefix + CLAIM
-        self._prefix, self._fields, self._lease, self._clock = prefix, fields, lease, clock
-        self._etag = ""
-        self._renew_at = 0.0
-        self.took_over = False
-        self.lost = False
-
-    def _body(self) -> bytes:
-        now = self._clock()
-        self._renew_at = now + self._lease / 2
-        return json.dumps(
-            {**self._fields, "claimed_at": now, "lease_seconds": self._lease,
-             "expires_at": now + self._lease}
-        ).encode()  # fmt: skip
-
-    def take(self) -> PushResult | None:
-        """Claim the key: None when this push holds it, else the result to give (published,
-        or held by a live claim)."""
-        uri = f"s3://{self._bucket}/{self._prefix}"
-        etag = _put(self._client, self._bucket, self._key, self._body(), IfNoneMatch="*")
-        if etag is None:
-            if _exists(self._client, self._bucket, self._prefix + COMPLETE):
-                return PushResult(uri, uploaded=False, reason=PUBLISHED)
-            held = _read_claim(self._client, self._bucket, self._key, self._lease)
-            if held is not None and self._clock() < held.expires_at:
-                until = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(held.expires_at))
-                return PushResult(uri, uploaded=False, pending=True,
-                                  reason=f"exists: another writer is publishing this key "
-                                         f"(its claim holds until {until})")  # fmt: skip
-            condition = {"IfMatch": held.etag} if held is not None else {"IfNoneMatch": "*"}
-            etag = _put(self._client, self._bucket, self._key, self._body(), **condition)
-            if etag is None:
-                why = "exists: another writer took this key over first"
-                return PushResult(uri, uploaded=False, pending=True, reason=why)
-            self.took_over = True
-        self._etag = etag
-        if _exists(self._client, self._bucket, self._prefix + COMPLETE):
-            # published although no claim was there (a claim deleted by hand): leave it
-            self.release()
-            return PushResult(uri, uploaded=False, reason=PUBLISHED)
-        _clear(self._client, self._bucket, self._prefix)
-        return None
-
-    def renew(self, *, force: bool = False) -> None:
-        """Extend the lease (past half of it, or ``force``); CompileCacheError when another
-        writer took the key over (this push's lease ran out)."""
-        if not force and self._clock() < self._renew_at:
-            return
-        etag = _put(self._client, self._bucket, self._key, self._body(), IfMatch=self._etag)
-        if etag is None:
-            self.lost = True
-            raise CompileCacheError(
-                f"s3://{self._bucket}/{self._key}: another writer took this key over (this "
-                "push's claim expired)",
-                hint="a push must renew its claim within the lease; see --lease",
-            )
-        self._etag = etag
-
-    def release(self) -> None:
-        """Give the key up after a failed push (best effort: the lease ends anyway); not when
-        another writer holds it now."""
-        if self.lost:
-            return
-        try:
-            self._client.delete_object(Bucket=self._bucket, Key=self._key)
-        except Exception as exc:  # the claim then expires with its lease
-            log.debug("s3://%s/%s: claim not released: %s", self._bucket, self._key, exc)
-
-
 def push(
     client: Any,
     root: Path,
@@ -590,7 +402,7 @@ def push(
     uploaded as hashed (see ``_upload_file``): the object, its size and the SHA-256 in
     :data:`COMPLETE` are the same bytes. A file swapped or changed after the check ends the
     push (CompileCacheRefused) before :data:`COMPLETE`, and the claim is given up."""
-    bucket, prefix = _split(uri)
+    bucket, prefix = split_uri(uri)
     skip = left_out(extra_dirs) if extra_dirs is not None else frozenset()
     if not root.is_dir():
         raise CompileCacheError(f"{root}: not a directory")
@@ -603,10 +415,10 @@ def push(
             "bytes": sum(stamp[2] for stamp in files.values()),
             **({"key": key.fields()} if key is not None else {}),
         }
-        claim = _Claim(client, bucket, prefix, fields, lease, clock)
+        claim = Claim(client, bucket, prefix, fields, lease, clock)
         refused = claim.take()
         if refused is not None:
-            return refused
+            return PushResult(uri, uploaded=False, pending=refused.pending, reason=refused.reason)
         try:
             digests = _upload(client, bucket, prefix, tree, files, claim)
             claim.renew(force=True)  # still this push's key, right before it completes it
@@ -615,14 +427,14 @@ def push(
             raise
     sizes = {rel: stamp[2] for rel, stamp in sorted(files.items())}
     manifest = {"files": sizes, "sha256": digests, "completed_at": clock()}
-    if not _put_new(client, bucket, prefix + COMPLETE, json.dumps(manifest).encode()):
+    if not put_new(client, bucket, prefix + COMPLETE, json.dumps(manifest).encode()):
         raise CompileCacheError(f"s3://{bucket}/{prefix}{COMPLETE}: written by another writer")
     extra = {"took_over": True} if claim.took_over else {}
     return PushResult(uri, uploaded=True, files=len(files), bytes=sum(sizes.values()), extra=extra)
 
 
 def _upload(
-    client: Any, bucket: str, prefix: str, tree: _Root, files: dict[str, _Stamp], claim: _Claim
+    client: Any, bucket: str, prefix: str, tree: _Root, files: dict[str, _Stamp], claim: Claim
 ) -> dict[str, str]:
     """Upload each file as checked (see :func:`_upload_file`): relative path -> its SHA-256."""
     digests: dict[str, str] = {}
@@ -634,5 +446,5 @@ def _upload(
 
 def is_published(client: Any, uri: str) -> bool:
     """Whether ``uri`` holds a complete published cache (its :data:`COMPLETE` marker)."""
-    bucket, prefix = _split(uri)
-    return _exists(client, bucket, prefix + COMPLETE)
+    bucket, prefix = split_uri(uri)
+    return exists(client, bucket, prefix + COMPLETE)

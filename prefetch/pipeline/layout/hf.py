@@ -25,6 +25,8 @@ builds the snapshot's links in a hidden directory renamed into place (huggingfac
 takes any existing snapshot folder as complete), compacts the records and writes the ref last.
 A blob published earlier is only linked. With ``delete``, a commit also removes the snapshots
 its ref moved away from that no ref names (after a grace period), then blobs nothing links.
+:class:`HfCacheLayout` decides and records; :class:`~prefetch.pipeline.layout.hf_tree.HubRepoTree`
+makes each change to the folder huggingface_hub reads.
 """
 
 from __future__ import annotations
@@ -32,13 +34,10 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
-import errno
 import hashlib
 import os
 import re
-import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from prefetch.pipeline import verify
@@ -49,13 +48,18 @@ from prefetch.pipeline.layout.base import (
     RecordedFile,
     Records,
     SnapshotRecord,
-    atomic_write,
     entry_checksums,
     file_entry,
-    fsync_file,
     make_dirs_inside,
     refuse_symlinks,
     safe_join,
+)
+from prefetch.pipeline.layout.hf_tree import (
+    HubRepoTree,
+    fsync_dir,
+    move_into,
+    points_to,
+    safe_name,
 )
 from prefetch.pipeline.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.pipeline.spec import ModelSpec
@@ -65,9 +69,8 @@ from prefetch.support.paths import STATE_DIR, path_problem
 HUB_DIR = "hub"
 REPO_PREFIX = "models--"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?$")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")  # an ETag that names a blob as it is
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_TMP_SUFFIX = ".incomplete"
 
 
 def repo_folder(repo_id: str) -> str:
@@ -111,12 +114,6 @@ def check_repo_folder(folder: str) -> str:
     return folder
 
 
-def _safe_name(name: str, what: str) -> str:
-    if not _NAME.match(name):
-        raise LayoutError(f"refusing unsafe {what} {name!r}")
-    return name
-
-
 def _verified_sha256(checksum: Checksum | None) -> str | None:
     """The hex sha256 of the whole content, when that is what the engine verified."""
     if checksum is None or checksum.algorithm != "sha256" or checksum.part_sizes is not None:
@@ -139,9 +136,11 @@ class HfCacheLayout:
         self.repo_id = repo_id
         self.root = repo_dir(self.cache_dir, repo_id)
         self.folder = self.root.name
-        self.blobs = self.root / "blobs"
-        self.snapshots = self.root / "snapshots"
-        self.refs = self.root / "refs"
+        #: The folder huggingface_hub reads (blobs/, snapshots/, refs/), changed safely.
+        self.tree = HubRepoTree(self.cache_dir, self.root)
+        self.blobs = self.tree.blobs
+        self.snapshots = self.tree.snapshots
+        self.refs = self.tree.refs
         self.state = repo_state_dir(self.cache_dir, self.folder)
         self.book = RecordBook(self.state)
         self._entries: dict[str, FileRecord] | None = None
@@ -160,15 +159,11 @@ class HfCacheLayout:
         for d in (self.blobs, self.snapshots):  # scan_cache_dir wants snapshots/ to exist
             make_dirs_inside(self.cache_dir, d)
 
-    def _dir(self, path: Path) -> Path:
-        """Create ``path`` (below the cache) refusing symlinked components, see make_dirs_inside."""
-        return make_dirs_inside(self.cache_dir, path)
-
     def model_path(self, snapshot: Snapshot) -> Path:
-        return self.snapshots / _safe_name(snapshot.revision_id, "snapshot id")
+        return self.snapshots / safe_name(snapshot.revision_id, "snapshot id")
 
     def blob_path(self, blob: str) -> Path:
-        return self.blobs / _safe_name(blob, "blob name")
+        return self.tree.blob_path(blob)
 
     # -- records ---------------------------------------------------------------------------------
 
@@ -210,7 +205,7 @@ class HfCacheLayout:
     def blob_name(self, file: RemoteFile, checksum: Checksum | None, staged: Path) -> str:
         """The name of a verified file's blob (see the module docstring)."""
         if file.blob_id and file.version == file.blob_id:
-            return _safe_name(file.blob_id, "blob id")  # a Hub file: the Hub names it
+            return safe_name(file.blob_id, "blob id")  # a Hub file: the Hub names it
         sha256 = _verified_sha256(checksum)
         if sha256 is not None:
             return sha256
@@ -227,9 +222,9 @@ class HfCacheLayout:
         naming = next((c for c in checksums if _verified_sha256(c)), None)
         blob = self.blob_name(file, naming or (checksums[0] if checksums else None), staged)
         target = self.blob_path(blob)
-        self._dir(self.blobs)
-        self._dir(self.snapshots)  # scan_cache_dir wants it to exist
-        _move(staged, target)
+        self.tree.make_dir(self.blobs)
+        self.tree.make_dir(self.snapshots)  # scan_cache_dir wants it to exist
+        move_into(staged, target)
         entry = file_entry(file, checksums or verify.checks_for(file.checksums))
         # the same content may come from several source versions (two S3 objects with one
         # sha256): remember them all, or each pull would fetch one of them again
@@ -252,7 +247,7 @@ class HfCacheLayout:
         data = self.book.load()
         entries = data["entries"]
         self._entries, self._index = entries, None
-        commit = _safe_name(snapshot.revision_id, "snapshot id")
+        commit = safe_name(snapshot.revision_id, "snapshot id")
         links: dict[str, str] = {}
         for f in snapshot.files:
             blob = self._blob_for(f)
@@ -262,18 +257,15 @@ class HfCacheLayout:
                     hint="run the pull again",
                 )
             links[f.path] = blob
-        self._dir(self.snapshots)
-        self._remove_leftovers()
+        self.tree.make_dir(self.snapshots)
+        self.tree.remove_leftovers()
         final = refuse_symlinks(self.cache_dir, self.snapshots / commit)
-        if final.is_dir():
-            self._link_all(final, links)
-        else:
-            self._create_snapshot(final, links)
+        self.tree.place_snapshot(final, links)
         snaps = data.setdefault("snapshots", {})
         previous = dict(snaps.get(commit, {}).get("files", {}))
         deleted: list[str] = []
         if delete:
-            deleted = self._delete_extra(final, set(links))
+            deleted = self.tree.delete_extra(final, set(links))
             files = links
         else:
             files = {p: b for p, b in previous.items() if (final / p).is_symlink()} | links
@@ -292,9 +284,9 @@ class HfCacheLayout:
         data["repo_id"] = self.repo_id
         self.book.compact(data)
         for d in (self.blobs, final):
-            _fsync_dir(d)
+            fsync_dir(d)
         if ref is not None:
-            self._write_ref(ref, commit)
+            self.tree.write_ref(ref, commit)
             if delete:
                 deleted += self._prune_superseded(data, ref, commit, superseded_grace)
         return deleted
@@ -306,7 +298,7 @@ class HfCacheLayout:
         linked. Runs after the new ref is written: readers switch first, then the old copy goes.
         Returns the removed files as ``path@<commit>``."""
         snaps = data["snapshots"]
-        named = self._ref_targets()
+        named = self.tree.ref_targets()
         now = time.time()
         changed = False
         removed: list[str] = []
@@ -321,7 +313,7 @@ class HfCacheLayout:
                 changed = True
             if now - snap["superseded"] < grace:
                 continue
-            self._remove_snapshot_dir(commit)
+            self.tree.remove_snapshot(commit)
             removed += [f"{path}@{commit[:12]}" for path in sorted(snap.get("files", {}))]
             del snaps[commit]
             changed = True
@@ -331,109 +323,11 @@ class HfCacheLayout:
             self.book.compact(data)
         return removed
 
-    def _ref_targets(self) -> set[str]:
-        """The commits the repo's refs (``refs/main``, ``refs/pr/1``, ...) point to."""
-        out: set[str] = set()
-        for path in self.refs.rglob("*") if self.refs.is_dir() else ():
-            if path.is_file() and not path.name.startswith("."):
-                with contextlib.suppress(OSError, UnicodeDecodeError):
-                    out.add(path.read_text().strip())
-        return out
-
-    def _remove_snapshot_dir(self, commit: str) -> None:
-        """Hide the snapshot under a temporary name first (huggingface_hub never sees it half
-        removed; a crash leaves it for ``_remove_leftovers``), then delete it."""
-        final = self.snapshots / _safe_name(commit, "snapshot id")
-        doomed = final.with_name(f".{final.name}.{os.getpid()}{_TMP_SUFFIX}")
-        try:
-            os.rename(final, doomed)
-        except FileNotFoundError:
-            return
-        _fsync_dir(self.snapshots)
-        shutil.rmtree(doomed, ignore_errors=True)
-
-    def _link(self, link: Path, blob: str) -> None:
-        """Point ``link`` at the blob with a relative symlink, atomically (tmp + replace)."""
-        target = os.path.relpath(self.blob_path(blob), link.parent)
-        if link.is_symlink() and os.readlink(link) == target:
-            return
-        if link.is_dir() and not link.is_symlink():
-            raise LayoutError(f"cannot link {link}: a directory is in the way")
-        self._dir(link.parent)
-        tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        os.symlink(target, tmp)
-        os.replace(tmp, link)
-
-    def _link_all(self, snapshot_dir: Path, links: dict[str, str]) -> None:
-        for path, blob in links.items():
-            self._link(safe_join(snapshot_dir, path), blob)
-
-    def _create_snapshot(self, final: Path, links: dict[str, str]) -> None:
-        """Build the snapshot next to its final place (same depth, so the relative links are
-        right) and rename it in: it appears complete or not at all."""
-        tmp = final.with_name(f".{final.name}.{os.getpid()}{_TMP_SUFFIX}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        self._link_all(tmp, links)
-        for dirpath, _, _ in os.walk(tmp):
-            _fsync_dir(Path(dirpath))
-        try:
-            os.rename(tmp, final)
-        except OSError as exc:
-            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)  # someone else made it meanwhile: fill it in
-            self._link_all(final, links)
-        _fsync_dir(self.snapshots)
-
-    def _remove_leftovers(self) -> None:
-        """Hidden temporaries of a crashed commit (we hold the model's lock: none is live)."""
-        for p in self.snapshots.glob(f".*{_TMP_SUFFIX}"):
-            shutil.rmtree(p, ignore_errors=True)
-        if self.refs.is_dir():
-            for p in self.refs.rglob(".*.tmp"):
-                with contextlib.suppress(OSError):
-                    p.unlink()
-
-    def _delete_extra(self, snapshot_dir: Path, wanted: set[str]) -> list[str]:
-        deleted: list[str] = []
-        for path in sorted(_walk_files(snapshot_dir)):
-            if path not in wanted:
-                (snapshot_dir / path).unlink()
-                deleted.append(path)
-        for dirpath, _, _ in sorted(os.walk(snapshot_dir), key=lambda t: -len(t[0])):
-            if Path(dirpath) != snapshot_dir:
-                with contextlib.suppress(OSError):
-                    Path(dirpath).rmdir()
-        return deleted
-
     def _remove_unreferenced_blobs(self, entries: dict[str, FileRecord]) -> None:
         """Delete blobs we published that no snapshot (ours or not) links any more."""
-        referenced: set[str] = set()
-        blobs_dir = os.path.abspath(self.blobs)
-        for snap in self.snapshots.iterdir() if self.snapshots.is_dir() else ():
-            for path in _walk_files(snap):
-                link = snap / path
-                if link.is_symlink():
-                    target = os.path.abspath(os.path.join(link.parent, os.readlink(link)))
-                    if os.path.dirname(target) == blobs_dir:
-                        referenced.add(os.path.basename(target))
-        for blob in sorted(set(entries) - referenced):
-            with contextlib.suppress(FileNotFoundError):
-                self.blob_path(blob).unlink()
+        for blob in self.tree.remove_unlinked(entries):
             del entries[blob]
         self._index = None
-
-    def _write_ref(self, ref: str, commit: str) -> None:
-        path = safe_join(self.refs, ref)
-        with contextlib.suppress(OSError):
-            if path.read_text() == commit:
-                return
-        self._dir(path.parent)
-        atomic_write(path, commit.encode())
-        _fsync_dir(path.parent)
 
     # -- what is there ---------------------------------------------------------------------------
 
@@ -456,7 +350,7 @@ class HfCacheLayout:
                 if entry is None:
                     continue
                 local = safe_join(self.snapshots / commit, path)
-                if blob in seen and _points_to(local, self.blob_path(blob)):
+                if blob in seen and points_to(local, self.blob_path(blob)):
                     continue
                 seen.add(blob)
                 out.append(
@@ -489,43 +383,6 @@ def _refs_of(snap: SnapshotRecord) -> list[str]:
     if "refs" in snap:
         return list(snap["refs"])
     return [snap["revision"]] if snap.get("revision") else []
-
-
-def _move(staged: Path, target: Path) -> None:
-    """Rename into place; across filesystems (a ``hub/`` on another volume) copy then rename."""
-    try:
-        os.replace(staged, target)
-    except OSError as exc:
-        if exc.errno != errno.EXDEV:
-            raise
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        shutil.copyfile(staged, tmp)
-        fsync_file(tmp)
-        os.replace(tmp, target)
-        staged.unlink()
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _walk_files(root: Path) -> Iterator[str]:
-    """Relative paths of the files and symlinks under ``root`` (symlinks not followed)."""
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in filenames + [d for d in dirnames if Path(dirpath, d).is_symlink()]:
-            yield Path(dirpath, name).relative_to(root).as_posix()
-
-
-def _points_to(link: Path, blob: Path) -> bool:
-    try:
-        return os.path.realpath(link) == os.path.realpath(blob)
-    except OSError:
-        return False
 
 
 def hub_layouts(cache_dir: Path) -> list[HfCacheLayout]:
