@@ -16,7 +16,7 @@ from prefetch.pipeline.layout.hf import HfCacheLayout, hub_layouts, repo_folder,
 from prefetch.pipeline.layout.hf_tree import HubRepoTree
 from prefetch.pipeline.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
-from prefetch.pipeline.sync import verify_local
+from prefetch.pipeline.verify_at_rest import verify_local
 from prefetch.support.errors import LayoutError
 
 REPO = "org/model"

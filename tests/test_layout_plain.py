@@ -12,7 +12,7 @@ import pytest
 from prefetch.pipeline.layout.plain import PlainLayout, model_dir
 from prefetch.pipeline.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
-from prefetch.pipeline.sync import verify_local
+from prefetch.pipeline.verify_at_rest import verify_local
 from prefetch.support.errors import LayoutError
 
 SOURCE = "s3://bucket/m"

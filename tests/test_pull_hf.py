@@ -24,9 +24,10 @@ from prefetch.pipeline.layout.hf import HfCacheLayout
 from prefetch.pipeline.retry import RetryPolicy
 from prefetch.pipeline.snapshot import Checksum, RemoteFile
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
-from prefetch.pipeline.sync import SyncResult, sync, verify_local
+from prefetch.pipeline.sync import SyncResult, sync
 from prefetch.pipeline.transfer import TransferConfig
 from prefetch.pipeline.transfer_plan import staged_name
+from prefetch.pipeline.verify_at_rest import verify_local
 from prefetch.sources.hf.source import HubOptions, HubSource, open_hub_source
 from prefetch.sources.http.transport import parse_retry_after
 from prefetch.support.errors import (

@@ -23,8 +23,8 @@ from prefetch.pipeline import verify
 from prefetch.pipeline.layout import PlainLayout
 from prefetch.pipeline.snapshot import Checksum, RemoteFile
 from prefetch.pipeline.spec import parse_source_uri
-from prefetch.pipeline.sync import verify_local
 from prefetch.pipeline.transfer import TransferConfig
+from prefetch.pipeline.verify_at_rest import verify_local
 from prefetch.sources.s3.source import S3Source
 from prefetch.support.errors import ChecksumMismatchError
 

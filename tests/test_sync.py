@@ -16,9 +16,10 @@ from prefetch.pipeline import verify
 from prefetch.pipeline.layout import PlainLayout, RecordedFile
 from prefetch.pipeline.progress import NullProgress
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
-from prefetch.pipeline.sync import execute, forget_failures, prepare, sync, verify_local
+from prefetch.pipeline.sync import execute, prepare, sync
 from prefetch.pipeline.transfer import TransferConfig
 from prefetch.pipeline.transfer_plan import staged_name
+from prefetch.pipeline.verify_at_rest import forget_failures, verify_local
 from prefetch.support.errors import LayoutError, LockTimeoutError
 from tests.fakes.memory import MemorySource
 

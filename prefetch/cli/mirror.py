@@ -20,6 +20,10 @@ from prefetch.support.redact import printable
 from prefetch.support.units import format_bytes
 
 if TYPE_CHECKING:
+    from prefetch.pipeline.backends import Backend
+    from prefetch.publish.s3_mirror import MirrorConfig, MirrorResult, S3Prefix
+    from prefetch.sources import SourceSettings
+
     pass
 from prefetch.cli.common import (
     MIRROR_INTERRUPTED,
@@ -106,10 +110,9 @@ def mirror(
     verified against the Hub's ids, resumable, and uploading nothing already there. DST may be
     oci://registry/repo:tag: a Hub commit is pushed as a ModelPack artifact, an oci:// SRC is
     copied by digest."""
-    from prefetch.pipeline.backends import backend, backends
-    from prefetch.publish.s3_mirror import MirrorConfig, S3Prefix, mirror_hub, mirror_s3
+    from prefetch.publish.s3_mirror import MirrorConfig, S3Prefix, mirror_hub
     from prefetch.publish.s3_mirror.upload import make_writer_client
-    from prefetch.sources import SourceSettings, open_source, pool_size, s3_client
+    from prefetch.sources import SourceSettings, open_source, pool_size
     from prefetch.sources.s3.factory import make_s3_client
 
     if not dst.strip().startswith(("s3://", "oci://")):
@@ -117,13 +120,7 @@ def mirror(
             f"the mirror destination must be s3://bucket/prefix or oci://registry/repo:tag, "
             f"not {dst!r}"
         )
-    reads = backend(parse_source_uri(src).scheme)
-    if not reads.mirrored_from:
-        raise ConfigError(
-            f"prefetch mirror does not read {src!r}: its sources are "
-            + ", ".join(f"{b.scheme}://" for b in backends() if b.mirrored_from),
-            hint="copy it with its own tools (gcloud storage, azcopy, aws s3 sync, oras push)",
-        )
+    reads = _mirrored_backend(src)
     if dst.strip().startswith("oci://"):  # a registry: a ModelPack artifact, or a copy
         _mirror_to_registry(src, dst, revision, token, endpoint, proxy, ca_bundle, concurrency,
                             attempts, progress, as_json, record)  # fmt: skip
@@ -166,28 +163,50 @@ def mirror(
                 spec, source, dest, config, progress=sink, stop=stop_on_sigterm(), so_far=record
             )
         else:
-            if (source_uri.location, source_uri.path) == (dest_uri.location, dest_uri.path):
-                raise ConfigError("the mirror source and destination are the same prefix")
             spec = ModelSpec(source=source_uri, proxy=proxy, ca_bundle=ca_bundle)
-            # the prefix read object by object (a mirror's metadata is copied as it is)
-            # one client lists the prefix and reads its objects
-            reader = s3_client(spec, reach, lazy=True)
-            reach = dataclasses.replace(reach, s3_client=reader)
-            src_prefix = S3Prefix(
-                reader, source_uri.location, source_uri.path, retry=transfer.retry
-            )
-            result = mirror_s3(
-                open_source(spec, reach, layout="plain"),
-                src_prefix,
-                dest,
-                config,
-                progress=sink,
-                stop=stop_on_sigterm(),
-                so_far=record,
-            )
+            result = _copy_prefix(spec, dest, reach, config, sink, record)
     finally:
         record.seconds = round(time.monotonic() - t0, 3)
     _print_mirror(result, src, as_json)
+
+
+def _mirrored_backend(src: str) -> Backend:
+    """SRC's backend, if ``prefetch mirror`` reads it (else one line naming what it reads)."""
+    from prefetch.pipeline.backends import backend, backends
+
+    reads = backend(parse_source_uri(src).scheme)
+    if not reads.mirrored_from:
+        raise ConfigError(
+            f"prefetch mirror does not read {src!r}: its sources are "
+            + ", ".join(f"{b.scheme}://" for b in backends() if b.mirrored_from),
+            hint="copy it with its own tools (gcloud storage, azcopy, aws s3 sync, oras push)",
+        )
+    return reads
+
+
+def _copy_prefix(
+    spec: ModelSpec,
+    dest: S3Prefix,
+    reach: SourceSettings,
+    config: MirrorConfig,
+    sink: ProgressSink,
+    record: Any,
+) -> MirrorResult:
+    """An S3 prefix copied object by object into ``dest`` (a mirror's metadata is copied as it
+    is); one client lists the prefix and reads its objects."""
+    from prefetch.publish.s3_mirror import S3Prefix, mirror_s3
+    from prefetch.sources import open_source, s3_client
+
+    uri = spec.source
+    if (uri.location, uri.path) == (dest.bucket, dest.prefix):
+        raise ConfigError("the mirror source and destination are the same prefix")
+    reader = s3_client(spec, reach, lazy=True)
+    reach = dataclasses.replace(reach, s3_client=reader)
+    src_prefix = S3Prefix(reader, uri.location, uri.path, retry=config.transfer.retry)
+    return mirror_s3(
+        open_source(spec, reach, layout="plain"), src_prefix, dest, config, progress=sink,
+        stop=stop_on_sigterm(), so_far=record,
+    )  # fmt: skip
 
 
 def _mirror_to_registry(

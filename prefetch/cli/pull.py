@@ -23,6 +23,7 @@ from prefetch.support.units import format_bytes
 
 if TYPE_CHECKING:
     from prefetch.pipeline.sync import EngineFactory
+    from prefetch.pipeline.warmup import WarmReport
     from prefetch.sources import Source, SourceSettings
 from prefetch.cli.common import (
     NoteWhenStarted,
@@ -250,8 +251,9 @@ def pull(
     record: SyncResult,
     **transfer: Any,
 ) -> None:
-    """Download a model from URI (s3://bucket/prefix, hf://org/name, or
-    oci://registry/repo:tag or @sha256:digest) into DEST, verified and resumable. With the hf
+    """Download a model from URI (s3://bucket/prefix, hf://org/name, oci://registry/repo:tag or
+    @sha256:digest, gs://bucket/prefix, az://account/container/prefix, file:///dir) into DEST,
+    verified and resumable. With the hf
     layout DEST is an HF_HOME: vLLM with HF_HOME=DEST and HF_HUB_OFFLINE=1 loads the model from
     it."""
     from prefetch.pipeline.compose import Pipeline
@@ -285,13 +287,19 @@ def pull(
                                             stop=stop_on_sigterm(), so_far=record)  # fmt: skip
         finally:
             record.seconds = round(time.monotonic() - t0, 3)
-    spec = resolved.spec
     warmed = None
     if warm:
         from prefetch.pipeline.warmup import WarmLimits
 
         limits = WarmLimits(memory_share=warm_memory_share)
-        warmed = warm_up(resolved.layout, result, limits, model=spec.name)
+        warmed = warm_up(resolved.layout, result, limits, model=resolved.spec.name)
+    report_pull(resolved.spec.name, dest, result, warmed, as_json=as_json)
+
+
+def report_pull(
+    name: str, dest: str, result: SyncResult, warmed: WarmReport | None, *, as_json: bool
+) -> None:
+    """What a finished pull prints: warnings on stderr, then the JSON summary or one line."""
     if result.files_unverified:
         click.echo(
             f"Warning: {len(result.files_unverified)} file(s) had no checksum at the source "
@@ -313,11 +321,11 @@ def pull(
         click.echo(json.dumps(out, sort_keys=True))
         return
     if result.up_to_date:
-        click.echo(f"{spec.name}: up to date, 0 bytes downloaded ({result.files} files) in {dest}")
+        click.echo(f"{name}: up to date, 0 bytes downloaded ({result.files} files) in {dest}")
     else:
         rate = result.bytes_downloaded / result.seconds if result.seconds else 0
         click.echo(
-            f"{spec.name}: {result.files_downloaded} files, "
+            f"{name}: {result.files_downloaded} files, "
             f"{format_bytes(result.bytes_downloaded)} downloaded in {result.seconds:.1f}s "
             f"({format_bytes(rate)}/s), {result.files_verified} verified -> {result.path}"
         )

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import click
 
 from prefetch.cli.help import HelpCommand
-from prefetch.pipeline.sync import VerifyReport
+from prefetch.pipeline.verify_at_rest import VerifyReport
 from prefetch.support.errors import (
     LayoutError,
     VerifyError,
@@ -40,7 +40,7 @@ from prefetch.cli.common import (
 def verify_cmd(dest: str, as_json: bool, record: VerifyReport) -> None:
     """Re-check the files under DEST against the checksums recorded when they were pulled."""
     from prefetch.pipeline.layout import layouts_under
-    from prefetch.pipeline.sync import verify_layouts
+    from prefetch.pipeline.verify_at_rest import verify_layouts
 
     root = Path(dest).expanduser().resolve()
     if not root.is_dir():
