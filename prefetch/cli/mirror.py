@@ -195,7 +195,8 @@ def _copy_prefix(
     """An S3 prefix copied object by object into ``dest`` (a mirror's metadata is copied as it
     is); one client lists the prefix and reads its objects."""
     from prefetch.publish.s3_mirror import S3Prefix, mirror_s3
-    from prefetch.sources import open_source, s3_client
+    from prefetch.sources import open_source
+    from prefetch.sources.s3.factory import s3_client
 
     uri = spec.source
     if (uri.location, uri.path) == (dest.bucket, dest.prefix):

@@ -142,7 +142,7 @@ def pull_engine(
 
 @click.command(
     cls=HelpCommand,
-    short_help="Download a model (s3://, hf://, oci://), verified and resumable.",
+    short_help="Download a model (s3, hf, oci, gs, az, file), verified, resumable.",
     option_groups=[
         ("Source", ["include", "exclude", "revision", "token", "endpoint", "endpoint_url",
                     "proxy", "mirrors", "hub_fallback"]),
@@ -273,10 +273,11 @@ def pull(
     record.path = str(root)
     with removed_if_empty_on_failure(made):
         reach = pull_settings(config, s3_endpoint=endpoint_url, hub_endpoint=endpoint, token=token)
+        engine = pull_engine(processes, spec, layout_name, reach)
         source = open_source(spec, reach, layout=layout_name)  # pull_spec checked the layout
         pipeline = Pipeline(
             spec, source, lambda s, kind: layout_for(s, root, layout_name=kind),
-            layout_name=layout_name, engine=pull_engine(processes, spec, layout_name, reach),
+            layout_name=layout_name, engine=engine,
         )  # fmt: skip
         show = sys.stderr.isatty() if progress is None else progress
         bar: ProgressSink = TerminalProgress(sys.stderr) if show else NullProgress()

@@ -87,8 +87,9 @@ class HubBackend(Backend):
     def open(self, spec: ModelSpec, settings: SourceSettings, *, probe: bool) -> Source:
         """The Hub; with ``mirrors``, each in order, then the Hub unless ``hub_fallback`` is
         off (see prefetch.sources.ordered for the fallback rule)."""
-        from prefetch.sources import hub_source, s3_client, shared_pace
+        from prefetch.sources.hf.source import hub_source
         from prefetch.sources.ordered import OrderedSource
+        from prefetch.sources.s3.factory import s3_client, shared_pace
         from prefetch.sources.s3_mirror.source import MirrorSource
 
         if not spec.mirrors:

@@ -38,6 +38,7 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 from urllib.parse import parse_qs, urlsplit
 
 import urllib3
@@ -317,5 +318,39 @@ __all__ = [
     "DEFAULT_ENDPOINT",
     "HubOptions",
     "HubSource",
+    "hub_source",
     "open_hub_source",
 ]
+
+
+class Reach(Protocol):
+    """What :func:`hub_source` reads of the front door's settings
+    (:class:`prefetch.sources.SourceSettings`, which imports this module's callers)."""
+
+    @property
+    def hub(self) -> HubOptions | None: ...
+    @property
+    def hub_endpoint(self) -> str | None: ...
+    @property
+    def token(self) -> str | bool | None: ...
+    @property
+    def pool(self) -> int: ...
+    @property
+    def retry(self) -> RetryPolicy | None: ...
+
+
+def _hub_options(reach: Reach) -> HubOptions:
+    if reach.hub is not None:
+        return reach.hub
+    return HubOptions(
+        endpoint=reach.hub_endpoint,
+        token=reach.token,
+        pool_size=reach.pool,
+        retry=reach.retry or RetryPolicy(),
+    )
+
+
+def hub_source(spec: ModelSpec, reach: Reach) -> HubSource:
+    """The Hub's source for ``spec``, with the options ``reach`` gives (the front door's
+    settings)."""
+    return open_hub_source(spec, _hub_options(reach))

@@ -80,7 +80,7 @@ class S3Backend(Backend):
         """The prefix, found to be a mirror or not when resolved (``probe``), else read object
         by object; one client for the probe and the reads (a no-op pull lists without botocore
         when it can: see prefetch.sources.s3.direct)."""
-        from prefetch.sources import s3_client, shared_pace
+        from prefetch.sources.s3.factory import s3_client, shared_pace
         from prefetch.sources.s3.prefix import S3PrefixSource
 
         client = s3_client(spec, settings, lazy=True)

@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, TypedDict, Unpack
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, Unpack
 
 import urllib3
 
@@ -24,6 +24,7 @@ from prefetch.sources.s3.errors import answer_error
 from prefetch.support import settings
 
 if TYPE_CHECKING:  # imported where used: a pull with static keys never needs botocore's path
+    from prefetch.pipeline.spec import ModelSpec
     from prefetch.sources.s3.sdk import S3Client
 
 
@@ -233,3 +234,40 @@ def ca_bundle_of(client: S3Client | LazyS3Client, ca_choice: str | None) -> str 
     if isinstance(client, LazyS3Client):
         return client.ca_certs()
     return settings.ca_bundle(ca_choice).path
+
+
+class Reach(Protocol):
+    """What :func:`s3_client` reads of the front door's settings
+    (:class:`prefetch.sources.SourceSettings`, which imports this module's callers)."""
+
+    @property
+    def s3_client(self) -> Any: ...
+    @property
+    def clients(self) -> Any: ...
+    @property
+    def s3_endpoint(self) -> str | None: ...
+    @property
+    def pool(self) -> int: ...
+
+
+def s3_client(spec: ModelSpec, reach: Reach, *, lazy: bool) -> Any:
+    """The client reading ``spec``'s S3 source or mirrors: the one given, a shared one, or a new
+    one (``lazy``: created when first needed)."""
+    if reach.s3_client is not None:
+        return reach.s3_client
+    if reach.clients is not None:
+        return reach.clients.get(reach.s3_endpoint, reach.pool, spec.proxy, spec.ca_bundle)
+    make = lazy_s3_client if lazy else make_s3_client
+    return make(
+        endpoint_url=reach.s3_endpoint, max_pool_connections=reach.pool, proxy=spec.proxy,
+        ca_bundle=spec.ca_bundle,
+    )  # fmt: skip
+
+
+def shared_pace(reach: Reach) -> AdaptiveRate | None:
+    """The shared request rate to the S3 endpoint in a long-running process (None: the
+    client's or the source's own, see S3Source)."""
+    if reach.clients is None:
+        return None
+    pace: AdaptiveRate = reach.clients.pace(reach.s3_endpoint)
+    return pace
