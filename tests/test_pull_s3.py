@@ -372,7 +372,7 @@ def test_unknown_bucket_and_bad_credentials(s3_server, s3_client, tmp_path):
     ("args", "message"),
     [
         (["pull", "s3:/nobucket", "{dest}"], "malformed S3 URI"),
-        (["pull", "gs://bucket/x", "{dest}"], "unsupported source URI"),
+        (["pull", "ftp://bucket/x", "{dest}"], "unsupported source URI"),
         (["pull", "s3://no-such-bucket-cli/x", "{dest}"], "bucket does not exist"),
         (["pull", "s3://{bucket}/nothing/", "{dest}"], "no objects under"),
         (["pull", "s3://{bucket}/m/", "{dest}", "--include", "*.gguf"], "matches the include"),

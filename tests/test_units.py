@@ -56,7 +56,7 @@ def test_parse_source_uri(uri, scheme, location, path, revision):
     [
         ("s3:/x", "no bucket"),
         ("s3://UPPER/x", "not a valid bucket name"),
-        ("gs://b/x", "unsupported source URI"),
+        ("ftp://b/x", "unsupported source URI"),
         ("hf://", "malformed Hub URI"),
         ("hf://org/name@", "empty revision"),
         ("/just/a/path", "unsupported source URI"),
