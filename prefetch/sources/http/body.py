@@ -157,16 +157,22 @@ class Response:
         return self.raw.read(limit) if self.raw is not None else b""
 
     def release(self) -> None:
-        """The body was read to its end: the connection goes back to the pool. One whose body
-        was not (a caller that stopped at its limit) is closed instead: the next request on
-        it would read the rest of this body as its answer."""
+        """The body was read to its end (or there is none: a HEAD): the connection goes back to
+        the pool, ready for its next request. One whose body was not read to its end (a caller
+        that stopped at its limit) is closed instead: the next request on it would fail, or
+        read the rest of this body as its answer."""
         if self.raw is None:
             return
         release = getattr(self.raw, "release_conn", None)
-        if release is not None and body_finished(self.raw):
-            release()
-        else:
+        if release is None or not body_finished(self.raw):
             self.discard()
+            return
+        fp = http_client_response(self.raw)
+        if fp is not None:
+            # An answer with no body (a HEAD's) is finished but still open: http.client
+            # refuses the connection's next request until it is closed ("ResponseNotReady").
+            fp.close()
+        release()
 
     def discard(self) -> None:
         """Close the connection without reading (it may be the one that failed)."""
