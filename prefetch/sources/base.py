@@ -101,22 +101,33 @@ def range_answer_problem(
     return None
 
 
+def shutdown_socket(sock: object) -> None:
+    """Shut ``sock`` down for reading and writing, so that a read blocked on it in another
+    thread returns now. ``shutdown`` and not ``close``: closing a descriptor another thread is
+    blocked on does not wake it on Linux.
+
+    A TLS socket is shut down under its TLS layer (the plain socket's ``shutdown``):
+    ``ssl.SSLSocket.shutdown`` also drops the socket's TLS state, after which a read returns the
+    TLS records still queued in the kernel as they are, and an HTTP client then parses ciphertext
+    as a status line (``BadStatusLine('\\x17\\x03\\x03...')``) or, worse, as body bytes. Shut
+    down underneath, a read returns what the server sent, decrypted, or the end of the stream."""
+    if isinstance(sock, socket.socket):
+        with contextlib.suppress(OSError):
+            socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+
 def shutdown_socket_of(response: object) -> None:
     """Shut down the socket under an ``http.client`` response (or a urllib3 response wrapping
-    one) so that a read blocked on it in another thread returns now. ``shutdown`` and not
-    ``close``: closing a descriptor another thread is blocked on does not wake it on Linux."""
+    one) so that a read blocked on it in another thread returns now (see
+    :func:`shutdown_socket`)."""
     for candidate in (response, getattr(response, "_fp", None)):
         if isinstance(candidate, http.client.HTTPResponse):
             sock = getattr(getattr(candidate.fp, "raw", None), "_sock", None)
             if isinstance(sock, socket.socket):
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
+                shutdown_socket(sock)
                 return
     conn = getattr(response, "_connection", None)
-    sock = getattr(conn, "sock", None)
-    if isinstance(sock, socket.socket):
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)
+    shutdown_socket(getattr(conn, "sock", None))
 
 
 class Source(Protocol):

@@ -44,6 +44,18 @@ def http_client_response(response: object) -> http.client.HTTPResponse | None:
     return fp if isinstance(fp, http.client.HTTPResponse) else None
 
 
+def body_finished(response: object) -> bool:
+    """Has the body of ``response`` (urllib3's, or the ``http.client`` response itself) been
+    read to its end, so its connection may serve another request? ``http.client`` closes a
+    response at the end of its body; one with no body (a HEAD, a 204 or 304) has nothing left.
+    A response with no ``http.client`` response under it cannot be told: true (the caller's
+    word)."""
+    fp = http_client_response(response)
+    if fp is None or fp.isclosed():
+        return True
+    return not fp.chunked and fp.length == 0
+
+
 class BodyReader:
     """The body of one answer to a ranged GET of ``length`` bytes: never more, never less.
 
@@ -145,13 +157,22 @@ class Response:
         return self.raw.read(limit) if self.raw is not None else b""
 
     def release(self) -> None:
-        """The body was read to its end: the connection goes back to the pool."""
-        if self.raw is not None:
-            release = getattr(self.raw, "release_conn", None)
-            if release is not None:
-                release()
-            else:
-                self.raw.close()
+        """The body was read to its end (or there is none: a HEAD): the connection goes back to
+        the pool, ready for its next request. One whose body was not read to its end (a caller
+        that stopped at its limit) is closed instead: the next request on it would fail, or
+        read the rest of this body as its answer."""
+        if self.raw is None:
+            return
+        release = getattr(self.raw, "release_conn", None)
+        if release is None or not body_finished(self.raw):
+            self.discard()
+            return
+        fp = http_client_response(self.raw)
+        if fp is not None:
+            # An answer with no body (a HEAD's) is finished but still open: http.client
+            # refuses the connection's next request until it is closed ("ResponseNotReady").
+            fp.close()
+        release()
 
     def discard(self) -> None:
         """Close the connection without reading (it may be the one that failed)."""

@@ -20,16 +20,15 @@ The parts with a job of their own live beside it and are imported from here by e
 
 from __future__ import annotations
 
-import contextlib
-import socket
 import threading
 from collections.abc import Callable, Mapping
-from typing import Protocol, TypedDict, Unpack
+from typing import Any, Protocol, TypedDict, Unpack
 from urllib.parse import urlsplit
 
 import urllib3
 
 from prefetch.pipeline.deadline import attach_to_watches
+from prefetch.sources.base import shutdown_socket
 from prefetch.sources.http.body import (
     BodyReader,
     Response,
@@ -129,13 +128,38 @@ def make_http_pool(
 # ---- stop and deadlines reach the header wait ----------------------------------------------------
 
 
-def _interrupt_socket(sock: object) -> Callable[[], None]:
-    def interrupt() -> None:
-        if isinstance(sock, socket.socket):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+class _Requests:
+    """The requests one connection serves, one after another, and the interrupts of each.
 
-    return interrupt
+    An interrupt is attached to the calling thread's watches when a request waits for its
+    answer, and stays attached until the watch ends: a watch that covers several requests (a
+    describe retried, a resolve under a stop) keeps the interrupts of connections that have
+    since gone back to the pool and may now serve another thread's request. Such an interrupt
+    acts only while the request it was made for is still the connection's latest one; once the
+    next request begins it does nothing, so a stale watch never cuts another request short.
+    (One it meets idle in the pool shuts that socket down: the pool's liveness check drops it.)
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._latest = 0
+
+    def begin(self) -> None:
+        """A new request begins on the connection: the interrupts of the earlier ones end."""
+        with self._lock:
+            self._latest += 1
+
+    def interrupt_for(self, sock: object) -> Callable[[], None]:
+        """How a watch interrupts the connection's latest request (``sock``: its socket)."""
+        with self._lock:
+            request = self._latest
+
+        def interrupt() -> None:
+            with self._lock:  # held while shutting down: no request begins meanwhile
+                if self._latest == request:
+                    shutdown_socket(sock)
+
+        return interrupt
 
 
 class _WatchedHTTPConnection(urllib3.connection.HTTPConnection):
@@ -143,24 +167,52 @@ class _WatchedHTTPConnection(urllib3.connection.HTTPConnection):
     thread's watches (:mod:`prefetch.pipeline.deadline`: a ranged read the engine watches, a
     metadata call under a deadline, a resolve a stop interrupts) get the socket, so a stop, a stall
     or a deadline shuts it down instead of waiting out the read timeout (60 s). The socket stays
-    attached until the watch ends, so the body read is covered too."""
+    attached until the watch ends, so the body read is covered too; a later request on the same
+    connection is not (see :class:`_Requests`)."""
+
+    # The Any: urllib3's own arguments, passed on as they are (its signature is long and
+    # changes between releases; nothing here reads them).
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._requests = _Requests()
+
+    def putrequest(
+        self, method: str, url: str, skip_host: bool = False, skip_accept_encoding: bool = False
+    ) -> None:
+        self._requests.begin()
+        super().putrequest(
+            method, url, skip_host=skip_host, skip_accept_encoding=skip_accept_encoding
+        )
 
     # The ignore: urllib3's own getresponse narrows http.client's return type to urllib3's
     # HTTPResponse and carries the same ignore; this keeps urllib3's signature exactly.
     def getresponse(self) -> urllib3.response.HTTPResponse:  # type: ignore[override]
-        attach_to_watches(_interrupt_socket(self.sock))
+        attach_to_watches(self._requests.interrupt_for(self.sock))
         return super().getresponse()
 
 
 class _WatchedHTTPSConnection(urllib3.connection.HTTPSConnection):
-    """:class:`_WatchedHTTPConnection` over TLS. Its own method, not a copy of the plain one: a
-    zero-argument ``super()`` is bound to the class it is written in, so the plain class's method
-    on this class raises ``TypeError`` (every HTTPS request failed that way once)."""
+    """:class:`_WatchedHTTPConnection` over TLS. Its own methods, not copies of the plain one's:
+    a zero-argument ``super()`` is bound to the class it is written in, so the plain class's
+    method on this class raises ``TypeError`` (every HTTPS request failed that way once)."""
+
+    # The Any: as in _WatchedHTTPConnection.
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._requests = _Requests()
+
+    def putrequest(
+        self, method: str, url: str, skip_host: bool = False, skip_accept_encoding: bool = False
+    ) -> None:
+        self._requests.begin()
+        super().putrequest(
+            method, url, skip_host=skip_host, skip_accept_encoding=skip_accept_encoding
+        )
 
     # The ignore: urllib3's own getresponse narrows http.client's return type to urllib3's
     # HTTPResponse and carries the same ignore; this keeps urllib3's signature exactly.
     def getresponse(self) -> urllib3.response.HTTPResponse:  # type: ignore[override]
-        attach_to_watches(_interrupt_socket(self.sock))
+        attach_to_watches(self._requests.interrupt_for(self.sock))
         return super().getresponse()
 
 
