@@ -347,3 +347,247 @@ def test_a_pull_killed_with_sigkill_fetches_less_than_everything_the_second_time
     assert summary["resumed_bytes"] >= 6 * MiB
     assert summary["bytes_downloaded"] < summary["bytes_total"]
     assert tree(tmp_path / "dest") == big
+
+
+# -- the agent ------------------------------------------------------------------------------------
+
+
+def test_the_agent_syncs_one_model_of_each_scheme_to_ready_and_publishes_them(
+    gcs_emulator: GcsEmulator, front: S3FaultProxy, azurite: Azurite, tmp_path: Path
+) -> None:
+    gs = serve_gs(gcs_emulator, front, tmp_path / "gs")
+    az = serve_az(azurite, tmp_path / "az")
+    local = serve_file(tmp_path / "file")
+    cache = tmp_path / "cache"
+    config = tmp_path / "models.yaml"
+    models = [
+        {"name": "from-gcs", "source": gs.uri},
+        {"name": "from-azure", "source": az.uri, "hfRepo": "acme/azure"},
+        {"name": "from-dir", "source": local.uri, "hfRepo": "acme/dir"},
+    ]
+    config.write_text(config_text(cache, models))
+    env = dict(gs.env, **{k: v for k, v in az.env.items() if k.startswith("AZURE_")})
+    agent = AgentProcess(config, env, tmp_path / "agent.log")
+    try:
+        body = agent.ready_then_terminated(timeout=90)
+    finally:
+        agent.stop()
+    assert {m["name"]: m["state"] for m in body["models"]} == dict.fromkeys(
+        ("from-gcs", "from-azure", "from-dir"), "ready"
+    ), body
+    assert tree(cache / "models" / "from-gcs") == gs.files
+    out = hf_check(
+        cache,
+        """
+        import pathlib
+        for repo in ("acme/azure", "acme/dir"):
+            root = pathlib.Path(hf.snapshot_download(repo, local_files_only=True))
+            out[repo] = {str(p.relative_to(root)): p.read_bytes().hex()
+                         for p in sorted(root.rglob("*")) if p.is_file()}
+        """,
+    )
+    assert out["acme/azure"] == {p: d.hex() for p, d in az.files.items()}
+    assert out["acme/dir"] == {p: d.hex() for p, d in local.files.items()}
+
+
+# -- the documented variables and credential forms ------------------------------------------------
+
+
+def test_storage_emulator_host_as_host_port_means_plain_http(
+    gcs_emulator: GcsEmulator, front: S3FaultProxy, tmp_path: Path
+) -> None:
+    served = serve_gs(gcs_emulator, front, tmp_path)
+    env = dict(served.env, STORAGE_EMULATOR_HOST=gcs_emulator.endpoint.removeprefix("http://"))
+    proc = run_cli("pull", served.uri, str(tmp_path / "dest"), env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert tree(tmp_path / "dest") == served.files
+
+
+def test_an_access_token_is_used_and_never_printed_even_at_vv(
+    gcs_emulator: GcsEmulator, front: S3FaultProxy, tmp_path: Path
+) -> None:
+    served = serve_gs(gcs_emulator, front, tmp_path)
+    token = "ya29.acceptance-secret-token"
+    env = dict(served.env, GOOGLE_OAUTH_ACCESS_TOKEN=token)
+    proc = run_cli("-vv", "pull", served.uri, str(tmp_path / "dest"), "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "GET " in proc.stderr  # -vv logged the requests
+    assert token not in proc.stdout + proc.stderr
+    assert tree(tmp_path / "dest") == served.files
+
+
+@pytest.mark.parametrize(
+    "credentials", ["a missing file", "not JSON", "a broken service-account key"]
+)
+def test_google_application_credentials_that_cannot_be_read_are_one_error_naming_them(
+    gcs_emulator: GcsEmulator, front: S3FaultProxy, tmp_path: Path, credentials: str
+) -> None:
+    """docs/pulling.md: an emulator is read anonymously *unless* GOOGLE_APPLICATION_CREDENTIALS
+    is given; credentials named that cannot be loaded are an error, not a silent anonymous
+    pull (which a private bucket would refuse as "no credentials were found")."""
+    served = serve_gs(gcs_emulator, front, tmp_path)
+    path = tmp_path / "credentials.json"
+    if credentials == "not JSON":
+        path.write_text("this is not JSON\n")
+    elif credentials == "a broken service-account key":
+        path.write_text(json.dumps({
+            "type": "service_account", "project_id": "p", "private_key_id": "k",
+            "private_key": "-----BEGIN PRIVATE KEY-----\nnot a key\n-----END PRIVATE KEY-----\n",
+            "client_email": "sa@p.iam.gserviceaccount.com",
+            "token_uri": "https://127.0.0.1:9/token",
+        }))  # fmt: skip
+    dest = tmp_path / "dest"
+    env = dict(served.env, GOOGLE_APPLICATION_CREDENTIALS=str(path))
+    proc = run_cli("pull", served.uri, str(dest), env=env)
+    assert_one_error(proc, "GOOGLE_APPLICATION_CREDENTIALS", str(path))
+    assert tree(dest) == {} if dest.exists() else True
+
+
+def test_azure_sas_token_connection_string_and_portal_url_all_pull(
+    azurite: Azurite, tmp_path: Path
+) -> None:
+    from azure.storage.blob import ContainerSasPermissions, generate_container_sas
+
+    served = serve_az(azurite, tmp_path)
+    import datetime
+
+    sas = generate_container_sas(
+        ACCOUNT, "models", account_key=KEY,
+        permission=ContainerSasPermissions(read=True, list=True),
+        expiry=datetime.datetime.now(datetime.UTC) + datetime.timedelta(hours=1),
+    )  # fmt: skip
+    no_key = {k: v for k, v in served.env.items() if k != "AZURE_STORAGE_KEY"}
+    by_sas = run_cli("-vv", "pull", served.uri, str(tmp_path / "sas"),
+                     env=dict(no_key, AZURE_STORAGE_SAS_TOKEN=sas))  # fmt: skip
+    assert by_sas.returncode == 0, by_sas.stderr
+    signature = dict(p.split("=", 1) for p in sas.split("&"))["sig"]
+    assert signature not in by_sas.stdout + by_sas.stderr
+    connection = {k: v for k, v in no_key.items() if k != "AZURE_STORAGE_BLOB_ENDPOINT"}
+    connection["AZURE_STORAGE_CONNECTION_STRING"] = (
+        f"DefaultEndpointsProtocol=https;AccountName={ACCOUNT};AccountKey={KEY};"
+        f"BlobEndpoint={azurite.endpoint};"
+    )
+    by_string = run_cli("pull", served.uri, str(tmp_path / "conn"), env=connection)
+    assert by_string.returncode == 0, by_string.stderr
+    prefix = served.uri.split("/models/", 1)[1]
+    portal = f"https://{ACCOUNT}.blob.core.windows.net/models/{prefix}"
+    by_portal = run_cli("pull", portal, str(tmp_path / "portal"), "--json", env=served.env)
+    assert by_portal.returncode == 0, by_portal.stderr
+    assert json.loads(by_portal.stdout)["served_by"] == served.uri + "/"
+    for dest in ("sas", "conn", "portal"):
+        assert tree(tmp_path / dest) == served.files
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+BAD_INPUT = [
+    ("gs", "gs://no-such-bucket-acceptance/m", {}, "the bucket does not exist"),
+    ("gs", "gs://{bucket}/no/such/prefix", {}, "no objects under gs://{bucket}/no/such/prefix/"),
+    ("gs", "gs://", {}, "malformed GCS URI"),
+    ("gs", "gs://Bad_Bucket!/m", {}, "malformed GCS URI"),
+    ("gs", "gs://{bucket}/models/tiny", {"STORAGE_EMULATOR_HOST": "ftp://x"},
+     "STORAGE_EMULATOR_HOST"),
+    ("az", "az://{account}/no-such-container/m", {}, "container does not exist"),
+    ("az", "az://{account}/models/no/such/prefix", {}, "no blobs under az://"),
+    ("az", "az://{account}", {}, "malformed Azure URI"),
+    ("az", "az://{account}/models/{prefix}", {"AZURE_STORAGE_KEY": "A" * 86 + "=="},
+     "access denied with the account key (AZURE_STORAGE_KEY)"),
+    ("az", "az://{account}/models/{prefix}", {"AZURE_STORAGE_KEY": "not base64!"},
+     "AZURE_STORAGE_KEY"),
+    ("az", "https://example.com/models/x", {}, "unsupported source URI"),
+    ("file", "file://{src}/no-such-dir", {}, "no such directory"),
+    ("file", "file://{src}/config.json", {}, "not a directory"),
+    ("file", "file://host{src}", {}, "malformed file URI"),
+    ("file", "file://{src}/../model", {}, "'..' is not allowed"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("served", "uri", "extra", "said"), BAD_INPUT, indirect=["served"])
+def test_bad_input_is_one_error_line_and_leaves_no_file(
+    served: Served, tmp_path: Path, uri: str, extra: dict[str, str], said: str
+) -> None:
+    names = {"bucket": served.corrupt.get("bucket", ""), "account": ACCOUNT,
+             "prefix": str(served.corrupt.get("prefix", "")).rstrip("/"), "src": served.where}  # fmt: skip
+    dest = tmp_path / "dest"
+    proc = run_cli("pull", uri.format(**names), str(dest), "--attempts", "2",
+                   env=dict(served.env, **extra))  # fmt: skip
+    assert_one_error(proc, said.format(**names))
+    assert not dest.exists() or tree(dest) == {}
+    assert not dest.exists() or not list(dest.rglob("*.incomplete"))
+
+
+def test_a_destination_inside_the_source_is_refused_and_a_read_only_source_never_changes(
+    tmp_path: Path,
+) -> None:
+    served = serve_file(tmp_path)
+    src = served.where
+
+    def state() -> dict[str, tuple[int, ...]]:
+        return {str(p): (p.lstat().st_mode, p.lstat().st_size, p.lstat().st_ino,
+                         p.lstat().st_mtime_ns, p.lstat().st_ctime_ns)
+                for p in [src, *sorted(src.rglob("*"))]}  # fmt: skip
+
+    before = state()
+    for dest in (src / "out", src, src / "sub" / "dir"):
+        inside = run_cli("pull", served.uri, str(dest), env=served.env)
+        assert_one_error(inside, "inside the source")
+    inner = run_cli("pull", f"file://{src}/sub", str(src), env=served.env)
+    assert_one_error(inner, "inside the destination")
+    assert state() == before
+    for path in [*src.rglob("*"), src]:
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    try:
+        before = state()
+        proc = run_cli("pull", served.uri, str(tmp_path / "dest"), "--json", env=served.env)
+        assert proc.returncode == 0, proc.stderr
+        assert state() == before
+        assert tree(tmp_path / "dest") == served.files
+    finally:
+        for path in [src, *src.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+# -- help, README, the chart's schema, prefetch mirror --------------------------------------------
+
+
+def test_pull_help_and_readme_show_the_three_schemes() -> None:
+    proc = run_cli("pull", "--help", env=clean_env(Path("/nonexistent")))
+    assert proc.returncode == 0
+    for form in ("gs://bucket/prefix", "az://account/container/prefix", "file:///"):
+        assert form in proc.stdout
+    readme = (REPO / "README.md").read_text()
+    for example in ("prefetch pull gs://", "prefetch pull az://", "prefetch pull file:///"):
+        assert example in readme
+
+
+def test_the_chart_schema_accepts_the_documented_sources() -> None:
+    import jsonschema
+
+    schema = json.loads((REPO / "charts/model-prefetch/values.schema.json").read_text())
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    models = [
+        {"name": "a", "source": "gs://my-bucket/models/llama"},
+        {"name": "b", "source": "gs://my-bucket/models/llama", "hfRepo": "org/llama"},
+        {"name": "c", "source": "az://myaccount/models/llama-70b"},
+        {"name": "d", "source": "https://myaccount.blob.core.windows.net/models/llama-70b"},
+        {"name": "e", "source": "az://myaccount/models/llama-70b", "hfRepo": "org/llama2"},
+        {"name": "f", "source": "file:///mnt/models/llama/"},
+        {"name": "g", "source": "file:///mnt/models/llama", "hfRepo": "org/llama3"},
+    ]
+    values = {
+        "config": {"models": models},
+        "extraVolumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "models",
+                                                                      "readOnly": True}}],
+        "extraVolumeMounts": [{"name": "models", "mountPath": "/mnt/models", "readOnly": True}],
+    }  # fmt: skip
+    assert [e.message for e in validator.iter_errors(values)] == []
+
+
+@pytest.mark.parametrize(
+    "uri",
+    ["gs://my-bucket/models/llama", "az://myaccount/models/llama", "file:///mnt/models/llama",
+     "https://myaccount.blob.core.windows.net/models/llama"],
+)  # fmt: skip
+def test_prefetch_mirror_refuses_these_sources_in_one_line(uri: str, tmp_path: Path) -> None:
+    proc = run_cli("mirror", uri, "s3://my-mirror/hf/org/name/", env=clean_env(tmp_path))
+    assert_one_error(proc, "prefetch mirror does not read", uri)
