@@ -173,8 +173,10 @@ def test_a_multi_file_model_is_pulled_byte_identical_and_verify_rechecks_it(
     n = len(served.files)
     assert summary["files"] == n and summary["files_verified"] == n
     assert summary["files_unverified"] == [] and summary["checksum_failures"] == 0
-    assert summary["bytes_total"] == summary["bytes_downloaded"] == sum(
-        map(len, served.files.values())
+    assert (
+        summary["bytes_total"]
+        == summary["bytes_downloaded"]
+        == sum(map(len, served.files.values()))
     )
     assert summary["checksum_algorithms"] == {ALGORITHM[served.scheme]: n}
     assert summary["up_to_date"] is False and summary["seconds"] >= 0
@@ -362,7 +364,7 @@ def test_the_agent_syncs_one_model_of_each_scheme_to_ready_and_publishes_them(
     config = tmp_path / "models.yaml"
     models = [
         {"name": "from-gcs", "source": gs.uri},
-        {"name": "from-azure", "source": az.uri, "hfRepo": "acme/azure"},
+        {"name": "from-azure", "source": az.uri, "hfRepo": "acme/azure", "revision": "c" * 40},
         {"name": "from-dir", "source": local.uri, "hfRepo": "acme/dir"},
     ]
     config.write_text(config_text(cache, models))
@@ -387,6 +389,7 @@ def test_the_agent_syncs_one_model_of_each_scheme_to_ready_and_publishes_them(
         """,
     )
     assert out["acme/azure"] == {p: d.hex() for p, d in az.files.items()}
+    assert (cache / "hub/models--acme--azure/snapshots" / ("c" * 40)).is_dir()  # its revision
     assert out["acme/dir"] == {p: d.hex() for p, d in local.files.items()}
 
 
@@ -591,3 +594,40 @@ def test_the_chart_schema_accepts_the_documented_sources() -> None:
 def test_prefetch_mirror_refuses_these_sources_in_one_line(uri: str, tmp_path: Path) -> None:
     proc = run_cli("mirror", uri, "s3://my-mirror/hf/org/name/", env=clean_env(tmp_path))
     assert_one_error(proc, "prefetch mirror does not read", uri)
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["gs://my-bucket/models/llama", "az://myaccount/models/llama",
+     "https://myaccount.blob.core.windows.net/models/llama", "file:///mnt/models/llama"],
+)  # fmt: skip
+def test_revision_is_the_commit_to_publish_under_in_the_agent_and_the_schema_alike(
+    source: str,
+) -> None:
+    """docs/config.md: a non-Hub source takes ``revision`` only as the 40-hex commit an
+    ``hfRepo`` is published under (as ``pull --hf-revision``); the agent and the chart's schema
+    agree on what they accept."""
+    import jsonschema
+    import yaml
+
+    from prefetch.agent.config import parse_config
+    from prefetch.support.errors import ConfigError
+
+    schema = json.loads((REPO / "charts/model-prefetch/values.schema.json").read_text())
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    commit = "ab" * 20
+    good = {"name": "m", "source": source, "hfRepo": "org/llama", "revision": commit}
+    assert parse_config(yaml.safe_dump({"models": [good]})).models[0].hf_revision == commit
+    assert not list(validator.iter_errors({"config": {"models": [good]}}))
+    for bad in ({"name": "m", "source": source, "revision": "main"},
+                {"name": "m", "source": source, "revision": commit},
+                {"name": "m", "source": source, "hfRepo": "org/llama", "revision": "main"}):  # fmt: skip
+        with pytest.raises(ConfigError, match="revision"):
+            parse_config(yaml.safe_dump({"models": [bad]}))
+        assert list(validator.iter_errors({"config": {"models": [bad]}})), bad
+
+
+def test_pull_help_says_hf_repo_takes_these_sources() -> None:
+    proc = run_cli("pull", "--help", env=clean_env(Path("/nonexistent")))
+    text = " ".join(proc.stdout.split())
+    assert "gs, az and file sources: publish in the Hugging Face layout" in text
