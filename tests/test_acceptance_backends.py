@@ -509,8 +509,9 @@ BAD_INPUT = [
 def test_bad_input_is_one_error_line_and_leaves_no_file(
     served: Served, tmp_path: Path, uri: str, extra: dict[str, str], said: str
 ) -> None:
-    names = {"bucket": served.corrupt.get("bucket", ""), "account": ACCOUNT,
-             "prefix": str(served.corrupt.get("prefix", "")).rstrip("/"), "src": served.where}  # fmt: skip
+    prefix = str(served.corrupt.get("prefix", "")).rstrip("/")
+    names = {"bucket": served.corrupt.get("bucket", ""), "account": ACCOUNT, "prefix": prefix,
+             "src": served.where}  # fmt: skip
     dest = tmp_path / "dest"
     proc = run_cli("pull", uri.format(**names), str(dest), "--attempts", "2",
                    env=dict(served.env, **extra))  # fmt: skip
@@ -619,9 +620,12 @@ def test_revision_is_the_commit_to_publish_under_in_the_agent_and_the_schema_ali
     good = {"name": "m", "source": source, "hfRepo": "org/llama", "revision": commit}
     assert parse_config(yaml.safe_dump({"models": [good]})).models[0].hf_revision == commit
     assert not list(validator.iter_errors({"config": {"models": [good]}}))
-    for bad in ({"name": "m", "source": source, "revision": "main"},
-                {"name": "m", "source": source, "revision": commit},
-                {"name": "m", "source": source, "hfRepo": "org/llama", "revision": "main"}):  # fmt: skip
+    bad_ones = [
+        {"name": "m", "source": source, "revision": "main"},
+        {"name": "m", "source": source, "revision": commit},
+        {"name": "m", "source": source, "hfRepo": "org/llama", "revision": "main"},
+    ]
+    for bad in bad_ones:
         with pytest.raises(ConfigError, match="revision"):
             parse_config(yaml.safe_dump({"models": [bad]}))
         assert list(validator.iter_errors({"config": {"models": [bad]}})), bad
