@@ -260,7 +260,7 @@ def pull(
     from prefetch.pipeline.compose import warm as warm_up
     from prefetch.pipeline.layout import layout_for
     from prefetch.sources import open_source
-    from prefetch.sources.base import ReadsLocalTree
+    from prefetch.sources.file.source import FileSource
 
     config = make_config(**transfer)
     spec, _ = pull_spec(
@@ -270,13 +270,13 @@ def pull(
     )  # fmt: skip
     record.model = spec.name
     made = missing_folders(dest)
-    reach = pull_settings(config, s3_endpoint=endpoint_url, hub_endpoint=endpoint, token=token)
-    source = open_source(spec, reach, layout=layout_name)  # pull_spec checked the layout
-    if made and isinstance(source, ReadsLocalTree):  # no folder is made inside a file:// source
-        source.refuse_destination((made[0],))
+    if made and spec.source.scheme == "file":  # no folder is made inside a file:// source
+        FileSource(spec.source).refuse_destination((made[0],))
     root = writable_destination(dest)
     record.path = str(root)
     with removed_if_empty_on_failure(made):
+        reach = pull_settings(config, s3_endpoint=endpoint_url, hub_endpoint=endpoint, token=token)
+        source = open_source(spec, reach, layout=layout_name)  # pull_spec checked the layout
         pipeline = Pipeline(
             spec, source, lambda s, kind: layout_for(s, root, layout_name=kind),
             layout_name=layout_name, engine=pull_engine(processes, spec, layout_name, reach),
