@@ -498,6 +498,8 @@ BAD_INPUT = [
     ("az", "az://{account}/models/{prefix}", {"AZURE_STORAGE_KEY": "not base64!"},
      "AZURE_STORAGE_KEY"),
     ("az", "https://example.com/models/x", {}, "unsupported source URI"),
+    ("az", "az://{account}/models/{prefix}",
+     {"AZURE_STORAGE_KEY": "", "AZURE_STORAGE_AUTH_MODE": "login"}, "Microsoft Entra"),
     ("file", "file://{src}/no-such-dir", {}, "no such directory"),
     ("file", "file://{src}/config.json", {}, "not a directory"),
     ("file", "file://host{src}", {}, "malformed file URI"),
@@ -516,6 +518,8 @@ def test_bad_input_is_one_error_line_and_leaves_no_file(
     proc = run_cli("pull", uri.format(**names), str(dest), "--attempts", "2",
                    env=dict(served.env, **extra))  # fmt: skip
     assert_one_error(proc, said.format(**names))
+    assert [line for line in proc.stderr.splitlines()
+            if not line.startswith(("Error: ", "Hint: "))] == []  # fmt: skip
     assert not dest.exists() or tree(dest) == {}
     assert not dest.exists() or not list(dest.rglob("*.incomplete"))
 
