@@ -231,6 +231,8 @@ def test_a_file_that_does_not_match_its_checksum_fails_naming_it_and_is_not_publ
     assert json.loads(proc.stdout)["error_reason"] == "checksum_mismatch"
     assert not (dest / bad).exists()
     assert all(served.files[p] == data for p, data in tree(dest).items())
+    if served.scheme != "file":
+        return  # the layout's rule is the same for every source: once is enough
     # --hf-repo: the snapshot appears whole or not at all
     home = tmp_path / "home"
     hub = run_cli("pull", served.uri, str(home), "--hf-repo", "acme/bad", env=served.env)
@@ -420,7 +422,12 @@ def test_an_access_token_is_used_and_never_printed_even_at_vv(
 
 
 @pytest.mark.parametrize(
-    "credentials", ["a missing file", "not JSON", "a broken service-account key"]
+    "credentials",
+    [
+        "a missing file",
+        pytest.param("not JSON", marks=pytest.mark.slow),
+        pytest.param("a broken service-account key", marks=pytest.mark.slow),
+    ],
 )
 def test_google_application_credentials_that_cannot_be_read_are_one_error_naming_them(
     gcs_emulator: GcsEmulator, front: S3FaultProxy, tmp_path: Path, credentials: str
@@ -446,6 +453,7 @@ def test_google_application_credentials_that_cannot_be_read_are_one_error_naming
     assert tree(dest) == {} if dest.exists() else True
 
 
+@pytest.mark.slow
 def test_azure_sas_token_connection_string_and_portal_url_all_pull(
     azurite: Azurite, tmp_path: Path
 ) -> None:
@@ -486,7 +494,6 @@ def test_azure_sas_token_connection_string_and_portal_url_all_pull(
 BAD_INPUT = [
     ("gs", "gs://no-such-bucket-acceptance/m", {}, "the bucket does not exist"),
     ("gs", "gs://{bucket}/no/such/prefix", {}, "no objects under gs://{bucket}/no/such/prefix/"),
-    ("gs", "gs://", {}, "malformed GCS URI"),
     ("gs", "gs://Bad_Bucket!/m", {}, "malformed GCS URI"),
     ("gs", "gs://{bucket}/models/tiny", {"STORAGE_EMULATOR_HOST": "ftp://x"},
      "STORAGE_EMULATOR_HOST"),
