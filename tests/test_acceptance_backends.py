@@ -570,6 +570,9 @@ def test_pull_help_and_readme_show_the_three_schemes() -> None:
     assert proc.returncode == 0
     for form in ("gs://bucket/prefix", "az://account/container/prefix", "file:///"):
         assert form in proc.stdout
+    examples = proc.stdout.split("\nExamples:\n", 1)[1]  # README: --help ends with examples
+    for example in ("$ prefetch pull gs://", "$ prefetch pull az://", "$ prefetch pull file:///"):
+        assert example in examples
     readme = (REPO / "README.md").read_text()
     for example in ("prefetch pull gs://", "prefetch pull az://", "prefetch pull file:///"):
         assert example in readme

@@ -165,6 +165,11 @@ def pull_engine(
          "prefetch pull oci://ghcr.io/org/llama:v1 /models/llama"),
         ("An Azure Blob container's folder (AZURE_STORAGE_KEY, a SAS, or Microsoft Entra)",
          "prefetch pull az://myaccount/models/llama /models/llama"),
+        ("A Cloud Storage prefix (Application Default Credentials), in the Hub layout",
+         "prefetch pull gs://my-bucket/models/llama /mnt/models/huggingface "
+         "--hf-repo org/llama"),
+        ("A directory on NFS, Lustre or a mounted PVC (never modified; SHA256SUMS checked)",
+         "prefetch pull file:///mnt/models/llama/ /models/llama"),
         ("A Hub model through an S3 mirror first",
          "prefetch pull hf://org/name /mnt/models/huggingface "
          "--mirror s3://my-mirror/hf/org/name/"),
