@@ -485,7 +485,10 @@ def test_azure_sas_token_connection_string_and_portal_url_all_pull(
     by_portal = run_cli("pull", portal, str(tmp_path / "portal"), "--json", env=served.env)
     assert by_portal.returncode == 0, by_portal.stderr
     assert json.loads(by_portal.stdout)["served_by"] == served.uri + "/"
-    for dest in ("sas", "conn", "portal"):
+    templated = dict(served.env, AZURE_STORAGE_BLOB_ENDPOINT=f"{azurite.base}/{{account}}")
+    by_template = run_cli("pull", served.uri, str(tmp_path / "tmpl"), env=templated)
+    assert by_template.returncode == 0, by_template.stderr
+    for dest in ("sas", "conn", "portal", "tmpl"):
         assert tree(tmp_path / dest) == served.files
 
 
@@ -649,3 +652,39 @@ def test_pull_help_says_hf_repo_takes_these_sources() -> None:
     proc = run_cli("pull", "--help", env=clean_env(Path("/nonexistent")))
     text = " ".join(proc.stdout.split())
     assert "gs, az and file sources: publish in the Hugging Face layout" in text
+
+
+@pytest.mark.slow
+def test_the_agent_reads_a_sas_on_the_uri_and_never_shows_its_signature(
+    azurite: Azurite, tmp_path: Path
+) -> None:
+    import datetime
+
+    from azure.storage.blob import ContainerSasPermissions, generate_container_sas
+
+    served = serve_az(azurite, tmp_path)
+    sas = generate_container_sas(
+        ACCOUNT, "models", account_key=KEY,
+        permission=ContainerSasPermissions(read=True, list=True),
+        expiry=datetime.datetime.now(datetime.UTC) + datetime.timedelta(hours=1),
+    )  # fmt: skip
+    signature = dict(p.split("=", 1) for p in sas.split("&"))["sig"]
+    cache = tmp_path / "cache"
+    config = tmp_path / "models.yaml"
+    config.write_text(config_text(cache, [{"name": "sas", "source": f"{served.uri}?{sas}"}]))
+    env = {k: v for k, v in served.env.items() if k != "AZURE_STORAGE_KEY"}
+    agent = AgentProcess(config, dict(env, PREFETCH_LOG_LEVEL="debug"), tmp_path / "agent.log")
+    try:
+        body = agent.ready_then_terminated(timeout=60)
+        logged = agent.stderr()
+    finally:
+        agent.stop()
+    assert body["models"][0]["state"] == "ready"
+    assert tree(cache / "models" / "sas") == served.files
+    seen = (
+        json.dumps(body)
+        + logged
+        + "".join(p.read_text(errors="replace") for p in cache.rglob("*.json"))
+    )
+    assert "sas" in logged  # the agent did log about the model
+    assert signature not in seen and signature.replace("%2B", "+") not in seen
