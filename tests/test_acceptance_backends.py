@@ -525,9 +525,12 @@ def test_bad_input_is_one_error_line_and_leaves_no_file(
     names = {"bucket": served.corrupt.get("bucket", ""), "account": ACCOUNT, "prefix": prefix,
              "src": served.where}  # fmt: skip
     dest = tmp_path / "dest"
-    proc = run_cli("pull", uri.format(**names), str(dest), "--attempts", "2",
+    proc = run_cli("pull", uri.format(**names), str(dest), "--attempts", "2", "--json",
                    env=dict(served.env, **extra))  # fmt: skip
-    assert_one_error(proc, said.format(**names))
+    line = assert_one_error(proc, said.format(**names))
+    summary = json.loads(proc.stdout)  # --json: still one object, with the error and its reason
+    assert line == f"Error: {summary['error']}" and summary["error_reason"]
+    assert summary["bytes_downloaded"] == 0
     assert [line for line in proc.stderr.splitlines()
             if not line.startswith(("Error: ", "Hint: "))] == []  # fmt: skip
     assert not dest.exists() or tree(dest) == {}
