@@ -26,11 +26,11 @@
     models:
       - name: llama-3-70b-awq             # DNS label; used in node labels
         source: hf://org/name             # or s3://bucket/prefix
-        revision: main                    # hf: branch/tag/sha; s3 with hfRepo: 40-hex commit
+        revision: main                    # hf: branch/tag/sha; others with hfRepo: 40-hex commit
         include: ["*.safetensors", "*.json"]
         exclude: []
         required: true                    # gates /readyz and the startup taint
-        hfRepo: org/name                  # s3 only: publish in the HF layout under this id
+        hfRepo: org/name                  # not hf: publish in the HF layout under this id
         pin: false                        # never evicted, even after leaving the config
         proxy: http://proxy:3128          # this model's sources through this proxy ("none":
                                           # direct); default HTTP(S)_PROXY; NO_PROXY applies

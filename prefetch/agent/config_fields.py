@@ -252,8 +252,9 @@ def _source_is(pattern: str) -> Schema:
 
 def revision_rules() -> list[Schema]:
     """A model's ``revision`` by its source: hf://, a git ref; oci://, a tag or digest; s3://,
-    none but the 40-hex commit of a mirror published under ``hfRepo``. Given twice (in the
-    source's ``@``/``:`` too), the agent wants them equal: the schema wants it once."""
+    gs://, az:// and file://, none but the 40-hex commit to publish under ``hfRepo``. Given
+    twice (in the source's ``@``/``:`` too), the agent wants them equal: the schema wants it
+    once."""
     ref = {
         "type": ["string", "null"],
         "pattern": _REF,
@@ -270,8 +271,9 @@ def revision_rules() -> list[Schema]:
         {"if": _source_is("hf://.*@"), "then": _NULL},
         {"if": _source_is("oci://[^/]*/[^:@]*$"), "then": {"properties": {"revision": tag}}},
         {"if": _source_is("oci://[^/]*/.*[:@]"), "then": _NULL},
-        {"if": _source_is("s3://"), "then": {"anyOf": [_NULL, mirror]}},
-        {"if": _source_is("gs://"), "then": _NULL},
+        # a listing (s3, gs, az and its portal form, file): none, or the commit to publish
+        # an hfRepo under
+        {"if": _source_is("(s3|gs|az|file|https)://"), "then": {"anyOf": [_NULL, mirror]}},
     ]
 
 

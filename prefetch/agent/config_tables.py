@@ -96,11 +96,12 @@ MODEL = Table((
     Field("source", SOURCE_URI, "", "where the files come from",
           missing=" (s3://bucket/prefix or hf://org/name)"),
     Field("revision", OPT_TEXT, "main (hf)", "hf: branch, tag or commit; oci: tag or digest; "
-          "s3 with hfRepo: the 40-hex commit to publish under"),
+          "s3, gs, az, file with hfRepo: the 40-hex commit to publish under"),
     Field("include", PATTERNS, "everything", "files to fetch (globs)"),
     Field("exclude", PATTERNS, "nothing", "files to leave out (globs)"),
     Field("required", BOOL, "true", "gates /readyz and the startup taint"),
-    Field("hfRepo", HF_REPO, "", "s3/oci: publish in the Hub layout under this repo id"),
+    Field("hfRepo", HF_REPO, "", "s3, oci, gs, az, file: publish in the Hub layout under this repo "
+          "id"),
     Field("pin", BOOL, "false", "never evicted, even after leaving the config"),
     Field("proxy", PROXY, "", "this model's sources through this proxy (none: direct; default "
           "HTTP(S)_PROXY)"),

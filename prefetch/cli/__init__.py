@@ -50,6 +50,8 @@ def main(verbose: int) -> None:
     if verbose < 2:
         for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "filelock"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
+    if verbose == 0:  # azure-identity warns of a failure the Error line already says
+        logging.getLogger("azure.identity").setLevel(logging.ERROR)
 
 
 main.add_command(pull.pull)

@@ -385,11 +385,11 @@ def hub_options(fn: F) -> F:
                      "DEST/hub/; plain: files at DEST/<path>. [default: hf for hf:// sources and "
                      "--hf-repo, plain otherwise]"),
         click.option("--hf-repo", default=None,
-                     help="S3 and OCI sources: publish in the Hugging Face layout under this "
-                     "repo id (org/name), so vLLM finds it offline."),
+                     help="s3, oci, gs, az and file sources: publish in the Hugging Face layout "
+                     "under this repo id (org/name), so vLLM finds it offline."),
         click.option("--hf-revision", default=None,
                      help="With --hf-repo: the 40-hex commit id to publish under "
-                     "[default: a digest of the S3 listing]."),
+                     "[default: a digest of the listing]."),
     ])  # fmt: skip
 
 

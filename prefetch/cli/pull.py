@@ -165,6 +165,11 @@ def pull_engine(
          "prefetch pull oci://ghcr.io/org/llama:v1 /models/llama"),
         ("An Azure Blob container's folder (AZURE_STORAGE_KEY, a SAS, or Microsoft Entra)",
          "prefetch pull az://myaccount/models/llama /models/llama"),
+        ("A Cloud Storage prefix (Application Default Credentials), in the Hub layout",
+         "prefetch pull gs://my-bucket/models/llama /mnt/models/huggingface "
+         "--hf-repo org/llama"),
+        ("A directory on NFS, Lustre or a mounted PVC (never modified; SHA256SUMS checked)",
+         "prefetch pull file:///mnt/models/llama/ /models/llama"),
         ("A Hub model through an S3 mirror first",
          "prefetch pull hf://org/name /mnt/models/huggingface "
          "--mirror s3://my-mirror/hf/org/name/"),
@@ -260,6 +265,7 @@ def pull(
     from prefetch.pipeline.compose import warm as warm_up
     from prefetch.pipeline.layout import layout_for
     from prefetch.sources import open_source
+    from prefetch.sources.file.source import FileSource
 
     config = make_config(**transfer)
     spec, _ = pull_spec(
@@ -269,6 +275,8 @@ def pull(
     )  # fmt: skip
     record.model = spec.name
     made = missing_folders(dest)
+    if made and spec.source.scheme == "file":  # no folder is made inside a file:// source
+        FileSource(spec.source).refuse_destination((made[0],))
     root = writable_destination(dest)
     record.path = str(root)
     with removed_if_empty_on_failure(made):

@@ -126,7 +126,14 @@ class ApplicationDefault:
             ) from None
         try:
             credentials, _project = google.auth.default(scopes=list(SCOPES))
-        except google.auth.exceptions.DefaultCredentialsError:
+        except google.auth.exceptions.DefaultCredentialsError as exc:
+            named = settings.google_application_credentials()
+            if named is not None:  # named explicitly: never silently anonymous instead
+                reason = str(exc.args[0]) if exc.args else type(exc).__name__
+                raise ConfigError(
+                    f"GOOGLE_APPLICATION_CREDENTIALS={named}: {reason[:300]}",
+                    hint=CREDENTIALS_HINT,
+                ) from None
             credentials = None  # none anywhere: a public bucket still answers
             self._anonymous = True
             self.origin = "no credentials (none found: anonymous requests)"

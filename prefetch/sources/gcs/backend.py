@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import SplitResult
 
 from prefetch.pipeline.backends import Backend, SourceURI, SpecFields
-from prefetch.pipeline.spec_terms import SpecError
+from prefetch.pipeline.spec_terms import COMMIT_SHA, SpecError
 from prefetch.support.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -52,7 +52,8 @@ class GcsBackend(Backend):
         if spec.revision is not None:
             raise SpecError(
                 "revision",
-                "gs:// sources have no revisions; {revision} is for hf:// sources",
+                "gs:// sources have no revisions; {revision} is for hf:// sources (the commit to "
+                "publish under is {hf_revision}, with {hf_repo})",
                 cross_field=True,
             )
         if spec.hf_revision is not None and spec.hf_repo is None:
@@ -61,6 +62,15 @@ class GcsBackend(Backend):
                 "needs {hf_repo} org/name (the repo id to publish under)",
                 cross_field=True,
             )
+
+    def publish_revision(
+        self, hf_repo: str | None, revision: str | None
+    ) -> tuple[str | None, str | None]:
+        """With ``hf_repo``, a 40-hex commit is the commit to publish under (the agent's one
+        ``revision`` field, as for S3 and file://)."""
+        if hf_repo is not None and COMMIT_SHA.match(revision or ""):
+            return None, revision
+        return revision, None
 
     def open(self, spec: ModelSpec, settings: SourceSettings, *, probe: bool) -> Source:
         """The prefix, read on the seam; no request until it is resolved."""
