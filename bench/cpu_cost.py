@@ -73,7 +73,9 @@ def command(variant: str, uri: str, dest: Path, endpoint: str, curl: Path | None
     if variant == "curl":
         assert curl is not None
         return ["bash", str(curl)]
-    return [sys.executable, "-c", PREFETCH, "pull", uri, str(dest), "--json"]
+    # -P: no current directory first on sys.path (run from the repository, ``-c`` would import
+    # its package whatever PYTHONPATH names, and the 'base' row would measure this tree again)
+    return [sys.executable, "-P", "-c", PREFETCH, "pull", uri, str(dest), "--json"]
 
 
 def measure(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:

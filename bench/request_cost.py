@@ -7,7 +7,10 @@ time of the process (user+sys) per request is reported, body read included. ``se
 is the path the S3 source takes with botocore's credential chain (prefetch/sources/s3/sdk.py:
 botocore's signer, set up from a listing as the source sets it up, on the seam's pool);
 ``seam-static`` the one it takes with static keys (prefetch/sources/s3/direct.py: signed here,
-no botocore).
+no botocore). Two floors, not paths the engine takes: ``http.client`` sends the same signed
+request on the standard library's connection (one per thread, no urllib3), and ``socket`` on a
+bare socket, the response head split by hand (issue 33: what a small-object fetcher that owns
+its connections could save per request).
 
     python bench/request_cost.py --rounds 3
 """
@@ -21,10 +24,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+if TYPE_CHECKING:
+    from prefetch.sources.s3.direct import S3Bucket
 
 BUCKET = "cost"
 
@@ -62,9 +68,58 @@ def modes(client: Any, server: Any) -> dict[str, Callable[[str], None]]:
 
     return {
         "botocore": botocore_get,
+        **floors(static, server),
         "seam-botocore": seam_get(chained),
         "seam-static": seam_get(static),
     }
+
+
+def floors(bucket: S3Bucket, server: Any) -> dict[str, Callable[[str], None]]:
+    """The same signed GET on http.client, and on a bare socket with the head split by hand
+    (plain HTTP, keep-alive, one connection per thread; bench only: no TLS, no proxy, no
+    error handling)."""
+    import http.client
+    import socket
+    import threading
+    from urllib.parse import urlsplit
+
+    from prefetch.sources.s3.direct import StaticCredentials, StaticKeySigner
+
+    signer = StaticKeySigner(StaticCredentials(server.access_key, server.secret_key))
+    where = urlsplit(bucket.base_url)
+    local = threading.local()
+
+    def signed(key: str) -> tuple[str, dict[str, str]]:
+        url = bucket.base_url + key
+        headers = {"x-amz-checksum-mode": "ENABLED"}
+        return urlsplit(url).path, signer.sign("GET", url, bucket.region, headers)
+
+    def stdlib_get(key: str) -> None:
+        if not hasattr(local, "conn"):
+            local.conn = http.client.HTTPConnection(where.hostname or "", where.port)
+        path, headers = signed(key)
+        local.conn.request("GET", path, headers=headers)
+        local.conn.getresponse().read()
+
+    def socket_get(key: str) -> None:
+        if not hasattr(local, "sock"):
+            local.sock = socket.create_connection((where.hostname or "", where.port or 80))
+            local.file = local.sock.makefile("rb")
+        path, headers = signed(key)
+        lines = [f"GET {path} HTTP/1.1", f"host: {where.netloc}"]
+        lines += [f"{name}: {value}" for name, value in headers.items()]
+        local.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        length = 0
+        while (line := local.file.readline()) not in (b"\r\n", b""):
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        body = bytearray(length)
+        view, got = memoryview(body), 0
+        while got < length:
+            got += local.file.readinto(view[got:])
+
+    return {"http.client": stdlib_get, "socket": socket_get}
 
 
 def main() -> None:

@@ -213,3 +213,23 @@ def test_bench_mirror_tiny_run_reports_both_ways(tmp_path: Path) -> None:
         assert today["wall_s"] == pytest.approx(sum(steps), abs=0.01)
         assert isinstance(res["target"]["value"], float) and res["target"]["met"] in (True, False)
     assert "| prefetch-mirror |" in proc.stdout and "Target: prefetch mirror" in proc.stdout
+
+
+def test_cpu_cost_runs_the_package_its_variant_names_even_from_the_repository(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench/cpu_cost.py's 'base' row runs the package of the tree on PYTHONPATH, not the
+    repository's: run from the repository root, ``python -c`` puts the current directory
+    first on sys.path, and both rows measured this tree (issue 33, round 4)."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    cpu_cost = importlib.import_module("cpu_cost")
+    other = tmp_path / "other-tree"
+    (other / "prefetch").mkdir(parents=True)
+    (other / "prefetch" / "__init__.py").write_text("")
+    cmd = cpu_cost.command("base", "s3://b/p/", tmp_path / "dest", "http://127.0.0.1:1", None)
+    code = cmd.index(cpu_cost.PREFETCH)
+    cmd[code:] = ["import prefetch; print(prefetch.__file__)"]
+    out = subprocess.run(
+        cmd, cwd=REPO, env={"PYTHONPATH": str(other)}, capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == str(other / "prefetch" / "__init__.py")

@@ -80,9 +80,26 @@ def safe_join(root: Path, relative: str) -> Path:
     problem = path_problem(relative)
     if problem is not None:
         raise LayoutError(f"refusing unsafe file path {relative!r}: {problem}")
-    path = root.joinpath(*relative.split("/"))
-    refuse_symlinks(root, path.parent)
-    return path
+    # The checks run on strings, not pathlib: one publish per small file calls this on the
+    # transfer's coordinator, and pathlib's joinpath, relative_to and parts were ~2/3 of its
+    # cost (issue 33, round 4). The same components are checked with the same lstat calls.
+    _refuse_links_above(root, relative)
+    # path_problem refused empty, "." and ".." segments and a leading "/": one join is the same
+    # as joining segment by segment
+    return root / relative
+
+
+def _refuse_links_above(root: Path, relative: str) -> None:
+    """LayoutError if a directory of ``relative`` (a checked path) below ``root`` is a link."""
+    current = os.fspath(root)
+    for part in relative.split("/")[:-1]:
+        current = os.path.join(current, part)
+        try:
+            mode = os.lstat(current).st_mode
+        except FileNotFoundError:
+            return  # nothing further down exists yet
+        if stat.S_ISLNK(mode):
+            raise _symlink_error(Path(current), root)
 
 
 def refuse_symlinks(root: Path, path: Path) -> Path:
@@ -231,6 +248,9 @@ class RecordBook:
         self.log = state_dir / "published.jsonl"
         self._lock = threading.Lock()
         self._log_fd = -1
+        # json.dumps(..., sort_keys=True) builds an encoder per call; one per book is the same
+        # text for ~40% less CPU per publish (issue 33, round 4)
+        self._encoder = json.JSONEncoder(sort_keys=True)
 
     def __del__(self) -> None:
         self._close_log()
@@ -267,7 +287,7 @@ class RecordBook:
         )
 
     def append(self, key: str, entry: FileRecord) -> None:
-        line = (json.dumps({"key": key, "entry": entry}, sort_keys=True) + "\n").encode()
+        line = (self._encoder.encode({"key": key, "entry": entry}) + "\n").encode()
         with self._lock:
             if self._log_fd < 0:
                 self.log.parent.mkdir(parents=True, exist_ok=True)
