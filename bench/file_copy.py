@@ -80,7 +80,8 @@ def warm_code(argv: list[str], env: dict[str, str]) -> None:
     a user's shell has it warm): only the source's bytes are read cold."""
     if argv[0] == sys.executable:
         code = (
-            "import prefetch.cli, prefetch.pipeline.transfer, prefetch.sources.file.source, awscrt"
+            "import prefetch.cli, prefetch.pipeline.engine.transfer, "
+            "prefetch.sources.file.source, awscrt"
         )
         subprocess.run([sys.executable, "-c", code], env=env, check=True)
         subprocess.run([sys.executable, "-m", "prefetch.cli", "pull", "--help"], env=env,

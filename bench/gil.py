@@ -26,7 +26,7 @@ Modes, each a fresh subprocess, alternated over ``--runs`` rounds against one lo
   prefetch-botocore   the same with every request through botocore (S3Source.signed_requests=False)
   prefetch-pN         the engine over the front door (open_source, as `prefetch pull`), run by
                       N processes (N=1: the in-process Transfer; N>1: the multi-process mode,
-                      prefetch/pipeline/transfer_procs.py); every worker's GIL is sampled too (the
+                      prefetch/pipeline/engine/processes.py); every worker's GIL is sampled too (the
                       flag's address translated by libpython's load address in that process),
                       and CPU counts the fork server and the workers it forked
   awscrt              awscrt.s3.S3Client, one GET_OBJECT per object straight to a file
@@ -175,10 +175,10 @@ def _cpu_of(pid: int, last: float) -> float:
 
 def prepare_prefetch(endpoint: str, dest: Path, *, mode: str) -> Callable[[], int]:
     from prefetch.demo.locals3 import REGION, SeaweedS3
+    from prefetch.pipeline.engine.transfer import TransferConfig
     from prefetch.pipeline.layout import PlainLayout
     from prefetch.pipeline.spec import ModelSpec, parse_source_uri
     from prefetch.pipeline.sync import sync
-    from prefetch.pipeline.transfer import TransferConfig
     from prefetch.sources.s3.factory import lazy_s3_client
     from prefetch.sources.s3.source import S3Source
 
@@ -206,11 +206,11 @@ def prepare_processes(endpoint: str, dest: Path, processes: int) -> Callable[[],
     import functools
 
     from prefetch.demo.locals3 import SeaweedS3
+    from prefetch.pipeline.engine.processes import ProcessEngine, SourceRecipe
+    from prefetch.pipeline.engine.transfer import Transfer, TransferConfig
     from prefetch.pipeline.layout import PlainLayout
     from prefetch.pipeline.spec import ModelSpec, parse_source_uri
     from prefetch.pipeline.sync import EngineFactory, execute, prepare
-    from prefetch.pipeline.transfer import Transfer, TransferConfig
-    from prefetch.pipeline.transfer_procs import ProcessEngine, SourceRecipe
     from prefetch.sources import SourceSettings, open_source
 
     server = SeaweedS3(endpoint=endpoint)

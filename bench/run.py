@@ -146,7 +146,8 @@ class Bench:
                 sys.executable,
                 "-c",
                 "import boto3, s3transfer.manager, huggingface_hub, prefetch.cli, "
-                "prefetch.pipeline.sync, prefetch.sources.s3.source, prefetch.pipeline.transfer; "
+                "prefetch.pipeline.sync, prefetch.sources.s3.source, "
+                "prefetch.pipeline.engine.transfer; "
                 "boto3.client('s3', region_name='us-east-1')",
             ]
         ]

@@ -31,12 +31,12 @@ import yaml
 
 from prefetch.demo.locals3 import SeaweedS3
 from prefetch.demo.modelgen import generate_model, upload_model
+from prefetch.pipeline.engine.transfer import TransferConfig
 from prefetch.pipeline.layout import PlainLayout
 from prefetch.pipeline.retry import RetryPolicy
 from prefetch.pipeline.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
 from prefetch.pipeline.sync import SyncResult, sync
-from prefetch.pipeline.transfer import TransferConfig
 from prefetch.sources.s3.source import S3Source
 
 if TYPE_CHECKING:

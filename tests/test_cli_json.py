@@ -18,7 +18,7 @@ from click.testing import CliRunner, Result
 
 from prefetch.cli import main
 from prefetch.cli.common import error_reason
-from prefetch.pipeline.transfer import Cancelled
+from prefetch.pipeline.engine.transfer import Cancelled
 from prefetch.support.errors import (
     BucketNotFoundError,
     ChecksumMismatchError,

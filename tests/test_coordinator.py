@@ -1,4 +1,5 @@
-"""The one coordinator (prefetch.pipeline.coordinator) the pull engine and the mirror run on."""
+"""The one coordinator (prefetch.pipeline.engine.coordinator) the pull engine and the mirror
+run on."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from prefetch.pipeline.coordinator import Coordinator
-from prefetch.pipeline.transfer import Cancelled
+from prefetch.pipeline.engine.coordinator import Coordinator
+from prefetch.pipeline.engine.transfer import Cancelled
 
 
 @dataclass

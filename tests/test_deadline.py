@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from prefetch.pipeline.deadline import Alarms, Watchdog, call_with_deadline
+from prefetch.pipeline.engine.transfer import Cancelled, TransferConfig
+from prefetch.pipeline.engine.watched_read import engine_watchdog, open_watched
 from prefetch.pipeline.layout import PlainLayout
 from prefetch.pipeline.retry import RetryPolicy
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
 from prefetch.pipeline.sync import sync
-from prefetch.pipeline.transfer import Cancelled, TransferConfig
-from prefetch.pipeline.watched_read import engine_watchdog, open_watched
 from prefetch.sources.http.transport import make_http_pool
 from prefetch.sources.s3.factory import lazy_s3_client
 from prefetch.sources.s3.source import S3Source

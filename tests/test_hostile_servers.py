@@ -24,12 +24,12 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from prefetch.agent.config import parse_config
+from prefetch.pipeline.engine.transfer import Cancelled, TransferConfig
 from prefetch.pipeline.layout import PlainLayout
 from prefetch.pipeline.layout.hf import HfCacheLayout
 from prefetch.pipeline.retry import RetryPolicy
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
 from prefetch.pipeline.sync import SyncResult, sync
-from prefetch.pipeline.transfer import Cancelled, TransferConfig
 from prefetch.sources.base import range_answer_problem
 from prefetch.sources.hf.source import HubOptions, open_hub_source
 from prefetch.sources.s3.source import S3Source

@@ -1,5 +1,5 @@
-"""prefetch/pipeline/journal.py: what a resume journal records, what a later run replays from it,
-and what survives a writer killed mid-line."""
+"""prefetch/pipeline/engine/journal.py: what a resume journal records, what a later run replays from
+it, and what survives a writer killed mid-line."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from prefetch.pipeline.journal import Journal
+from prefetch.pipeline.engine.journal import Journal
 
 HEADER: dict[str, Any] = {
     "version": "etag-1",
@@ -74,7 +74,7 @@ def test_a_writer_killed_mid_line_leaves_every_complete_line_replayable(tmp_path
         """
         import json, os, signal, sys
         from pathlib import Path
-        from prefetch.pipeline.journal import Journal
+        from prefetch.pipeline.engine.journal import Journal
 
         j = Journal.open(Path(sys.argv[1]), json.loads(sys.argv[2]), partial_exists=False)
         j.record(0, [11, 10])

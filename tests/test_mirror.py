@@ -18,9 +18,9 @@ import pytest
 import urllib3
 from awscrt import checksums as crt
 
+from prefetch.pipeline.engine.transfer import TransferConfig
 from prefetch.pipeline.retry import RetryPolicy
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
-from prefetch.pipeline.transfer import TransferConfig
 from prefetch.publish.s3_mirror import MirrorConfig, MirrorResult, S3Prefix, mirror_hub, mirror_s3
 from prefetch.publish.s3_mirror.stream import part_size_for, plan_parts
 from prefetch.sources.hf.source import HubOptions, open_hub_source

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from prefetch.pipeline.engine.transfer import TransferConfig
 from prefetch.pipeline.layout import PlainLayout
 from prefetch.pipeline.layout.hf import HfCacheLayout
 from prefetch.pipeline.retry import RetryPolicy
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
 from prefetch.pipeline.sync import sync
-from prefetch.pipeline.transfer import TransferConfig
 from prefetch.sources import SourceSettings, open_source
 from prefetch.sources.oci.archive import unpack_layer
 from prefetch.support.errors import ChecksumMismatchError, SourceError, UnsafePathError

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
+from prefetch.pipeline.engine.transfer import TransferConfig
 from prefetch.pipeline.layout import PlainLayout
 from prefetch.pipeline.retry import RetryPolicy
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
 from prefetch.pipeline.sync import sync
-from prefetch.pipeline.transfer import TransferConfig
 from prefetch.sources.http.transport import HttpClient, make_http_pool
 from prefetch.sources.oci.auth import RegistryAuth, parse_challenge
 from prefetch.sources.oci.mirrors import OciMirrors

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import urllib3
 
+from prefetch.pipeline.engine.transfer import TransferConfig
 from prefetch.pipeline.layout import PlainLayout
 from prefetch.pipeline.retry import RetryPolicy
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
 from prefetch.pipeline.sync import sync
-from prefetch.pipeline.transfer import TransferConfig
 from prefetch.sources.oci.auth import RegistryAuth, docker_credentials, parse_challenge
 from prefetch.sources.oci.source import OciSource
 from prefetch.support.errors import AccessDeniedError, SourceChangedError, TransientSourceError

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import urllib3
 
+from prefetch.pipeline.engine.transfer import TransferConfig
 from prefetch.pipeline.layout import PlainLayout
 from prefetch.pipeline.layout.hf import HfCacheLayout
 from prefetch.pipeline.retry import RetryPolicy
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
 from prefetch.pipeline.sync import sync
-from prefetch.pipeline.transfer import TransferConfig
 from prefetch.publish.oci_push import layer_media_type, mirror_to_oci
 from prefetch.sources import open_source
 from prefetch.sources.hf.source import HubOptions, open_hub_source

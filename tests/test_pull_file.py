@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 
 from prefetch.demo.modelgen import make_model_dir
+from prefetch.pipeline.engine.transfer import TransferConfig
 from prefetch.pipeline.layout import HfCacheLayout, PlainLayout, repo_dir
 from prefetch.pipeline.retry import RetryPolicy
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
 from prefetch.pipeline.sync import SyncResult, sync
-from prefetch.pipeline.transfer import TransferConfig
 from prefetch.sources import SourceSettings, open_source
 from prefetch.sources.file.source import FileSource, parse_sidecar
 from prefetch.support.errors import (

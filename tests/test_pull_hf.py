@@ -20,13 +20,13 @@ import urllib3
 
 from prefetch.cli.pull import pull_spec
 from prefetch.demo.modelgen import generate_model, tree_bytes, upload_model
+from prefetch.pipeline.engine.plan import staged_name
+from prefetch.pipeline.engine.transfer import TransferConfig
 from prefetch.pipeline.layout.hf import HfCacheLayout
 from prefetch.pipeline.retry import RetryPolicy
 from prefetch.pipeline.snapshot import Checksum, RemoteFile
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
 from prefetch.pipeline.sync import SyncResult, sync
-from prefetch.pipeline.transfer import TransferConfig
-from prefetch.pipeline.transfer_plan import staged_name
 from prefetch.pipeline.verify_at_rest import verify_local
 from prefetch.sources.hf.source import HubOptions, HubSource, open_hub_source
 from prefetch.sources.http.transport import parse_retry_after

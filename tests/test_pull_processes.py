@@ -19,10 +19,10 @@ import psutil
 import pytest
 
 from prefetch.demo.modelgen import generate_model, tree_bytes, upload_model
+from prefetch.pipeline.engine.processes import ProcessEngine, SourceRecipe, parse_processes, shares
+from prefetch.pipeline.engine.transfer import TransferConfig
 from prefetch.pipeline.snapshot import RemoteFile
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
-from prefetch.pipeline.transfer import TransferConfig
-from prefetch.pipeline.transfer_procs import ProcessEngine, SourceRecipe, parse_processes, shares
 from prefetch.sources import SourceSettings
 
 from .fakes.s3proxy import S3FaultProxy

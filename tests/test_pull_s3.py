@@ -16,11 +16,11 @@ import pytest
 from awscrt import checksums as crt
 
 from prefetch.demo.modelgen import generate_model, tree_bytes, upload_model
+from prefetch.pipeline.engine.transfer import TransferConfig
 from prefetch.pipeline.layout import PlainLayout
 from prefetch.pipeline.progress import NullProgress
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
 from prefetch.pipeline.sync import sync
-from prefetch.pipeline.transfer import TransferConfig
 from prefetch.pipeline.verify_at_rest import verify_local
 from prefetch.sources.s3.factory import make_s3_client
 from prefetch.sources.s3.source import S3Source

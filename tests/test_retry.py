@@ -14,9 +14,9 @@ from prefetch.agent import gate_driver
 from prefetch.agent.config_values import AgentConfig
 from prefetch.agent.gate_driver import GATE_RETRY, GateDriver
 from prefetch.agent.metrics import AgentMetrics
+from prefetch.pipeline.engine.transfer import Cancelled
+from prefetch.pipeline.engine.watched_read import retry_read
 from prefetch.pipeline.retry import AdaptiveRate, RetryPolicy, call_with_retries
-from prefetch.pipeline.transfer import Cancelled
-from prefetch.pipeline.watched_read import retry_read
 from prefetch.support.errors import ConfigError, SourceError, TransientSourceError
 
 

@@ -20,10 +20,10 @@ from click.testing import CliRunner
 
 from prefetch.cli import main
 from prefetch.pipeline import verify
+from prefetch.pipeline.engine.transfer import TransferConfig
 from prefetch.pipeline.layout import PlainLayout
 from prefetch.pipeline.snapshot import Checksum, RemoteFile
 from prefetch.pipeline.spec import parse_source_uri
-from prefetch.pipeline.transfer import TransferConfig
 from prefetch.pipeline.verify_at_rest import verify_local
 from prefetch.sources.s3.source import S3Source
 from prefetch.support.errors import ChecksumMismatchError

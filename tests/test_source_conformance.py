@@ -47,13 +47,13 @@ import urllib3
 
 from prefetch.demo.modelgen import GeneratedFile, make_model_dir, random_bytes, upload_model
 from prefetch.pipeline.backends import source_schemes
+from prefetch.pipeline.engine.transfer import Cancelled, TransferConfig
 from prefetch.pipeline.layout import PlainLayout
 from prefetch.pipeline.layout.hf import HfCacheLayout
 from prefetch.pipeline.progress import NullProgress
 from prefetch.pipeline.retry import RetryPolicy
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
 from prefetch.pipeline.sync import SyncResult, sync
-from prefetch.pipeline.transfer import Cancelled, TransferConfig
 from prefetch.pipeline.verify import new_hasher
 from prefetch.sources import SourceSettings, open_source
 from prefetch.sources.gcs.auth import Anonymous

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from prefetch.pipeline import verify
+from prefetch.pipeline.engine.plan import staged_name
+from prefetch.pipeline.engine.transfer import TransferConfig
 from prefetch.pipeline.layout import PlainLayout, RecordedFile
 from prefetch.pipeline.progress import NullProgress
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
 from prefetch.pipeline.sync import execute, prepare, sync
-from prefetch.pipeline.transfer import TransferConfig
-from prefetch.pipeline.transfer_plan import staged_name
 from prefetch.pipeline.verify_at_rest import forget_failures, verify_local
 from prefetch.support.errors import LayoutError, LockTimeoutError
 from tests.fakes.memory import MemorySource
@@ -183,7 +183,7 @@ def test_forget_failures_leaves_a_clean_copy_alone(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("stop_set", [False, True])
 def test_sync_still_runs_both_phases_and_honours_stop(tmp_path: Path, stop_set: bool) -> None:
-    from prefetch.pipeline.transfer import Cancelled
+    from prefetch.pipeline.engine.transfer import Cancelled
 
     source = MemorySource(dict(FILES))
     layout = PlainLayout(tmp_path / "dest")
@@ -207,7 +207,7 @@ from prefetch.pipeline.layout import PlainLayout
 from prefetch.pipeline.layout.base import RecordBook
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
 from prefetch.pipeline.sync import sync
-from prefetch.pipeline.transfer import TransferConfig
+from prefetch.pipeline.engine.transfer import TransferConfig
 from tests.fakes.memory import MemorySource
 
 objects = {f"f{i:02d}.bin": bytes([i]) * (1000 + i) for i in range(40)}

@@ -18,11 +18,11 @@ from prefetch.agent.metrics import AgentMetrics
 from prefetch.agent.node import NodeGate
 from prefetch.agent.progress_note import WriteLimiter
 from prefetch.agent.ready_clock import ReadyClock
+from prefetch.pipeline.engine.transfer import TransferConfig
 from prefetch.pipeline.layout import PlainLayout
 from prefetch.pipeline.snapshot import RemoteFile, Snapshot
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
 from prefetch.pipeline.sync import SYNC_PHASES, sync
-from prefetch.pipeline.transfer import TransferConfig
 from prefetch.support.constants import PROGRESS_ANNOTATION
 from tests.fakes.k8s_stub import KubeStub, running_stub
 from tests.fakes.memory import MemorySource

@@ -17,13 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from prefetch.pipeline import transfer, verify
-from prefetch.pipeline.partial_file import no_space
+from prefetch.pipeline import verify
+from prefetch.pipeline.engine import transfer
+from prefetch.pipeline.engine.partial_file import no_space
+from prefetch.pipeline.engine.plan import group_chunks, plan_chunks
+from prefetch.pipeline.engine.transfer import Transfer, TransferConfig
 from prefetch.pipeline.progress import NullProgress
 from prefetch.pipeline.retry import RetryPolicy
 from prefetch.pipeline.snapshot import Checksum, RemoteFile
-from prefetch.pipeline.transfer import Transfer, TransferConfig
-from prefetch.pipeline.transfer_plan import group_chunks, plan_chunks
 from prefetch.support.errors import (
     ChecksumMismatchError,
     InsufficientSpaceError,

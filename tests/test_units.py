@@ -7,11 +7,11 @@ import itertools
 
 import pytest
 
+from prefetch.pipeline.engine.plan import plan_chunks
+from prefetch.pipeline.engine.transfer import TransferConfig
 from prefetch.pipeline.layout import safe_join
 from prefetch.pipeline.snapshot import listing_digest
 from prefetch.pipeline.spec import ModelSpec, default_model_name, parse_source_uri
-from prefetch.pipeline.transfer import TransferConfig
-from prefetch.pipeline.transfer_plan import plan_chunks
 from prefetch.support.errors import (
     ConfigError,
     LayoutError,

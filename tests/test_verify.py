@@ -13,8 +13,8 @@ import pytest
 from awscrt import checksums as crt
 
 from prefetch.pipeline import verify
+from prefetch.pipeline.engine.plan import plan_chunks
 from prefetch.pipeline.snapshot import Checksum
-from prefetch.pipeline.transfer_plan import plan_chunks
 from prefetch.support.errors import ChecksumMismatchError, ConfigError
 
 MiB = 1024 * 1024

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from prefetch.agent.config_checks import parse_listen
+from prefetch.pipeline.engine.transfer import TransferConfig
 from prefetch.pipeline.retry import RetryPolicy
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
-from prefetch.pipeline.transfer import TransferConfig
 from prefetch.pipeline.warmup import DEFAULT_MEMORY_SHARE, DEFAULT_READ_RATE, WarmLimits
 from prefetch.publish.compile_cache import CacheKey
 from prefetch.support.constants import (

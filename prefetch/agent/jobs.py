@@ -40,11 +40,11 @@ from prefetch.agent.space import SpaceManager
 from prefetch.agent.warming import WarmingStory
 from prefetch.pipeline.compose import Hooks, Pipeline
 from prefetch.pipeline.compose import warm as warm_up
+from prefetch.pipeline.engine.transfer import Cancelled, TransferConfig
 from prefetch.pipeline.layout import Layout
 from prefetch.pipeline.spec import ModelSpec
 from prefetch.pipeline.store import Store
 from prefetch.pipeline.sync import Plan, SyncResult
-from prefetch.pipeline.transfer import Cancelled, TransferConfig
 from prefetch.pipeline.verify_at_rest import VerifyReport, forget_failures, verify_local
 from prefetch.pipeline.warmup import WarmReport
 from prefetch.publish.compile_cache_claim import COMPLETE

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import click
 
 from prefetch.cli.help import HelpGroup
+from prefetch.pipeline.engine.transfer import TransferConfig
 from prefetch.pipeline.progress import ProgressSink
 from prefetch.pipeline.retry import RetryPolicy
-from prefetch.pipeline.transfer import TransferConfig
 from prefetch.support import errors, settings
 from prefetch.support.errors import (
     ConfigError,

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from prefetch.cli.help import HelpCommand
+from prefetch.pipeline.engine.transfer import Transfer, TransferConfig
 from prefetch.pipeline.progress import NullProgress, ProgressSink, TerminalProgress
 from prefetch.pipeline.spec import ModelSpec, SpecError, layout_kind, parse_source_uri
 from prefetch.pipeline.sync import SyncResult
-from prefetch.pipeline.transfer import Transfer, TransferConfig
 from prefetch.support.errors import (
     ConfigError,
 )
@@ -131,7 +131,7 @@ def pull_engine(
     (the module only imported then)."""
     if processes.strip() == "1":
         return Transfer
-    from prefetch.pipeline.transfer_procs import ProcessEngine, SourceRecipe, parse_processes
+    from prefetch.pipeline.engine.processes import ProcessEngine, SourceRecipe, parse_processes
 
     count = parse_processes(processes)
     if count == 1:

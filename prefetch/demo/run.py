@@ -19,11 +19,11 @@ import click
 
 from prefetch.demo.locals3 import REGION, SeaweedS3, interrupts_deferred
 from prefetch.demo.modelgen import generate_model, upload_model
+from prefetch.pipeline.engine.transfer import TransferConfig
 from prefetch.pipeline.layout import PlainLayout
 from prefetch.pipeline.progress import TerminalProgress
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
 from prefetch.pipeline.sync import SyncResult, sync
-from prefetch.pipeline.transfer import TransferConfig
 from prefetch.pipeline.verify_at_rest import VerifyReport, verify_local
 from prefetch.sources import SourceSettings, open_source
 from prefetch.support.units import format_bytes

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from prefetch.pipeline.engine.transfer import Transfer, TransferConfig
 from prefetch.pipeline.layout import Layout
 from prefetch.pipeline.progress import ProgressSink
 from prefetch.pipeline.snapshot import Snapshot
@@ -32,7 +33,6 @@ from prefetch.pipeline.sync import (
     prepare,
     resolve_within,
 )
-from prefetch.pipeline.transfer import Transfer, TransferConfig
 from prefetch.sources.base import Source
 
 if TYPE_CHECKING:

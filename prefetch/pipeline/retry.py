@@ -36,8 +36,8 @@ class RetryPolicy:
     ``retryable`` decides which errors are retried (default: TransientSourceError).
 
     Every retry loop uses it: :func:`call_with_retries`, the ranged reads
-    (``prefetch.pipeline.watched_read.retry_read``), the node gate's GET/PATCH rounds, the agent's
-    per-model backoff after a failed sync and the gate driver's wait after a failed apply.
+    (``prefetch.pipeline.engine.watched_read.retry_read``), the node gate's GET/PATCH rounds, the
+    agent's per-model backoff after a failed sync and the gate driver's wait after a failed apply.
 
     Hand-written rather than tenacity: the loops that use it wait on a stop event (SIGTERM ends
     the wait at once and becomes Cancelled), resume from a byte position, sleep through an

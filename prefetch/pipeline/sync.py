@@ -24,19 +24,19 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from prefetch.pipeline.deadline import Alarms, call_with_deadline, stop_interrupts
-from prefetch.pipeline.layout import Layout, model_lock
-from prefetch.pipeline.partial_file import no_space
-from prefetch.pipeline.progress import NullProgress, ProgressSink
-from prefetch.pipeline.snapshot import Checksum, RemoteFile, Snapshot
-from prefetch.pipeline.spec import ModelSpec
-from prefetch.pipeline.transfer import (
+from prefetch.pipeline.engine.partial_file import no_space
+from prefetch.pipeline.engine.plan import staged_name
+from prefetch.pipeline.engine.transfer import (
     Cancelled,
     PublishFn,
     Transfer,
     TransferConfig,
     TransferStats,
 )
-from prefetch.pipeline.transfer_plan import staged_name
+from prefetch.pipeline.layout import Layout, model_lock
+from prefetch.pipeline.progress import NullProgress, ProgressSink
+from prefetch.pipeline.snapshot import Checksum, RemoteFile, Snapshot
+from prefetch.pipeline.spec import ModelSpec
 from prefetch.sources.base import ReadsLocalTree, RemembersArchives, Source
 from prefetch.support.errors import (
     DeadlineExceededError,
@@ -50,8 +50,9 @@ log = logging.getLogger(__name__)
 
 
 class Engine(Protocol):
-    """What runs a plan's files: :class:`~prefetch.pipeline.transfer.Transfer` (one process), or
-    :class:`~prefetch.pipeline.transfer_procs.ProcessEngine` (worker processes, ``--processes``)."""
+    """What runs a plan's files: :class:`~prefetch.pipeline.engine.transfer.Transfer` (one process),
+    or :class:`~prefetch.pipeline.engine.processes.ProcessEngine` (worker processes,
+    ``--processes``)."""
 
     stats: TransferStats
 

@@ -9,7 +9,7 @@ Three ways to check a file, chosen from its checksum:
   part digests are hashed at the end: no re-read either.
 * ``sequential``: a whole-object hash that must see the bytes in order (sha256, sha1, md5 of a
   single-part object, git blob sha1). Large files are fed in order as their pieces land (see
-  ``prefetch.pipeline.transfer``), small ones hashed once complete.
+  ``prefetch.pipeline.engine.transfer``), small ones hashed once complete.
 
 Which checksums are checked (:func:`checks_for`): the strongest one the serving source states, and
 every one an independent record states (the ``SHA256SUMS`` sidecar). A sidecar is the only check

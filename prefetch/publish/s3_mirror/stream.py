@@ -35,12 +35,10 @@ from functools import partial
 from typing import cast
 
 from prefetch.pipeline import verify
-from prefetch.pipeline.coordinator import Coordinator
 from prefetch.pipeline.deadline import Watchdog
-from prefetch.pipeline.progress import NullProgress, ProgressSink
-from prefetch.pipeline.snapshot import Checksum, RemoteFile
-from prefetch.pipeline.transfer_config import TransferConfig
-from prefetch.pipeline.watched_read import (
+from prefetch.pipeline.engine.config import TransferConfig
+from prefetch.pipeline.engine.coordinator import Coordinator
+from prefetch.pipeline.engine.watched_read import (
     Filled,
     connection_closed,
     engine_watchdog,
@@ -49,6 +47,8 @@ from prefetch.pipeline.watched_read import (
     read_slice,
     retry_read,
 )
+from prefetch.pipeline.progress import NullProgress, ProgressSink
+from prefetch.pipeline.snapshot import Checksum, RemoteFile
 from prefetch.publish.s3_mirror.upload import (
     MAX_PART_SIZE,
     MAX_PARTS,
@@ -246,9 +246,9 @@ _Task = _Open | _Part | _Hash | _Finish
 
 class PartStreamer:
     """Runs one batch of :class:`BlobUpload` through read -> CRC -> upload -> hash -> complete,
-    on the coordinator of :class:`prefetch.pipeline.transfer.Transfer`
-    (:mod:`prefetch.pipeline.coordinator`): the calling thread holds the state and the first error,
-    the network work runs on ``concurrency`` threads. One streamer runs once.
+    on the coordinator of :class:`prefetch.pipeline.engine.transfer.Transfer`
+    (:mod:`prefetch.pipeline.engine.coordinator`): the calling thread holds the state and the first
+    error, the network work runs on ``concurrency`` threads. One streamer runs once.
     """
 
     def __init__(

@@ -3,12 +3,12 @@
 Listing walks the directory; every regular file is one :class:`RemoteFile` whose ``version``
 is its identity ``<inode>-<mtime_ns>-<size>``: a file replaced (new inode), rewritten (new
 mtime) or truncated (new size) is another version, so its partial download and resume journal
-(named by path and version, see :func:`prefetch.pipeline.transfer.staged_name`) are not resumed
-from. Every ranged read checks the identity twice: when it opens the file, and with ``fstat`` on the
-same descriptor once its last byte is read; a change between them (or a file shorter than
-listed) is :class:`SourceChangedError`, as a replaced S3 object is. (The limit: a write in the
-same clock tick as the listed modification, ~4 ms, keeps the mtime; a file still being written
-while it is listed can slip through that way.)
+(named by path and version, see :func:`prefetch.pipeline.engine.transfer.staged_name`) are not
+resumed from. Every ranged read checks the identity twice: when it opens the file, and with
+``fstat`` on the same descriptor once its last byte is read; a change between them (or a file
+shorter than listed) is :class:`SourceChangedError`, as a replaced S3 object is. (The limit: a write
+in the same clock tick as the listed modification, ~4 ms, keeps the mtime; a file still being
+written while it is listed can slip through that way.)
 
 What is listed (docs/pulling.md): regular files, and symbolic links to regular files inside the
 source root (copied as the files they point to); a link out of the root (or dangling) is

@@ -3,7 +3,7 @@ worker's reusable buffer, written with ``pwrite``, hashed inline and journalled 
 
 Each io thread owns one page-aligned read buffer (as O_DIRECT writes need). A request that
 fails part way is retried from its last byte written
-(:func:`prefetch.pipeline.watched_read.retry_read`); the watchdog aborts a read that stalls,
+(:func:`prefetch.pipeline.engine.watched_read.retry_read`); the watchdog aborts a read that stalls,
 outlives the deadline or is stopped.
 """
 
@@ -17,10 +17,9 @@ from functools import partial
 
 from prefetch.pipeline import verify
 from prefetch.pipeline.deadline import Watch, Watchdog
-from prefetch.pipeline.progress import ProgressSink
-from prefetch.pipeline.transfer_config import TransferConfig, TransferStats
-from prefetch.pipeline.transfer_plan import FileJob
-from prefetch.pipeline.watched_read import (
+from prefetch.pipeline.engine.config import TransferConfig, TransferStats
+from prefetch.pipeline.engine.plan import FileJob
+from prefetch.pipeline.engine.watched_read import (
     Filled,
     connection_closed,
     fill_watched,
@@ -28,6 +27,7 @@ from prefetch.pipeline.watched_read import (
     read_slice,
     retry_read,
 )
+from prefetch.pipeline.progress import ProgressSink
 from prefetch.sources.base import Source
 from prefetch.support.errors import Cancelled, PrefetchError, TransientSourceError
 

@@ -1,5 +1,5 @@
 """One coordinator for work spread over thread pools: the pull engine
-(:class:`prefetch.pipeline.transfer. Transfer`) and the mirror's part streamer
+(:class:`prefetch.pipeline.engine.transfer. Transfer`) and the mirror's part streamer
 (:class:`prefetch.publish.s3_mirror.stream.PartStreamer`) run on it.
 
 The owner submits typed tasks (small dataclasses, one per kind of work) to its pools through

@@ -4,7 +4,7 @@ the layout to publish (:meth:`FileFinisher.finish`, on the coordinator); a file 
 check is deleted (the engine fetches it once more).
 
 A check's value is joined from the journal's per-chunk results (CRCs, composite checksums),
-finished from a large file's in-order hashers (:class:`prefetch.pipeline.transfer_plan.SeqHash`), or
+finished from a large file's in-order hashers (:class:`prefetch.pipeline.engine.plan.SeqHash`), or
 read back, for small files, in one pass for all that remain.
 """
 
@@ -15,10 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from prefetch.pipeline import verify
+from prefetch.pipeline.engine.config import ENGINE_LOGGER, TransferConfig, TransferStats
+from prefetch.pipeline.engine.plan import FileJob
 from prefetch.pipeline.progress import ProgressSink
 from prefetch.pipeline.snapshot import Checksum, RemoteFile
-from prefetch.pipeline.transfer_config import ENGINE_LOGGER, TransferConfig, TransferStats
-from prefetch.pipeline.transfer_plan import FileJob
 from prefetch.support.errors import ChecksumMismatchError
 
 log = logging.getLogger(ENGINE_LOGGER)

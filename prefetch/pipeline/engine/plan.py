@@ -15,11 +15,11 @@ from pathlib import Path
 
 from prefetch.pipeline import verify
 from prefetch.pipeline.deadline import Watchdog
-from prefetch.pipeline.journal import Journal
-from prefetch.pipeline.partial_file import DIRECT_MIN_SIZE, PartialFile
+from prefetch.pipeline.engine.config import TransferConfig
+from prefetch.pipeline.engine.journal import Journal
+from prefetch.pipeline.engine.partial_file import DIRECT_MIN_SIZE, PartialFile
+from prefetch.pipeline.engine.watched_read import call_watched
 from prefetch.pipeline.snapshot import Checksum, RemoteFile
-from prefetch.pipeline.transfer_config import TransferConfig
-from prefetch.pipeline.watched_read import call_watched
 from prefetch.sources.base import Source
 from prefetch.support.errors import ChecksumMismatchError, MissingChecksumError, SourceChangedError
 

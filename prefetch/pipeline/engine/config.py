@@ -1,5 +1,6 @@
 """How the chunk engine runs (:class:`TransferConfig`) and what it counts (:class:`TransferStats`):
-the settings and the tally every part of the engine (:mod:`prefetch.pipeline.transfer`) shares."""
+the settings and the tally every part of the engine (:mod:`prefetch.pipeline.engine.transfer`)
+shares."""
 
 from __future__ import annotations
 

@@ -1,16 +1,16 @@
 """The chunk engine: ranged reads of many files under one concurrency limit, resumable, verified.
 
 Per file: describe it (S3: a HEAD for checksums and part layout) and plan its chunks
-(:mod:`prefetch.pipeline.transfer_plan`), open ``<name>.incomplete`` preallocated, resuming what its
-journal records (:mod:`prefetch.pipeline.transfer_resume`), run every missing chunk on one pool of
-``concurrency`` threads (:mod:`prefetch.pipeline.transfer_fetch`: ``readinto`` a reusable buffer,
+(:mod:`prefetch.pipeline.engine.plan`), open ``<name>.incomplete`` preallocated, resuming what its
+journal records (:mod:`prefetch.pipeline.engine.resume`), run every missing chunk on one pool of
+``concurrency`` threads (:mod:`prefetch.pipeline.engine.fetch`: ``readinto`` a reusable buffer,
 ``pwrite``, hash inline, journal), then seal, verify and let the layout publish it
-(:mod:`prefetch.pipeline.transfer_finish`). A file of one chunk below the O_DIRECT size skips
+(:mod:`prefetch.pipeline.engine.finish`). A file of one chunk below the O_DIRECT size skips
 preallocation and journal: the io task that described it also writes, hashes and fsyncs it
 (``Transfer._describe_task``). This module is the coordinator that takes each file through
-those steps; :mod:`prefetch.pipeline.partial_file` writes the partial files (O_DIRECT for large
-ones) and :mod:`prefetch.pipeline.watched_read` holds the read and retry loops the engine shares
-with the mirror.
+those steps; :mod:`prefetch.pipeline.engine.partial_file` writes the partial files (O_DIRECT for
+large ones) and :mod:`prefetch.pipeline.engine.watched_read` holds the read and retry loops the
+engine shares with the mirror.
 
 A sequential checksum (sha256 of a Hub LFS file) is computed while the file downloads, by a hash
 worker reading back each newly contiguous run of chunks.
@@ -34,15 +34,15 @@ from pathlib import Path
 from typing import cast
 
 from prefetch.pipeline import verify
-from prefetch.pipeline.coordinator import Coordinator
+from prefetch.pipeline.engine.config import TransferConfig, TransferStats
+from prefetch.pipeline.engine.coordinator import Coordinator
+from prefetch.pipeline.engine.fetch import ChunkFetcher
+from prefetch.pipeline.engine.finish import FileFinisher, PublishFn
+from prefetch.pipeline.engine.plan import FileJob, FilePlanner, fits_one_write, group_chunks
+from prefetch.pipeline.engine.resume import Resumer, prepare_whole
+from prefetch.pipeline.engine.watched_read import engine_watchdog
 from prefetch.pipeline.progress import NullProgress, ProgressSink
 from prefetch.pipeline.snapshot import RemoteFile
-from prefetch.pipeline.transfer_config import TransferConfig, TransferStats
-from prefetch.pipeline.transfer_fetch import ChunkFetcher
-from prefetch.pipeline.transfer_finish import FileFinisher, PublishFn
-from prefetch.pipeline.transfer_plan import FileJob, FilePlanner, fits_one_write, group_chunks
-from prefetch.pipeline.transfer_resume import Resumer, prepare_whole
-from prefetch.pipeline.watched_read import engine_watchdog
 from prefetch.sources.base import Source
 from prefetch.support.errors import Cancelled, DeadlineExceededError, TransferError
 from prefetch.support.logjson import inherit_context

@@ -14,10 +14,10 @@ import os
 from pathlib import Path
 
 from prefetch.pipeline import verify
-from prefetch.pipeline.journal import Journal
-from prefetch.pipeline.partial_file import DIRECT_MIN_SIZE
-from prefetch.pipeline.transfer_config import ENGINE_LOGGER, TransferConfig, TransferStats
-from prefetch.pipeline.transfer_plan import FileJob, SeqHash
+from prefetch.pipeline.engine.config import ENGINE_LOGGER, TransferConfig, TransferStats
+from prefetch.pipeline.engine.journal import Journal
+from prefetch.pipeline.engine.partial_file import DIRECT_MIN_SIZE
+from prefetch.pipeline.engine.plan import FileJob, SeqHash
 
 log = logging.getLogger(ENGINE_LOGGER)
 

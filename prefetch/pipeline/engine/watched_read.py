@@ -1,5 +1,5 @@
 """Watched ranged reads: the one retry loop and the one read loop of every driver of ranged reads
-(the pull engine, :mod:`prefetch.pipeline.transfer`, and the mirror's part streamer).
+(the pull engine, :mod:`prefetch.pipeline.engine.transfer`, and the mirror's part streamer).
 
 A read runs under a watch of one :class:`prefetch.pipeline.deadline.Watchdog` that enforces the
 stall rule (under ``min_rate`` bytes/s over ``stall_window``: retried from the last byte received),
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from prefetch.pipeline.deadline import StallRule, Watch, Watchdog, watching
+from prefetch.pipeline.engine.config import ENGINE_LOGGER
 from prefetch.pipeline.retry import RetryPolicy, gave_up
 from prefetch.pipeline.snapshot import RemoteFile
-from prefetch.pipeline.transfer_config import ENGINE_LOGGER
 from prefetch.sources.base import RangeReader
 from prefetch.support.errors import Cancelled, PrefetchError, TransientSourceError
 

@@ -1,5 +1,5 @@
 """The engine's multi-process mode (``prefetch pull --processes N``): worker processes that each
-run a :class:`~prefetch.pipeline.transfer.Transfer` over a share of the plan's files.
+run a :class:`~prefetch.pipeline.engine.transfer.Transfer` over a share of the plan's files.
 
 Why: one process holds the GIL for about 0.4 s per GB it moves (bench/README.md, "The GIL,
 and awscrt's native S3 client"), which caps it near 2.5 GB/s, a fifth of a 100 Gbit/s node.
@@ -47,10 +47,10 @@ from multiprocessing.context import ForkServerContext, SpawnContext
 from pathlib import Path
 from typing import Any
 
+from prefetch.pipeline.engine.transfer import PublishFn, Transfer, TransferConfig, TransferStats
 from prefetch.pipeline.progress import NullProgress, ProgressSink
 from prefetch.pipeline.snapshot import Checksum, RemoteFile
 from prefetch.pipeline.spec import ModelSpec
-from prefetch.pipeline.transfer import PublishFn, Transfer, TransferConfig, TransferStats
 from prefetch.sources import SourceSettings, open_source
 from prefetch.sources.base import ReadsInWorkers, Source
 from prefetch.support.errors import Cancelled, ConfigError, PrefetchError, TransferError

@@ -16,8 +16,8 @@ import logging
 import os
 from pathlib import Path
 
+from prefetch.pipeline.engine.config import ENGINE_LOGGER
 from prefetch.pipeline.snapshot import RemoteFile
-from prefetch.pipeline.transfer_config import ENGINE_LOGGER
 from prefetch.support.errors import InsufficientSpaceError, PrefetchError, TransferError
 
 log = logging.getLogger(ENGINE_LOGGER)
