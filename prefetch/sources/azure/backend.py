@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import SplitResult
 
 from prefetch.pipeline.backends import Backend, SourceURI, SpecFields
-from prefetch.pipeline.spec_terms import SpecError
+from prefetch.pipeline.spec_terms import check_no_revisions
 from prefetch.support.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -78,18 +78,7 @@ class AzureBackend(Backend):
         return f"az://{uri.location}/{uri.path}"
 
     def check_spec(self, spec: SpecFields) -> None:
-        if spec.revision is not None:
-            raise SpecError(
-                "revision",
-                "Azure Blob sources have no revisions; {revision} is for hf:// sources",
-                cross_field=True,
-            )
-        if spec.hf_revision is not None and spec.hf_repo is None:
-            raise SpecError(
-                "hf_revision",
-                "needs {hf_repo} org/name (the repo id to publish under)",
-                cross_field=True,
-            )
+        check_no_revisions(spec, "Azure Blob")
 
     def open(self, spec: ModelSpec, settings: SourceSettings, *, probe: bool) -> Source:
         from prefetch.sources.azure.source import open_azure_source

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import SplitResult
 
 from prefetch.pipeline.backends import Backend, SourceURI, SpecFields
-from prefetch.pipeline.spec_terms import COMMIT_SHA, SpecError
+from prefetch.pipeline.spec_terms import COMMIT_SHA, check_no_revisions
 from prefetch.support.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -58,18 +58,9 @@ class FileBackend(Backend):
     def check_spec(self, spec: SpecFields) -> None:
         """No revisions (a directory has one state); the Hub layout may name the commit to
         publish under, with the repo id (as for S3)."""
-        if spec.revision is not None:
-            raise SpecError(
-                "revision",
-                "file:// sources have no revisions; {revision} is for hf:// sources (the "
-                "commit to publish under is {hf_revision}, with {hf_repo})",
-                cross_field=True,
-            )
-        if spec.hf_revision is not None and spec.hf_repo is None:
-            raise SpecError(
-                "hf_revision", "needs {hf_repo} org/name (the repo id to publish under)",
-                cross_field=True,
-            )  # fmt: skip
+        check_no_revisions(
+            spec, "file://", aside="the commit to publish under is {hf_revision}, with {hf_repo}"
+        )
 
     def publish_revision(
         self, hf_repo: str | None, revision: str | None

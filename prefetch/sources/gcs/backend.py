@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import SplitResult
 
 from prefetch.pipeline.backends import Backend, SourceURI, SpecFields
-from prefetch.pipeline.spec_terms import SpecError
+from prefetch.pipeline.spec_terms import check_no_revisions
 from prefetch.support.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -49,18 +49,7 @@ class GcsBackend(Backend):
 
     def check_spec(self, spec: SpecFields) -> None:
         """No revisions (a prefix is read as it is now); the Hub layout takes a repo id."""
-        if spec.revision is not None:
-            raise SpecError(
-                "revision",
-                "gs:// sources have no revisions; {revision} is for hf:// sources",
-                cross_field=True,
-            )
-        if spec.hf_revision is not None and spec.hf_repo is None:
-            raise SpecError(
-                "hf_revision",
-                "needs {hf_repo} org/name (the repo id to publish under)",
-                cross_field=True,
-            )
+        check_no_revisions(spec, "gs://")
 
     def open(self, spec: ModelSpec, settings: SourceSettings, *, probe: bool) -> Source:
         """The prefix, read on the seam; no request until it is resolved."""

@@ -30,9 +30,10 @@ import urllib3
 
 from prefetch.pipeline.deadline import SCOPE, Alarms, call_with_deadline
 from prefetch.pipeline.retry import AdaptiveRate, RetryPolicy, call_with_retries
-from prefetch.pipeline.snapshot import Checksum, RemoteFile, Snapshot, listing_digest
+from prefetch.pipeline.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.pipeline.spec import ModelSpec, SourceURI
 from prefetch.sources import SourceSettings
+from prefetch.sources.base import listed_snapshot
 from prefetch.sources.gcs.auth import CREDENTIALS_HINT, GcsAuth, gcs_auth
 from prefetch.sources.http.transport import (
     BodyReader,
@@ -52,7 +53,6 @@ from prefetch.support.errors import (
     AccessDeniedError,
     BucketNotFoundError,
     InvalidListingError,
-    NoMatchingFilesError,
     SourceChangedError,
     SourceError,
     ThrottledError,
@@ -193,20 +193,8 @@ class GcsSource:
             remote = _remote_file(item, rel, self.where)
             if spec.wants(rel):
                 files.append(remote)
-        if not seen_any:
-            raise NoMatchingFilesError(f"no objects under {self.where}")
-        if not files:
-            raise NoMatchingFilesError(
-                f"no object under {self.where} matches the include/exclude patterns",
-                hint=f"include={list(spec.include)} exclude={list(spec.exclude)}",
-            )
-        files.sort(key=lambda f: f.path)
-        digest = listing_digest([(f.path, f.size, f.version) for f in files])
-        return Snapshot(
-            source=str(self._uri),
-            revision_id=spec.hf_revision or digest,
-            files=tuple(files),
-            repo_id=spec.repo_id,
+        return listed_snapshot(
+            self._uri, spec, files, seen_any=seen_any, noun="object", where=self.where
         )
 
     def _listing(self) -> Iterator[Mapping[str, object]]:
