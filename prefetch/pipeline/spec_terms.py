@@ -102,3 +102,12 @@ def check_no_revisions(spec: SpecFields, sources: str, *, aside: str = "") -> No
             "needs {hf_repo} org/name (the repo id to publish under)",
             cross_field=True,
         )
+
+
+def hub_commit_split(hf_repo: str | None, revision: str | None) -> tuple[str | None, str | None]:
+    """``(revision, hf_revision)`` from one ``revision`` field for a source without revisions
+    published in the Hub layout: with ``hf_repo``, a 40-hex commit is the commit to publish
+    under (``hf_revision``); anything else stays the ``revision`` (which the spec refuses)."""
+    if hf_repo is not None and COMMIT_SHA.match(revision or ""):
+        return None, revision
+    return revision, None

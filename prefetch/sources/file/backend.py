@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import SplitResult
 
 from prefetch.pipeline.backends import Backend, SourceURI, SpecFields
-from prefetch.pipeline.spec_terms import COMMIT_SHA, check_no_revisions
+from prefetch.pipeline.spec_terms import check_no_revisions, hub_commit_split
 from prefetch.support.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -66,9 +66,7 @@ class FileBackend(Backend):
         self, hf_repo: str | None, revision: str | None
     ) -> tuple[str | None, str | None]:
         """With ``hf_repo``, a 40-hex commit is the commit to publish under."""
-        if hf_repo is not None and COMMIT_SHA.match(revision or ""):
-            return None, revision
-        return revision, None
+        return hub_commit_split(hf_repo, revision)
 
     def open(self, spec: ModelSpec, settings: SourceSettings, *, probe: bool) -> Source:
         from prefetch.sources.file.source import FileSource
