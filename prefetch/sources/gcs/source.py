@@ -39,9 +39,8 @@ from prefetch.sources.http.transport import (
     BodyReader,
     HttpClient,
     Sent,
-    check_range_answer,
+    checked_range_body,
     parse_retry_after,
-    range_body_reader,
     redact_url,
     send,
     shared_http_pool,
@@ -273,15 +272,7 @@ class GcsSource:
             raise SourceChangedError(
                 f"{what}: the server sent generation {served.strip()}, not {generation}"
             )
-        try:
-            check_range_answer(
-                what, start, end, file.size, answer.status, answer.headers.get("Content-Range"),
-                answer.headers.get("Content-Length"),
-            )  # fmt: skip
-        except SourceChangedError:
-            answer.discard()
-            raise
-        return range_body_reader(answer, what, end - start)
+        return checked_range_body(answer, what, start, end, file.size)
 
     def __repr__(self) -> str:
         return f"GcsSource({self.where!r}, endpoint={redact_url(self._client.endpoint)!r})"
