@@ -190,12 +190,7 @@ class AzureBlobSource:
 
         def fetch() -> BlobPage:
             answer = self._send(self._list_url(marker), what, {})
-            try:
-                body = answer.read(MAX_PAGE_BYTES + 1)
-            except Exception as exc:
-                answer.discard()
-                raise transport_error(exc, what) from exc
-            answer.release()
+            body = answer.read_whole(MAX_PAGE_BYTES + 1, what)
             if len(body) > MAX_PAGE_BYTES:
                 raise InvalidListingError(f"{what}: a page larger than {MAX_PAGE_BYTES} bytes")
             try:

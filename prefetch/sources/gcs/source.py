@@ -227,12 +227,7 @@ class GcsSource:
             answer = self._get(url, {"Accept": "application/json"}, what)
             if answer.status != 200:
                 raise self._refusal(answer, what, listing=True)
-            try:
-                data = answer.read(MAX_PAGE_BYTES + 1)
-            except Exception as exc:
-                answer.discard()
-                raise transport_error(exc, what) from exc
-            answer.release()
+            data = answer.read_whole(MAX_PAGE_BYTES + 1, what)
             page = load_json(data, where=what, max_bytes=MAX_PAGE_BYTES)
             if not isinstance(page, dict):
                 raise InvalidListingError(f"{what}: the answer is not a JSON object")

@@ -157,6 +157,17 @@ class Response:
         """At most ``limit`` bytes of the body."""
         return self.raw.read(limit) if self.raw is not None else b""
 
+    def read_whole(self, limit: int, what: str) -> bytes:
+        """At most ``limit`` bytes of a small body (a listing page), then :meth:`release`; a
+        read that fails discards the connection and is the transport error saying ``what``."""
+        try:
+            data = self.read(limit)
+        except Exception as exc:
+            self.discard()
+            raise transport_error(exc, what) from exc
+        self.release()
+        return data
+
     def release(self) -> None:
         """The body was read to its end (or there is none: a HEAD): the connection goes back to
         the pool, ready for its next request. One whose body was not read to its end (a caller
