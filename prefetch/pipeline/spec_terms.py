@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from prefetch.support.errors import ConfigError
 from prefetch.support.paths import ref_name_problem
+
+if TYPE_CHECKING:
+    from prefetch.pipeline.backends import SpecFields
 
 #: A Hub repo id (org/name, or a bare name in a URI).
 HF_REPO = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$|^[A-Za-z0-9][\w.\-]*$")
@@ -78,3 +82,32 @@ def validate_revision(revision: str, *, field_name: str = "revision") -> str:
             f"{literal(revision)} is not a valid branch, tag or commit name ({escape(problem)})",
         )
     return revision
+
+
+def check_no_revisions(spec: SpecFields, sources: str, *, aside: str = "") -> None:
+    """The rules of a source read as it is now (an object-store prefix, a directory): no
+    ``revision`` (its message names the ``sources`` as ``"S3"``, ``"gs://"``..., then ``aside``
+    in brackets), and ``hf_revision`` (the commit to publish under in the Hub layout) only with
+    ``hf_repo``."""
+    if spec.revision is not None:
+        raise SpecError(
+            "revision",
+            f"{sources} sources have no revisions; {{revision}} is for hf:// sources"
+            + (f" ({aside})" if aside else ""),
+            cross_field=True,
+        )
+    if spec.hf_revision is not None and spec.hf_repo is None:
+        raise SpecError(
+            "hf_revision",
+            "needs {hf_repo} org/name (the repo id to publish under)",
+            cross_field=True,
+        )
+
+
+def hub_commit_split(hf_repo: str | None, revision: str | None) -> tuple[str | None, str | None]:
+    """``(revision, hf_revision)`` from one ``revision`` field for a source without revisions
+    published in the Hub layout: with ``hf_repo``, a 40-hex commit is the commit to publish
+    under (``hf_revision``); anything else stays the ``revision`` (which the spec refuses)."""
+    if hf_repo is not None and COMMIT_SHA.match(revision or ""):
+        return None, revision
+    return revision, None

@@ -9,8 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from prefetch.pipeline.snapshot import RemoteFile, Snapshot
-from prefetch.pipeline.spec import ModelSpec
+from prefetch.pipeline.snapshot import RemoteFile, Snapshot, listing_digest
+from prefetch.pipeline.spec import ModelSpec, SourceURI
+from prefetch.support.errors import NoMatchingFilesError
 
 
 @runtime_checkable
@@ -99,6 +100,38 @@ def range_answer_problem(
     if content_length is not None and str(content_length).strip() != str(end - start):
         return f"the body is {str(content_length).strip()} bytes, the range is {end - start}"
     return None
+
+
+def listed_snapshot(
+    uri: SourceURI,
+    spec: ModelSpec,
+    files: list[RemoteFile],
+    *,
+    seen_any: bool,
+    noun: str,
+    where: str | Path,
+    empty: str | None = None,
+) -> Snapshot:
+    """The snapshot of a listing read as it is now (an object-store prefix, a directory):
+    ``files``, the wanted ones, sorted by path, under the listing's digest (or under
+    ``spec.hf_revision``, the commit the Hub layout publishes under). NoMatchingFilesError when
+    nothing was listed (``seen_any`` false: ``empty``, by default "no {noun}s under {where}")
+    or nothing listed is wanted."""
+    if not seen_any:
+        raise NoMatchingFilesError(empty or f"no {noun}s under {where}")
+    if not files:
+        raise NoMatchingFilesError(
+            f"no {noun} under {where} matches the include/exclude patterns",
+            hint=f"include={list(spec.include)} exclude={list(spec.exclude)}",
+        )
+    files = sorted(files, key=lambda f: f.path)
+    digest = listing_digest([(f.path, f.size, f.version) for f in files])
+    return Snapshot(
+        source=str(uri),
+        revision_id=spec.hf_revision or digest,
+        files=tuple(files),
+        repo_id=spec.repo_id,
+    )
 
 
 def shutdown_socket(sock: object) -> None:

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from xml.parsers import expat
 
-from prefetch.sources.s3.listing import MalformedListingPage
+from prefetch.sources.s3.listing import ListingXmlReader, MalformedListingPage
 
 #: EnumerationResults > Blobs > Blob > Properties > Content-Length is 5 deep.
 _MAX_DEPTH = 8
-_MAX_TEXT = 16 * 1024
 _PROPERTIES = frozenset({"Content-Length", "Etag", "Content-MD5", "BlobType"})
 
 
@@ -34,38 +32,23 @@ class BlobPage:
 def parse_blob_page(body: bytes) -> BlobPage:
     """One List Blobs page (``EnumerationResults``)."""
     reader = _Reader()
-    parser = expat.ParserCreate()
-    parser.SetParamEntityParsing(expat.XML_PARAM_ENTITY_PARSING_NEVER)
-    parser.StartDoctypeDeclHandler = reader.refuse
-    parser.EntityDeclHandler = reader.refuse
-    parser.ExternalEntityRefHandler = reader.refuse_external
-    parser.StartElementHandler = reader.start
-    parser.EndElementHandler = reader.end
-    parser.CharacterDataHandler = reader.text
-    try:
-        parser.Parse(body, True)
-    except expat.ExpatError as exc:
-        raise MalformedListingPage(f"not XML ({expat.errors.messages[exc.code]})") from None
+    reader.read(body)
     if reader.root != "EnumerationResults":
         raise MalformedListingPage("not an EnumerationResults")
     return BlobPage(tuple(reader.blobs), reader.next_marker)
 
 
-class _Reader:
+class _Reader(ListingXmlReader):
     def __init__(self) -> None:
-        self.path: list[str] = []
-        self.root: str | None = None
+        super().__init__()
         self.fields: dict[str, str] = {}
         self.blobs: list[ListedBlob] = []
         self.next_marker = ""
-        self.buffer: list[str] | None = None
-        self.buffered = 0
 
-    def refuse(self, *_: object) -> None:
+    def doctype(self, *_: object) -> None:
         raise MalformedListingPage("a document type or entity declaration (refused)")
 
-    def refuse_external(self, *_: object) -> int:
-        raise MalformedListingPage("an external entity reference (refused)")
+    entity = doctype
 
     def start(self, name: str, _attributes: Mapping[str, str]) -> None:
         self.path.append(name)
@@ -86,13 +69,6 @@ class _Reader:
             or (where[:3] == ["Blobs", "Blob", "Properties"] and len(where) == 4
                 and where[3] in _PROPERTIES)
         )  # fmt: skip
-
-    def text(self, data: str) -> None:
-        if self.buffer is not None:
-            self.buffered += len(data)
-            if self.buffered > _MAX_TEXT:
-                raise MalformedListingPage(f"<{self.path[-1]}> longer than {_MAX_TEXT} characters")
-            self.buffer.append(data)
 
     def end(self, _name: str) -> None:
         where = self.path[1:]

@@ -26,7 +26,7 @@ import urllib3
 
 from prefetch.pipeline.deadline import SCOPE, Alarms, call_with_deadline
 from prefetch.pipeline.retry import AdaptiveRate, RetryPolicy, call_with_retries
-from prefetch.pipeline.snapshot import Checksum, RemoteFile, Snapshot, listing_digest
+from prefetch.pipeline.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.pipeline.spec import ModelSpec, SourceURI
 from prefetch.sources import SourceSettings
 from prefetch.sources.azure.auth import (
@@ -38,6 +38,7 @@ from prefetch.sources.azure.auth import (
     request_headers,
 )
 from prefetch.sources.azure.listing import BlobPage, parse_blob_page
+from prefetch.sources.base import listed_snapshot
 from prefetch.sources.http.transport import (
     NETWORK_HINT,
     BodyReader,
@@ -57,7 +58,6 @@ from prefetch.support.errors import (
     BucketNotFoundError,
     ChecksumMismatchError,
     InvalidListingError,
-    NoMatchingFilesError,
     NotFoundError,
     PrefetchError,
     SourceChangedError,
@@ -190,12 +190,7 @@ class AzureBlobSource:
 
         def fetch() -> BlobPage:
             answer = self._send(self._list_url(marker), what, {})
-            try:
-                body = answer.read(MAX_PAGE_BYTES + 1)
-            except Exception as exc:
-                answer.discard()
-                raise transport_error(exc, what) from exc
-            answer.release()
+            body = answer.read_whole(MAX_PAGE_BYTES + 1, what)
             if len(body) > MAX_PAGE_BYTES:
                 raise InvalidListingError(f"{what}: a page larger than {MAX_PAGE_BYTES} bytes")
             try:
@@ -227,20 +222,8 @@ class AzureBlobSource:
             if token is None:
                 break
             marker = token
-        if not seen_any:
-            raise NoMatchingFilesError(f"no blobs under {self.where}")
-        if not files:
-            raise NoMatchingFilesError(
-                f"no blob under {self.where} matches the include/exclude patterns",
-                hint=f"include={list(spec.include)} exclude={list(spec.exclude)}",
-            )
-        files.sort(key=lambda f: f.path)
-        digest = listing_digest([(f.path, f.size, f.version) for f in files])
-        return Snapshot(
-            source=str(self._uri),
-            revision_id=spec.hf_revision or digest,
-            files=tuple(files),
-            repo_id=spec.repo_id,
+        return listed_snapshot(
+            self._uri, spec, files, seen_any=seen_any, noun="blob", where=self.where
         )
 
     def describe(self, file: RemoteFile) -> RemoteFile:

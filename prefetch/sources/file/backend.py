@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import SplitResult
 
 from prefetch.pipeline.backends import Backend, SourceURI, SpecFields
-from prefetch.pipeline.spec_terms import COMMIT_SHA, SpecError
+from prefetch.pipeline.spec_terms import check_no_revisions, hub_commit_split
 from prefetch.support.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -58,26 +58,15 @@ class FileBackend(Backend):
     def check_spec(self, spec: SpecFields) -> None:
         """No revisions (a directory has one state); the Hub layout may name the commit to
         publish under, with the repo id (as for S3)."""
-        if spec.revision is not None:
-            raise SpecError(
-                "revision",
-                "file:// sources have no revisions; {revision} is for hf:// sources (the "
-                "commit to publish under is {hf_revision}, with {hf_repo})",
-                cross_field=True,
-            )
-        if spec.hf_revision is not None and spec.hf_repo is None:
-            raise SpecError(
-                "hf_revision", "needs {hf_repo} org/name (the repo id to publish under)",
-                cross_field=True,
-            )  # fmt: skip
+        check_no_revisions(
+            spec, "file://", aside="the commit to publish under is {hf_revision}, with {hf_repo}"
+        )
 
     def publish_revision(
         self, hf_repo: str | None, revision: str | None
     ) -> tuple[str | None, str | None]:
         """With ``hf_repo``, a 40-hex commit is the commit to publish under."""
-        if hf_repo is not None and COMMIT_SHA.match(revision or ""):
-            return None, revision
-        return revision, None
+        return hub_commit_split(hf_repo, revision)
 
     def open(self, spec: ModelSpec, settings: SourceSettings, *, probe: bool) -> Source:
         from prefetch.sources.file.source import FileSource

@@ -36,13 +36,13 @@ import re
 import stat
 from pathlib import Path
 
-from prefetch.pipeline.snapshot import Checksum, RemoteFile, Snapshot, listing_digest
+from prefetch.pipeline.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.pipeline.spec import SIDECAR_MANIFEST, ModelSpec, SourceURI
+from prefetch.sources.base import listed_snapshot
 from prefetch.support.errors import (
     AccessDeniedError,
     ConfigError,
     InvalidListingError,
-    NoMatchingFilesError,
     NotFoundError,
     SourceChangedError,
     SourceError,
@@ -124,23 +124,12 @@ class FileSource:
             elif spec.wants(rel):
                 files.append(RemoteFile(rel, st.st_size, identity(st), locator=str(path),
                                         described=True))  # fmt: skip
-        if not seen_any:
-            raise NoMatchingFilesError(f"{self.root}: the directory holds no files")
-        if sidecar is not None:
+        if sidecar is not None:  # before the "nothing wanted" check: it may name a missing file
             files = self._apply_sidecar(sidecar, files, spec)
-        if not files:
-            raise NoMatchingFilesError(
-                f"no file under {self.root} matches the include/exclude patterns",
-                hint=f"include={list(spec.include)} exclude={list(spec.exclude)}",
-            )
-        files.sort(key=lambda f: f.path)
-        digest = listing_digest([(f.path, f.size, f.version) for f in files])
-        return Snapshot(
-            source=str(self._uri),
-            revision_id=spec.hf_revision or digest,
-            files=tuple(files),
-            repo_id=spec.repo_id,
-        )
+        return listed_snapshot(
+            self._uri, spec, files, seen_any=seen_any, noun="file", where=self.root,
+            empty=f"{self.root}: the directory holds no files",
+        )  # fmt: skip
 
     def _open_root(self) -> Path:
         """The root's real path (a link naming it is followed: the user named it), or one

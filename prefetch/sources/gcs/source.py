@@ -30,17 +30,17 @@ import urllib3
 
 from prefetch.pipeline.deadline import SCOPE, Alarms, call_with_deadline
 from prefetch.pipeline.retry import AdaptiveRate, RetryPolicy, call_with_retries
-from prefetch.pipeline.snapshot import Checksum, RemoteFile, Snapshot, listing_digest
+from prefetch.pipeline.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.pipeline.spec import ModelSpec, SourceURI
 from prefetch.sources import SourceSettings
+from prefetch.sources.base import listed_snapshot
 from prefetch.sources.gcs.auth import CREDENTIALS_HINT, GcsAuth, gcs_auth
 from prefetch.sources.http.transport import (
     BodyReader,
     HttpClient,
     Sent,
-    check_range_answer,
+    checked_range_body,
     parse_retry_after,
-    range_body_reader,
     redact_url,
     send,
     shared_http_pool,
@@ -52,7 +52,6 @@ from prefetch.support.errors import (
     AccessDeniedError,
     BucketNotFoundError,
     InvalidListingError,
-    NoMatchingFilesError,
     SourceChangedError,
     SourceError,
     ThrottledError,
@@ -193,20 +192,8 @@ class GcsSource:
             remote = _remote_file(item, rel, self.where)
             if spec.wants(rel):
                 files.append(remote)
-        if not seen_any:
-            raise NoMatchingFilesError(f"no objects under {self.where}")
-        if not files:
-            raise NoMatchingFilesError(
-                f"no object under {self.where} matches the include/exclude patterns",
-                hint=f"include={list(spec.include)} exclude={list(spec.exclude)}",
-            )
-        files.sort(key=lambda f: f.path)
-        digest = listing_digest([(f.path, f.size, f.version) for f in files])
-        return Snapshot(
-            source=str(self._uri),
-            revision_id=spec.hf_revision or digest,
-            files=tuple(files),
-            repo_id=spec.repo_id,
+        return listed_snapshot(
+            self._uri, spec, files, seen_any=seen_any, noun="object", where=self.where
         )
 
     def _listing(self) -> Iterator[Mapping[str, object]]:
@@ -240,12 +227,7 @@ class GcsSource:
             answer = self._get(url, {"Accept": "application/json"}, what)
             if answer.status != 200:
                 raise self._refusal(answer, what, listing=True)
-            try:
-                data = answer.read(MAX_PAGE_BYTES + 1)
-            except Exception as exc:
-                answer.discard()
-                raise transport_error(exc, what) from exc
-            answer.release()
+            data = answer.read_whole(MAX_PAGE_BYTES + 1, what)
             page = load_json(data, where=what, max_bytes=MAX_PAGE_BYTES)
             if not isinstance(page, dict):
                 raise InvalidListingError(f"{what}: the answer is not a JSON object")
@@ -285,15 +267,7 @@ class GcsSource:
             raise SourceChangedError(
                 f"{what}: the server sent generation {served.strip()}, not {generation}"
             )
-        try:
-            check_range_answer(
-                what, start, end, file.size, answer.status, answer.headers.get("Content-Range"),
-                answer.headers.get("Content-Length"),
-            )  # fmt: skip
-        except SourceChangedError:
-            answer.discard()
-            raise
-        return range_body_reader(answer, what, end - start)
+        return checked_range_body(answer, what, start, end, file.size)
 
     def __repr__(self) -> str:
         return f"GcsSource({self.where!r}, endpoint={redact_url(self._client.endpoint)!r})"

@@ -5,7 +5,8 @@
   ``readinto`` straight into the engine's buffer (urllib3's and botocore's own ``readinto`` read
   into a temporary bytes object and copy it: half the client CPU per byte, measured), never
   more or less than the range, with an ``abort()`` that wakes a read blocked in another thread.
-* :func:`check_range_answer` (THE range rule) and :func:`range_body_reader`.
+* :func:`check_range_answer` (THE range rule), :func:`range_body_reader`, and
+  :func:`checked_range_body` (the one, then the other).
 
 Imported through :mod:`prefetch.sources.http.transport`, the seam's public face.
 """
@@ -156,6 +157,17 @@ class Response:
         """At most ``limit`` bytes of the body."""
         return self.raw.read(limit) if self.raw is not None else b""
 
+    def read_whole(self, limit: int, what: str) -> bytes:
+        """At most ``limit`` bytes of a small body (a listing page), then :meth:`release`; a
+        read that fails discards the connection and is the transport error saying ``what``."""
+        try:
+            data = self.read(limit)
+        except Exception as exc:
+            self.discard()
+            raise transport_error(exc, what) from exc
+        self.release()
+        return data
+
     def release(self) -> None:
         """The body was read to its end (or there is none: a HEAD): the connection goes back to
         the pool, ready for its next request. One whose body was not read to its end (a caller
@@ -233,3 +245,25 @@ def range_body_reader(
         length_known=answer.headers.get("Content-Length") is not None,
         translate=translate,
     )
+
+
+def checked_range_body(
+    answer: Response,
+    what: str,
+    start: int,
+    end: int,
+    size: int,
+    *,
+    translate: Callable[[Exception, str], Exception] = transport_error,
+) -> BodyReader:
+    """The reader of the answer to a GET of bytes ``[start, end)`` of a ``size``-byte object,
+    once :func:`check_range_answer` passed it (refused: the answer is discarded)."""
+    try:
+        check_range_answer(
+            what, start, end, size, answer.status, answer.headers.get("Content-Range"),
+            answer.headers.get("Content-Length"),
+        )  # fmt: skip
+    except SourceChangedError:
+        answer.discard()
+        raise
+    return range_body_reader(answer, what, end - start, translate=translate)

@@ -35,6 +35,7 @@ from prefetch.sources.http.body import (
     ResponseBody,
     SupportsReadinto,
     check_range_answer,
+    checked_range_body,
     http_client_response,
     range_body_reader,
 )
@@ -392,6 +393,7 @@ __all__ = [
     "Sent",
     "SupportsReadinto",
     "check_range_answer",
+    "checked_range_body",
     "connection_failure",
     "discard",
     "error_class",

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import SplitResult
 
 from prefetch.pipeline.backends import Backend, SourceURI, SpecFields
-from prefetch.pipeline.spec_terms import COMMIT_SHA, SpecError
+from prefetch.pipeline.spec_terms import check_no_revisions, hub_commit_split
 from prefetch.support.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -54,27 +54,16 @@ class S3Backend(Backend):
     def check_spec(self, spec: SpecFields) -> None:
         """No revisions; a mirror published in the Hub layout may name the commit to publish
         under, with the repo id."""
-        if spec.revision is not None:
-            raise SpecError(
-                "revision",
-                "S3 sources have no revisions; {revision} is for hf:// sources (an S3 mirror "
-                "takes the 40-hex commit to publish under as {hf_revision}, with {hf_repo})",
-                cross_field=True,
-            )
-        if spec.hf_revision is not None and spec.hf_repo is None:
-            raise SpecError(
-                "hf_revision",
-                "needs {hf_repo} org/name (the repo id to publish under)",
-                cross_field=True,
-            )
+        check_no_revisions(
+            spec, "S3", aside="an S3 mirror takes the 40-hex commit to publish under as "
+            "{hf_revision}, with {hf_repo}",
+        )  # fmt: skip
 
     def publish_revision(
         self, hf_repo: str | None, revision: str | None
     ) -> tuple[str | None, str | None]:
         """On an S3 mirror (with ``hf_repo``) a 40-hex commit is the commit to publish under."""
-        if hf_repo is not None and COMMIT_SHA.match(revision or ""):
-            return None, revision
-        return revision, None
+        return hub_commit_split(hf_repo, revision)
 
     def open(self, spec: ModelSpec, settings: SourceSettings, *, probe: bool) -> Source:
         """The prefix, found to be a mirror or not when resolved (``probe``), else read object

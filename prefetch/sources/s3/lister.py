@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import re
 
-from prefetch.pipeline.snapshot import Checksum, RemoteFile, Snapshot, listing_digest
+from prefetch.pipeline.snapshot import Checksum, RemoteFile, Snapshot
 from prefetch.pipeline.spec import SIDECAR_MANIFEST, ModelSpec, SourceURI
+from prefetch.sources.base import listed_snapshot
 from prefetch.sources.s3.listing import ListingPages, listed_objects
 from prefetch.sources.s3.sender import S3Requests
-from prefetch.support.errors import NoMatchingFilesError, SourceChangedError, SourceError
+from prefetch.support.errors import SourceChangedError, SourceError
 
 _SIDECAR_LINE = re.compile(r"^([0-9a-fA-F]{64}) [ *](.+)$")
 
@@ -61,23 +62,10 @@ class S3Lister:
             token = pages.next_token(page)
             if token is None:
                 break
-        if not seen_any:
-            raise NoMatchingFilesError(f"no objects under {where}")
-        if not files:
-            raise NoMatchingFilesError(
-                f"no object under {where} matches the include/exclude patterns",
-                hint=f"include={list(spec.include)} exclude={list(spec.exclude)}",
-            )
-        if sidecar is not None:
+        if sidecar is not None and files:  # none wanted: the error below, the sidecar unread
             files = self._apply_sidecar(sidecar, files)
-        files.sort(key=lambda f: f.path)
-        digest = listing_digest([(f.path, f.size, f.version) for f in files])
-        return Snapshot(
-            source=str(self._uri),
-            revision_id=spec.hf_revision or digest,
-            files=tuple(files),
-            requested_revision=None,
-            repo_id=spec.repo_id,
+        return listed_snapshot(
+            self._uri, spec, files, seen_any=seen_any, noun="object", where=where
         )
 
     def _apply_sidecar(self, sidecar: RemoteFile, files: list[RemoteFile]) -> list[RemoteFile]:

@@ -28,6 +28,7 @@ __all__ = [
     "ListPage",
     "ListingEntry",
     "ListingPages",
+    "ListingXmlReader",
     "MalformedListingPage",
     "listed_objects",
     "parse_list_page",
@@ -69,33 +70,69 @@ def parse_list_page(body: bytes) -> ListPage:
     """A ListObjectsV2 answer (``encoding-type=url``) in botocore's shape: ``Contents`` (Key,
     Size, ETag), ``CommonPrefixes``, ``IsTruncated``, ``NextContinuationToken``, keys decoded."""
     reader = _PageReader()
-    parser = expat.ParserCreate()
-    parser.SetParamEntityParsing(expat.XML_PARAM_ENTITY_PARSING_NEVER)
-    parser.StartDoctypeDeclHandler = reader.doctype
-    parser.EntityDeclHandler = reader.entity
-    parser.ExternalEntityRefHandler = reader.external
-    parser.StartElementHandler = reader.start
-    parser.EndElementHandler = reader.end
-    parser.CharacterDataHandler = reader.text
-    try:
-        parser.Parse(body, True)
-    except expat.ExpatError as exc:
-        raise MalformedListingPage(f"not XML ({expat.errors.messages[exc.code]})") from None
+    reader.read(body)
     return reader.page()
 
 
-class _PageReader:
-    """The expat handlers: the fields of a page, gathered as the elements stream by."""
+class ListingXmlReader:
+    """The expat handlers a listing page's reader shares (S3's, Azure's): :meth:`read` streams
+    a page through them, an external entity is refused, the element path is kept and each text
+    a subclass keeps (its ``start`` sets ``buffer``) is bounded. A subclass refuses a document
+    type or an entity declaration in its words and reads its elements."""
 
     def __init__(self) -> None:
         self.path: list[str] = []
         self.root: str | None = None
+        self.buffer: list[str] | None = None
+        self.buffered = 0
+
+    def read(self, body: bytes) -> None:
+        """The whole page through the handlers (MalformedListingPage: not XML, or refused)."""
+        parser = expat.ParserCreate()
+        parser.SetParamEntityParsing(expat.XML_PARAM_ENTITY_PARSING_NEVER)
+        parser.StartDoctypeDeclHandler = self.doctype
+        parser.EntityDeclHandler = self.entity
+        parser.ExternalEntityRefHandler = self.external
+        parser.StartElementHandler = self.start
+        parser.EndElementHandler = self.end
+        parser.CharacterDataHandler = self.text
+        try:
+            parser.Parse(body, True)
+        except expat.ExpatError as exc:
+            raise MalformedListingPage(f"not XML ({expat.errors.messages[exc.code]})") from None
+
+    def doctype(self, *_: object) -> None:
+        raise NotImplementedError
+
+    def entity(self, *_: object) -> None:
+        raise NotImplementedError
+
+    def external(self, *_: object) -> int:
+        raise MalformedListingPage("an external entity reference (refused)")
+
+    def start(self, tag: str, _attributes: Mapping[str, str]) -> None:
+        raise NotImplementedError
+
+    def end(self, _tag: str) -> None:
+        raise NotImplementedError
+
+    def text(self, data: str) -> None:
+        if self.buffer is not None:
+            self.buffered += len(data)
+            if self.buffered > _MAX_TEXT:
+                raise MalformedListingPage(f"<{self.path[-1]}> longer than {_MAX_TEXT} characters")
+            self.buffer.append(data)
+
+
+class _PageReader(ListingXmlReader):
+    """The expat handlers: the fields of a page, gathered as the elements stream by."""
+
+    def __init__(self) -> None:
+        super().__init__()
         self.fields: dict[str, str] = {}  # the page's own (IsTruncated, ...)
         self.entry: dict[str, str] | None = None  # the Contents being read
         self.contents: list[dict[str, str]] = []
         self.prefixes: list[str] = []
-        self.buffer: list[str] | None = None
-        self.buffered = 0
 
     # -- refused ------------------------------------------------------------------------------
 
@@ -104,9 +141,6 @@ class _PageReader:
 
     def entity(self, *_: object) -> None:
         raise MalformedListingPage("an entity declaration (refused)")
-
-    def external(self, *_: object) -> int:
-        raise MalformedListingPage("an external entity reference (refused)")
 
     # -- elements -----------------------------------------------------------------------------
 
@@ -133,13 +167,6 @@ class _PageReader:
         if depth == 3 and parent == "Contents":
             return name in _CONTENTS_FIELDS
         return depth == 3 and parent == "CommonPrefixes" and name == "Prefix"
-
-    def text(self, data: str) -> None:
-        if self.buffer is not None:
-            self.buffered += len(data)
-            if self.buffered > _MAX_TEXT:
-                raise MalformedListingPage(f"<{self.path[-1]}> longer than {_MAX_TEXT} characters")
-            self.buffer.append(data)
 
     def end(self, _tag: str) -> None:
         name = self.path[-1]

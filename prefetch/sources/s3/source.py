@@ -27,7 +27,7 @@ from prefetch.pipeline.deadline import SCOPE
 from prefetch.pipeline.retry import AdaptiveRate, RetryPolicy
 from prefetch.pipeline.snapshot import RemoteFile, Snapshot
 from prefetch.pipeline.spec import ModelSpec, SourceURI
-from prefetch.sources.http.transport import BodyReader, check_range_answer, range_body_reader
+from prefetch.sources.http.transport import BodyReader, checked_range_body
 from prefetch.sources.s3.describe import S3Describer, if_match
 from prefetch.sources.s3.errors import read_failure
 from prefetch.sources.s3.factory import LazyS3Client
@@ -146,12 +146,4 @@ class S3Source:
         if file.version and etag and etag != file.version:
             answer.discard()
             raise SourceChangedError(f"{what}: the object changed during the download")
-        try:
-            check_range_answer(
-                what, start, end, file.size, answer.status, answer.headers.get("Content-Range"),
-                answer.headers.get("Content-Length"),
-            )  # fmt: skip
-        except SourceChangedError:
-            answer.discard()
-            raise
-        return range_body_reader(answer, what, end - start, translate=read_failure)
+        return checked_range_body(answer, what, start, end, file.size, translate=read_failure)
