@@ -216,3 +216,37 @@ def test_with_no_credentials_anywhere_requests_go_anonymous(
     auth = ApplicationDefault(make_http_pool(2))
     assert auth.header() is None
     assert auth.origin.startswith("no credentials")
+
+
+def test_parallel_reads_meeting_one_expiry_refresh_the_token_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Several ranged reads answered 401 for the same expired token report it one after the
+    other: the first drops it and the next header() fetches one new token; the others, whose
+    401 answered the old token, retry with the new one instead of dropping it again."""
+    import google.auth
+
+    from prefetch.sources.gcs.auth import ApplicationDefault
+
+    class Credentials:
+        def __init__(self) -> None:
+            self.token: str | None = "t0"
+            self.refreshes = 0
+
+        @property
+        def valid(self) -> bool:
+            return self.token is not None
+
+        def refresh(self, request: object) -> None:
+            self.refreshes += 1
+            self.token = f"t{self.refreshes}"
+
+    creds = Credentials()
+    monkeypatch.setattr(google.auth, "default", lambda scopes=None: (creds, "p"))
+    auth = ApplicationDefault(http=None)  # type: ignore[arg-type]  # refresh() ignores it here
+    sent = [auth.header() for _ in range(4)]  # four reads sent with the same token
+    assert set(sent) == {"Bearer t0"}
+    for header in sent:  # each is answered 401, and reports it
+        assert auth.expired(header) is True
+        assert auth.header() == "Bearer t1"
+    assert creds.refreshes == 1

@@ -261,11 +261,11 @@ def pull(
     verified and resumable. With the hf
     layout DEST is an HF_HOME: vLLM with HF_HOME=DEST and HF_HUB_OFFLINE=1 loads the model from
     it."""
+    from prefetch.pipeline.backends import backend
     from prefetch.pipeline.compose import Pipeline
     from prefetch.pipeline.compose import warm as warm_up
     from prefetch.pipeline.layout import layout_for
     from prefetch.sources import open_source
-    from prefetch.sources.file.source import FileSource
 
     config = make_config(**transfer)
     spec, _ = pull_spec(
@@ -275,8 +275,8 @@ def pull(
     )  # fmt: skip
     record.model = spec.name
     made = missing_folders(dest)
-    if made and spec.source.scheme == "file":  # no folder is made inside a file:// source
-        FileSource(spec.source).refuse_destination((made[0],))
+    if made:  # no folder is made inside a source that is a directory of this machine
+        backend(spec.source.scheme).refuse_destination(spec.source, (made[0],))
     root = writable_destination(dest)
     record.path = str(root)
     with removed_if_empty_on_failure(made):

@@ -21,6 +21,7 @@ import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cache
+from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import SplitResult
 
@@ -130,6 +131,11 @@ class Backend:
     def check_spec(self, spec: SpecFields) -> None:
         """The spec fields' rules that are this scheme's (SpecError); may normalize fields
         of the spec being built (``object.__setattr__``, as its own ``__post_init__`` does)."""
+
+    def refuse_destination(self, uri: SourceURI, folders: tuple[Path, ...]) -> None:
+        """Before a pull makes ``folders`` (a destination's missing folders, the first one
+        first): refuse them if they would be inside the source (a directory of this machine,
+        which is never written to). Nothing to refuse for a remote source."""
 
     def check_mirror(self, mirror: SourceURI) -> None:
         """A mirror of this scheme, as a model's ``mirrors`` names it (SpecError)."""

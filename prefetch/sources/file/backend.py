@@ -6,6 +6,7 @@ too), a directory read file by file and published plain, or in the Hub's layout 
 from __future__ import annotations
 
 import posixpath
+from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import SplitResult
 
@@ -67,6 +68,11 @@ class FileBackend(Backend):
     ) -> tuple[str | None, str | None]:
         """With ``hf_repo``, a 40-hex commit is the commit to publish under."""
         return hub_commit_split(hf_repo, revision)
+
+    def refuse_destination(self, uri: SourceURI, folders: tuple[Path, ...]) -> None:
+        from prefetch.sources.file.source import FileSource
+
+        FileSource(uri).refuse_destination(folders)
 
     def open(self, spec: ModelSpec, settings: SourceSettings, *, probe: bool) -> Source:
         from prefetch.sources.file.source import FileSource

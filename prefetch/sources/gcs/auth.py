@@ -44,9 +44,10 @@ class GcsAuth(Protocol):
         """The ``Authorization`` value (None: anonymous); may refresh a token first."""
         ...
 
-    def expired(self) -> bool:
-        """A 401 answered the header: forget it. True when a new one may be fetched (a retry
-        makes sense), False when the token can only be the same."""
+    def expired(self, sent: str | None) -> bool:
+        """A 401 answered the header ``sent``: forget it (unless another request has already
+        replaced it). True when a new one may be fetched (a retry makes sense), False when the
+        token can only be the same."""
         ...
 
 
@@ -60,7 +61,7 @@ class StaticToken:
     def header(self) -> str | None:
         return self._value
 
-    def expired(self) -> bool:
+    def expired(self, sent: str | None) -> bool:
         return False
 
     def __repr__(self) -> str:  # never the token
@@ -76,7 +77,7 @@ class Anonymous:
     def header(self) -> str | None:
         return None
 
-    def expired(self) -> bool:
+    def expired(self, sent: str | None) -> bool:
         return False
 
 
@@ -108,11 +109,14 @@ class ApplicationDefault:
                 self._refresh()
             return f"Bearer {self._credentials.token}"
 
-    def expired(self) -> bool:
+    def expired(self, sent: str | None) -> bool:
         with self._lock:
             if self._credentials is None:
                 return False
-            self._credentials.token = None  # the next header() refreshes
+            # parallel reads meet the same expiry: only the first to report it drops the token,
+            # the others retry with the one it fetched (one refresh, not one per read)
+            if sent == f"Bearer {self._credentials.token}":
+                self._credentials.token = None  # the next header() refreshes
             return True
 
     def _find(self) -> None:

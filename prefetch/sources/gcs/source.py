@@ -149,7 +149,7 @@ class GcsSource:
                 self.pace.throttled(ticket)
             else:
                 self.pace.succeeded(ticket)
-            if answer.status == 401 and attempt == 1 and self._client.auth.expired():
+            if answer.status == 401 and attempt == 1 and self._client.auth.expired(auth):
                 answer.discard()
                 continue
             return answer
