@@ -1,15 +1,15 @@
 """The chunk engine's hot path: one ranged request for a run of a file's chunks, read into the
 worker's reusable buffer, written with ``pwrite``, hashed inline and journalled chunk by chunk.
 
-Each io thread owns one page-aligned read buffer (as O_DIRECT writes need). A request that
-fails part way is retried from its last byte written
+Each io thread owns one page-aligned read buffer (as O_DIRECT writes need), on huge pages
+where the kernel has them (:func:`prefetch.pipeline.engine.partial_file.page_buffer`). A
+request that fails part way is retried from its last byte written
 (:func:`prefetch.pipeline.engine.watched_read.retry_read`); the watchdog aborts a read that stalls,
 outlives the deadline or is stopped.
 """
 
 from __future__ import annotations
 
-import mmap
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +18,7 @@ from functools import partial
 from prefetch.pipeline import verify
 from prefetch.pipeline.deadline import Watch, Watchdog
 from prefetch.pipeline.engine.config import TransferConfig, TransferStats
+from prefetch.pipeline.engine.partial_file import page_buffer
 from prefetch.pipeline.engine.plan import FileJob
 from prefetch.pipeline.engine.watched_read import (
     Filled,
@@ -82,8 +83,7 @@ class ChunkFetcher:
     def _buffer(self) -> memoryview:
         view = getattr(self._local, "view", None)
         if view is None:
-            # anonymous mmap: page-aligned, as O_DIRECT writes need
-            view = memoryview(mmap.mmap(-1, self._config.buffer_size))
+            view = page_buffer(self._config.buffer_size)
             self._local.view = view
         return view
 
