@@ -21,7 +21,7 @@ import pytest
 
 from prefetch.pipeline import verify
 from prefetch.pipeline.engine import transfer
-from prefetch.pipeline.engine.partial_file import no_space, page_buffer
+from prefetch.pipeline.engine.partial_file import PageBuffers, no_space
 from prefetch.pipeline.engine.plan import group_chunks, plan_chunks
 from prefetch.pipeline.engine.transfer import Transfer, TransferConfig
 from prefetch.pipeline.progress import NullProgress
@@ -256,11 +256,16 @@ def test_large_files_are_written_from_buffers_on_huge_pages(tmp_path: Path) -> N
         mp.setattr(os, "pwrite", spy)
         assert pull_one(data, tmp_path / "out", buffer_size=1 * MiB).read_bytes() == data
     assert advised and all(advised), "every write comes from a buffer advised onto huge pages"
-    view = page_buffer(1 * MiB + 4096)
-    assert (
-        len(view) == 1 * MiB + 4096
-        and ctypes.addressof(ctypes.c_char.from_buffer(view)) % 4096 == 0
-    )
+
+
+def test_each_thread_gets_a_page_aligned_buffer_of_its_own() -> None:
+    buffers = PageBuffers(5000, 3)  # (not a whole number of pages: each still starts on one)
+    views = [buffers.take() for _ in range(7)]  # more than ``count``: another mapping
+    starts = [ctypes.addressof(ctypes.c_char.from_buffer(v)) for v in views]
+    assert all(len(v) == 5000 for v in views)
+    assert all(a % 4096 == 0 for a in starts)
+    spans = sorted((a, a + 5000) for a in starts)
+    assert all(end <= nxt for (_, end), (nxt, _) in itertools.pairwise(spans)), "no overlap"
 
 
 def test_o_direct_refused_at_open_falls_back_to_buffered(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ class TransferConfig:
     """How the engine runs.
 
     Peak memory of the engine is about ``concurrency * buffer_size`` (each worker thread owns one
-    read buffer: 16 x 1 MiB by default, 16 x 2 MiB where it is on huge pages) plus
+    read buffer: 16 x 1 MiB by default) plus
     ``hash_workers`` 4 MiB read buffers and the HTTP connections' socket buffers, whatever the
     file or chunk size. ``chunk_size`` is the size of each ranged request; ``piece_size`` (or the
     chunk size, if smaller) the granularity of resume: a killed pull re-fetches at most
