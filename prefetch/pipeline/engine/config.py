@@ -22,12 +22,11 @@ class TransferConfig:
     """How the engine runs.
 
     Peak memory of the engine is about ``concurrency * buffer_size`` (each worker thread owns one
-    read buffer: 16 x 1 MiB by default) plus
-    ``hash_workers`` 4 MiB read buffers and the HTTP connections' socket buffers, whatever the
-    file or chunk size. ``chunk_size`` is the size of each ranged request; ``piece_size`` (or the
-    chunk size, if smaller) the granularity of resume: a killed pull re-fetches at most
-    ``concurrency * piece_size`` bytes. ``direct_io`` writes large files with O_DIRECT (buffered
-    writes where the filesystem refuses it).
+    read buffer: 16 x 1 MiB by default) plus ``hash_workers`` 4 MiB read buffers and the HTTP
+    connections' socket buffers, whatever the file or chunk size. ``chunk_size`` is the size of
+    each ranged request; ``piece_size`` (or the chunk size, if smaller) the granularity of resume:
+    a killed pull re-fetches at most ``concurrency * piece_size`` bytes. ``direct_io`` writes
+    large files with O_DIRECT (buffered writes where the filesystem refuses it).
 
     ``min_rate`` and ``stall_window``: a ranged request that delivers fewer than ``min_rate``
     bytes/s over any ``stall_window`` seconds (also a server that sends nothing) is abandoned
