@@ -7,10 +7,12 @@ hard to provoke there (a failure after exactly N bytes, a filesystem refusing O_
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import hashlib
 import itertools
+import mmap
 import os
 import threading
 from pathlib import Path
@@ -19,7 +21,7 @@ import pytest
 
 from prefetch.pipeline import verify
 from prefetch.pipeline.engine import transfer
-from prefetch.pipeline.engine.partial_file import no_space
+from prefetch.pipeline.engine.partial_file import PageBuffers, no_space
 from prefetch.pipeline.engine.plan import group_chunks, plan_chunks
 from prefetch.pipeline.engine.transfer import Transfer, TransferConfig
 from prefetch.pipeline.progress import NullProgress
@@ -215,6 +217,55 @@ def test_large_files_are_written_with_o_direct(tmp_path: Path) -> None:
         flags = _record_open_flags(mp)
         assert pull_one(data, tmp_path / "buffered", direct_io=False).read_bytes() == data
     assert not any(f & os.O_DIRECT for f in flags), "direct_io=False: no O_DIRECT at all"
+
+
+def _huge_page_advised(view: memoryview) -> bool:
+    """Is the mapping holding ``view`` advised onto transparent huge pages (``hg`` among its
+    VmFlags in /proc/self/smaps)?"""
+    address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(x, 16) for x in head.split("-"))
+            inside = low <= address < high
+        elif inside and head == "VmFlags:":
+            return "hg" in line.split()
+    return False
+
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(
+    not THP.exists() or "[never]" in THP.read_text() or not hasattr(mmap, "MADV_HUGEPAGE"),
+    reason="no transparent huge pages here",
+)
+def test_large_files_are_written_from_buffers_on_huge_pages(tmp_path: Path) -> None:
+    if not direct_io_supported(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+    data = os.urandom(9 * MiB)
+    advised: list[bool] = []
+    real = os.pwrite
+
+    def spy(fd: int, buf: memoryview, offset: int) -> int:
+        advised.append(_huge_page_advised(buf))
+        return real(fd, buf, offset)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "pwrite", spy)
+        assert pull_one(data, tmp_path / "out", buffer_size=1 * MiB).read_bytes() == data
+    assert advised and all(advised), "every write comes from a buffer advised onto huge pages"
+
+
+def test_each_thread_gets_a_page_aligned_buffer_of_its_own() -> None:
+    buffers = PageBuffers(5000, 3)  # (not a whole number of pages: each still starts on one)
+    views = [buffers.take() for _ in range(7)]  # more than ``count``: another mapping
+    starts = [ctypes.addressof(ctypes.c_char.from_buffer(v)) for v in views]
+    assert all(len(v) == 5000 for v in views)
+    assert all(a % 4096 == 0 for a in starts)
+    spans = sorted((a, a + 5000) for a in starts)
+    assert all(end <= nxt for (_, end), (nxt, _) in itertools.pairwise(spans)), "no overlap"
 
 
 def test_o_direct_refused_at_open_falls_back_to_buffered(tmp_path: Path) -> None:

@@ -1,15 +1,15 @@
 """The chunk engine's hot path: one ranged request for a run of a file's chunks, read into the
 worker's reusable buffer, written with ``pwrite``, hashed inline and journalled chunk by chunk.
 
-Each io thread owns one page-aligned read buffer (as O_DIRECT writes need). A request that
-fails part way is retried from its last byte written
+Each io thread owns one page-aligned read buffer (as O_DIRECT writes need), on huge pages
+where the kernel has them (:class:`prefetch.pipeline.engine.partial_file.PageBuffers`). A
+request that fails part way is retried from its last byte written
 (:func:`prefetch.pipeline.engine.watched_read.retry_read`); the watchdog aborts a read that stalls,
 outlives the deadline or is stopped.
 """
 
 from __future__ import annotations
 
-import mmap
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +18,7 @@ from functools import partial
 from prefetch.pipeline import verify
 from prefetch.pipeline.deadline import Watch, Watchdog
 from prefetch.pipeline.engine.config import TransferConfig, TransferStats
+from prefetch.pipeline.engine.partial_file import PageBuffers
 from prefetch.pipeline.engine.plan import FileJob
 from prefetch.pipeline.engine.watched_read import (
     Filled,
@@ -62,6 +63,7 @@ class ChunkFetcher:
         self._stop = stop
         self._slice = read_slice(config)
         self._local = threading.local()
+        self._buffers = PageBuffers(config.buffer_size, config.concurrency)
 
     def fetch(self, job: FileJob, indices: list[int]) -> None:
         """Fetch the consecutive chunks ``indices`` with one ranged request (more on retry)."""
@@ -82,8 +84,7 @@ class ChunkFetcher:
     def _buffer(self) -> memoryview:
         view = getattr(self._local, "view", None)
         if view is None:
-            # anonymous mmap: page-aligned, as O_DIRECT writes need
-            view = memoryview(mmap.mmap(-1, self._config.buffer_size))
+            view = self._buffers.take()
             self._local.view = view
         return view
 
