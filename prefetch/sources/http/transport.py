@@ -192,29 +192,11 @@ class _WatchedHTTPConnection(urllib3.connection.HTTPConnection):
         return super().getresponse()
 
 
-class _WatchedHTTPSConnection(urllib3.connection.HTTPSConnection):
-    """:class:`_WatchedHTTPConnection` over TLS. Its own methods, not copies of the plain one's:
-    a zero-argument ``super()`` is bound to the class it is written in, so the plain class's
-    method on this class raises ``TypeError`` (every HTTPS request failed that way once)."""
-
-    # The Any: as in _WatchedHTTPConnection.
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._requests = _Requests()
-
-    def putrequest(
-        self, method: str, url: str, skip_host: bool = False, skip_accept_encoding: bool = False
-    ) -> None:
-        self._requests.begin()
-        super().putrequest(
-            method, url, skip_host=skip_host, skip_accept_encoding=skip_accept_encoding
-        )
-
-    # The ignore: urllib3's own getresponse narrows http.client's return type to urllib3's
-    # HTTPResponse and carries the same ignore; this keeps urllib3's signature exactly.
-    def getresponse(self) -> urllib3.response.HTTPResponse:  # type: ignore[override]
-        attach_to_watches(self._requests.interrupt_for(self.sock))
-        return super().getresponse()
+class _WatchedHTTPSConnection(_WatchedHTTPConnection, urllib3.connection.HTTPSConnection):
+    """:class:`_WatchedHTTPConnection` over TLS. It inherits the watched methods instead of
+    copying them: their zero-argument ``super()`` then follows this class's MRO to
+    HTTPSConnection (a method copied from the plain class stays bound to it and raises
+    ``TypeError``: every HTTPS request failed that way once)."""
 
 
 class _WatchedHTTPPool(urllib3.HTTPConnectionPool):
