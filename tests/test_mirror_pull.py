@@ -18,7 +18,9 @@ from prefetch.pipeline.layout.hf import HfCacheLayout
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
 from prefetch.pipeline.sync import SyncResult, sync
 from prefetch.sources import SourceSettings, open_source
+from prefetch.sources.base import DescribesWhole
 from prefetch.sources.hf.source import HubOptions
+from prefetch.sources.s3.describe import SMALL_OBJECT
 from prefetch.sources.s3.factory import make_s3_client
 from prefetch.sources.s3_mirror.format import blob_key
 from prefetch.support.errors import (
@@ -365,3 +367,31 @@ def test_when_no_source_has_the_revision_the_error_names_why_each_could_not(
         pull(hub, s3_client, tmp_path / "home", mirrors=(mirror,), revision="no-such-branch")
     assert f"{mirror}: {mirror} has no ref 'no-such-branch'" in str(e.value)
     assert f"; hf://{REPO}" in str(e.value)
+
+
+def test_a_mirror_describes_a_small_blob_with_its_bytes_and_checks_it_as_ever(
+    hub: HubServer, s3_client: Any, bucket: str
+) -> None:
+    """The engine's whole-object path reaches the mirror's blobs (one GET for a small one, its
+    bytes handed over), and the mirror's check of the blob's CRC64NVME still runs first."""
+    write_mirror(s3_client, bucket, "m/", hub)
+    spec = ModelSpec(
+        source=parse_source_uri(f"hf://{REPO}"),
+        mirrors=(parse_source_uri(f"s3://{bucket}/m/"),),
+        hub_fallback=False,
+    )
+    pool = urllib3.PoolManager(maxsize=4, retries=False)
+    options = HubOptions(endpoint=hub.endpoint, token=False, http=pool, retry=FAST.retry)
+    source = open_source(spec, SourceSettings(s3_client=s3_client, hub=options))
+    assert isinstance(source, DescribesWhole)
+    files = {f.path: f for f in source.resolve(spec).files}
+    described, body = source.describe_whole(files["config.json"])
+    assert described.described and body == hub.file(REPO, "config.json").read()
+    large = max(files.values(), key=lambda f: f.size)
+    assert large.size > SMALL_OBJECT and source.describe_whole(large)[1] is None
+    original = hub.file(REPO, "config.json")
+    altered = b"x" * len(original.read())
+    put(s3_client, bucket, blob_key("m/", original.etag), altered, ChecksumAlgorithm="CRC64NVME")
+    with pytest.raises(ChecksumMismatchError, match="crc64nvme"):
+        source.describe_whole(files["config.json"])
+    pool.clear()

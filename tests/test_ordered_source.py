@@ -8,7 +8,7 @@ import pytest
 
 from prefetch.pipeline.snapshot import RemoteFile, Snapshot
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
-from prefetch.sources.base import RangeReader
+from prefetch.sources.base import DescribesWhole, RangeReader
 from prefetch.sources.ordered import NoSourceServedError, OrderedSource
 from prefetch.support.errors import (
     AccessDeniedError,
@@ -80,3 +80,34 @@ def test_one_source_alone_raises_its_own_error() -> None:
     with pytest.raises(AccessDeniedError) as caught:
         OrderedSource([("s3://b/m/", Failing(only))]).resolve(SPEC)
     assert caught.value is only
+
+
+class Serving:
+    """A source that lists ``a.bin`` and describes it (with its bytes when ``whole``)."""
+
+    def __init__(self, whole: bool) -> None:
+        self.file = RemoteFile("a.bin", 3, version="v")
+        if whole:
+            self.describe_whole = lambda f: (f.with_(described=True), b"abc")
+
+    def resolve(self, spec: ModelSpec) -> Snapshot:
+        return Snapshot("x://", "rev", (self.file,))
+
+    def describe(self, file: RemoteFile) -> RemoteFile:
+        return file.with_(described=True, version="described")
+
+    def open_range(self, file: RemoteFile, start: int, end: int) -> RangeReader:
+        raise AssertionError("never read")
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_describe_whole_goes_to_the_owner_when_it_can_else_to_its_describe(whole: bool) -> None:
+    """The engine's whole-object path (DescribesWhole) through an ordered source: the bytes of
+    an owner that brings them, the plain describe of one that cannot (the Hub, say)."""
+    owner = Serving(whole)
+    source = OrderedSource([("x://", owner)])
+    assert isinstance(source, DescribesWhole)
+    (file,) = source.resolve(SPEC).files
+    described, body = source.describe_whole(file)
+    assert described.described
+    assert (body, described.version) == ((b"abc", "v") if whole else (None, "described"))

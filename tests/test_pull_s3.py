@@ -22,6 +22,7 @@ from prefetch.pipeline.progress import NullProgress
 from prefetch.pipeline.spec import ModelSpec, parse_source_uri
 from prefetch.pipeline.sync import sync
 from prefetch.pipeline.verify_at_rest import verify_local
+from prefetch.sources.s3.describe import SMALL_OBJECT
 from prefetch.sources.s3.factory import make_s3_client
 from prefetch.sources.s3.source import S3Source
 from prefetch.support.errors import (
@@ -252,12 +253,13 @@ def test_require_checksum_refuses_files_without_one(s3_client, bucket, tmp_path)
     put(s3_client, bucket, "m/a.bin", b"abc")
     source_spec = ModelSpec(source=parse_source_uri(f"s3://{bucket}/m"))
     source = S3Source(s3_client, source_spec.source)
-    real_describe = source.describe
+    real_describe = source.describe_whole  # (a small object: described with its bytes)
 
     def no_checksums(f):  # type: ignore[no-untyped-def]
-        return real_describe(f).with_(checksums=())
+        described, body = real_describe(f)
+        return described.with_(checksums=()), body
 
-    source.describe = no_checksums  # type: ignore[method-assign]
+    source.describe_whole = no_checksums  # type: ignore[method-assign]
     strict = TransferConfig(chunk_size=MiB, require_checksum=True)
     with pytest.raises(MissingChecksumError, match=r"a\.bin"):
         sync(source_spec, source, PlainLayout(tmp_path / "d"), strict)
@@ -571,3 +573,27 @@ def test_hash_and_question_mark_are_key_characters_of_an_s3_prefix(s3_client, bu
     assert tree_bytes(two) == {"w.bin": b"two"}
     with pytest.raises(ConfigError, match=r"'#' and '\?' are in no repo id"):
         parse_source_uri("hf://org/name#main")
+
+
+def test_a_small_object_is_described_with_its_bytes_by_one_get_else_by_a_head(
+    test_ca, s3_server, s3_client, bucket
+):
+    """S3's DescribesWhole: an object up to SMALL_OBJECT bytes is described by one GET of the
+    whole object, its bytes handed to the caller (nothing kept for a later read); a larger
+    one, or a plain describe, by a HEAD. Both describes state the same checksums."""
+    data, large = os.urandom(5000), os.urandom(SMALL_OBJECT + 1)
+    put(s3_client, bucket, "w/a.json", data, ChecksumAlgorithm="SHA256")
+    put(s3_client, bucket, "w/b.bin", large, ChecksumAlgorithm="CRC32C")
+    spec = ModelSpec(source=parse_source_uri(f"s3://{bucket}/w"))
+    with S3FaultProxy(s3_server.endpoint, test_ca) as proxy:
+        source = S3Source(proxied_client(s3_server, proxy), spec.source)
+        files = {f.path: f for f in source.resolve(spec).files}
+        described, body = source.describe_whole(files["a.json"])
+        assert body == data and described.described
+        assert source.describe(files["a.json"]).checksums == described.checksums
+        assert source.describe_whole(files["b.bin"])[1] is None
+        reader = source.open_range(described, 0, len(data))  # from the server, not memory
+        reader.close()
+    calls = [(method, key) for method, key, _ in proxy.requests if key.startswith("w/")]
+    assert calls == [("GET", "w/a.json"), ("HEAD", "w/a.json"), ("HEAD", "w/b.bin"),
+                     ("GET", "w/a.json")]  # fmt: skip

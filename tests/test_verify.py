@@ -312,3 +312,29 @@ def test_hash_file_modes_and_mismatch_message(tmp_path):
 def test_pick_prefers_the_first_known_algorithm():
     assert verify.pick([Checksum("xxh3", "1"), Checksum("crc32", "2")]) == Checksum("crc32", "2")
     assert verify.pick([]) is None
+
+
+@pytest.mark.parametrize(
+    "checksum",
+    [
+        Checksum("sha256", "x", encoding="base64"),
+        Checksum("sha1", "x"),
+        Checksum("git-sha1", "x"),
+        Checksum("md5", "x"),
+        Checksum("crc64nvme", "x", encoding="base64"),
+        Checksum("crc32c", "x", encoding="base64"),
+        Checksum("crc32", "x"),
+        Checksum("md5", "x-3", part_sizes=(4000, 4000, 1234)),
+        Checksum("sha256", "x-2", encoding="base64", part_sizes=(5000, 4234)),
+    ],
+)
+def test_values_of_bytes_in_memory_are_the_values_of_the_same_file_on_disk(
+    checksum: Checksum, tmp_path: Path
+) -> None:
+    """The whole-object path hashes a small file's bytes in memory, one call per check: the
+    same values hash_file_all reads back from the written file, in every mode."""
+    data = os.urandom(9234)
+    (tmp_path / "f").write_bytes(data)
+    expected = verify.hash_file_all(tmp_path / "f", [checksum, checksum])
+    assert verify.values_of([checksum, checksum], data) == expected
+    assert verify.values_of([], data) == []

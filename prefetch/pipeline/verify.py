@@ -299,6 +299,30 @@ def _composite(checksum: Checksum, part_digests: Sequence[bytes]) -> str:
     return f"{encode(outer.digest(), checksum.encoding)}-{len(part_digests)}"
 
 
+# ---- hashing a whole file in memory ---------------------------------------------------------
+
+
+def values_of(checks: Sequence[Checksum], data: bytes) -> list[str]:
+    """The value of each of ``checks`` over ``data``, a whole file held in memory (a small
+    file its describe fetched whole): one hash call over the bytes per check (per part, for a
+    composite one), no chunk hashers and no read back."""
+    return [_value_of(c, data) for c in checks]
+
+
+def _value_of(checksum: Checksum, data: bytes) -> str:
+    if checksum.part_sizes is not None:
+        view = memoryview(data)
+        digests = []
+        for start, end in part_bounds(checksum.part_sizes):
+            h = new_hasher(checksum.algorithm)
+            h.update(view[start:end])
+            digests.append(h.digest())
+        return _composite(checksum, digests)
+    h = new_hasher(checksum.algorithm, size=len(data))
+    h.update(data)
+    return encode(h.digest(), checksum.encoding)
+
+
 # ---- hashing a file on disk ----------------------------------------------------------------
 
 

@@ -60,6 +60,21 @@ class ReadsInWorkers(Protocol):
         ...
 
 
+@runtime_checkable
+class DescribesWhole(Protocol):
+    """A source whose describe of a small file can bring the file's bytes with it (S3: one GET
+    of the whole object, which answers the checksum headers a HEAD would): the engine checks
+    and writes those bytes as they are (one write, no ranged read), see
+    :mod:`prefetch.pipeline.engine.whole`. Any other source is described, then read in ranges."""
+
+    def describe_whole(self, file: RemoteFile) -> tuple[RemoteFile, bytes | None]:
+        """``describe(file)`` and, when the source fetched the file whole to describe it, its
+        bytes: exactly ``file.size`` of them, of the version the description states. None: it
+        was only described (too large to fetch in one request here, a multipart object...).
+        The caller asks only for files it can hold in memory."""
+        ...
+
+
 class RangeReader(Protocol):
     """An open ranged read: fill buffers until the range is exhausted (readinto returns 0).
 

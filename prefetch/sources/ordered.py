@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from prefetch.pipeline.snapshot import RemoteFile, Snapshot
 from prefetch.pipeline.spec import ModelSpec
-from prefetch.sources.base import RangeReader, Source
+from prefetch.sources.base import DescribesWhole, RangeReader, Source
 from prefetch.support.errors import (
     AccessDeniedError,
     BucketNotFoundError,
@@ -97,6 +97,14 @@ class OrderedSource:
 
     def describe(self, file: RemoteFile) -> RemoteFile:
         return self._owner(file).describe(file)
+
+    def describe_whole(self, file: RemoteFile) -> tuple[RemoteFile, bytes | None]:
+        """The owner's :class:`~prefetch.sources.base.DescribesWhole` when it has it, else
+        its describe (no bytes)."""
+        owner = self._owner(file)
+        if isinstance(owner, DescribesWhole):
+            return owner.describe_whole(file)
+        return owner.describe(file), None
 
     def open_range(self, file: RemoteFile, start: int, end: int) -> RangeReader:
         return self._owner(file).open_range(file, start, end)

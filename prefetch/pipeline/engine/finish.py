@@ -81,7 +81,6 @@ class FileFinisher:
         """Compare a sealed file's check values (``actuals``) and publish it. False: a check
         failed on the file's first attempt, it was deleted and must be fetched once more (a
         second failure raises the ChecksumMismatchError)."""
-        assert job.journal is not None
         if job.checks:
             try:
                 for checksum, actual in zip(job.checks, actuals, strict=True):
@@ -100,8 +99,8 @@ class FileFinisher:
                 counts[checksum.algorithm] = counts.get(checksum.algorithm, 0) + 1
             self._stats.files_verified += 1
         self._publish(job.file, job.staged, job.checks)
-        if not job.whole:  # (the worker of a whole file removed its journal's path already)
-            job.journal.remove()
+        if not job.whole and job.journal is not None:
+            job.journal.remove()  # (a whole file's worker removed any journal of it already)
         self._stats.files_downloaded += 1
         self._progress.file_done(job.file.path, job.file.size)
         return True

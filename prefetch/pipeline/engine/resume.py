@@ -32,11 +32,11 @@ class Resumer:
         self._stats = stats
         #: what earlier runs left in the staging folder: a small file removes a stale journal
         #: only if there is one, not an unlink each
-        self._left_over: set[str] = set()
+        self.left_over: set[str] = set()
 
     def scan(self) -> None:
         """Note what the staging folder holds (before any file of this run is written)."""
-        self._left_over.update(os.listdir(self._staging))
+        self.left_over.update(os.listdir(self._staging))
 
     def open(self, job: FileJob) -> None:
         """Open the file's journal (keeping the chunks it records when the partial file is
@@ -80,7 +80,7 @@ class Resumer:
         (whatever an earlier run left there: one chunk has nothing to resume), and a journal an
         earlier plan of the file left (another chunk size) removed."""
         assert job.journal is not None
-        if job.journal.path.name in self._left_over:
+        if job.journal.path.name in self.left_over:
             job.journal.remove()
         job.partial.create_empty()
 

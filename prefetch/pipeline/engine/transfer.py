@@ -38,12 +38,14 @@ from prefetch.pipeline.engine.config import TransferConfig, TransferStats
 from prefetch.pipeline.engine.coordinator import Coordinator
 from prefetch.pipeline.engine.fetch import ChunkFetcher
 from prefetch.pipeline.engine.finish import FileFinisher, PublishFn
+from prefetch.pipeline.engine.partial_file import DIRECT_MIN_SIZE
 from prefetch.pipeline.engine.plan import FileJob, FilePlanner, fits_one_write, group_chunks
 from prefetch.pipeline.engine.resume import Resumer, prepare_whole
-from prefetch.pipeline.engine.watched_read import engine_watchdog
+from prefetch.pipeline.engine.watched_read import call_watched, engine_watchdog
+from prefetch.pipeline.engine.whole import BodyBudget, WholeWriter
 from prefetch.pipeline.progress import NullProgress, ProgressSink
 from prefetch.pipeline.snapshot import RemoteFile
-from prefetch.sources.base import Source
+from prefetch.sources.base import DescribesWhole, Source
 from prefetch.support.errors import Cancelled, DeadlineExceededError, TransferError
 from prefetch.support.logjson import inherit_context
 
@@ -115,6 +117,10 @@ class Transfer:
             source, self._watchdog, config, self.stats, self._progress, self._stop
         )
         self._finisher = FileFinisher(publish, config, self.stats, self._progress)
+        #: the whole-object path (see prefetch.pipeline.engine.whole), for a source that has it
+        self._whole_source = source if isinstance(source, DescribesWhole) else None
+        self._budget = BodyBudget()
+        self._writer = WholeWriter(self.stats, self._progress, self._resumer.left_over)
         # the workers' log lines carry the caller's sync id (logjson.inherit_context); the
         # pools start their threads on the first task
         self._io = ThreadPoolExecutor(
@@ -310,14 +316,45 @@ class Transfer:
     # -- workers (io threads) ----------------------------------------------------------------
 
     def _describe_task(self, file: RemoteFile) -> tuple[FileJob, list[str] | None]:
-        """An io task: describe and plan a file and, when it fits one write, fetch it too
-        (:meth:`_fetch_whole`), so the coordinator sees a small file once, ready to check and
-        publish. A small file's describe often is its whole download (S3 keeps the body of a
-        small object's GET in memory for the read that follows); handing the file back to the
-        coordinator in between cost each small file a second round trip through it, behind the
-        io threads for the GIL. Returns the job and, for a file fetched here, what
-        :meth:`FileFinisher.seal` returns (None: the coordinator starts the file's chunks)."""
-        job = self._planner.describe(file)
+        """An io task: describe and plan a file and, when it fits one write, fetch it too, so
+        the coordinator sees a small file once, ready to check and publish (handing it back to
+        the coordinator in between cost each small file a second round trip through it, behind
+        the io threads for the GIL). A small file whose describe brought its bytes (a source
+        with DescribesWhole) is checked and written from them (:meth:`_describe_whole`); any
+        other by one ranged read (:meth:`_fetch_whole`). Returns the job and, for a file
+        fetched here, the value of each of its checks (None: the coordinator starts the file's
+        chunks)."""
+        whole = self._whole_source
+        if (
+            whole is not None
+            and 0 < file.size < DIRECT_MIN_SIZE
+            and self._budget.reserve(file.size)
+        ):
+            return self._describe_whole(whole, file)
+        return self._fetch_described(self._planner.describe(file))
+
+    def _describe_whole(
+        self, source: DescribesWhole, file: RemoteFile
+    ) -> tuple[FileJob, list[str] | None]:
+        """Describe a small file with its bytes (its size reserved in the budget, given back
+        once they are written) and check and write them (:class:`WholeWriter`); a file the
+        source described without them goes the generic way."""
+        try:
+            described, body = call_watched(self._watchdog, file.path, source.describe_whole, file)
+            job = self._planner.plan(described)
+            if body is not None and fits_one_write(job):
+                try:
+                    return job, self._writer.write(job, body)
+                except BaseException as exc:
+                    job.fail(exc)
+                    job.clean_up()
+                    raise
+        finally:
+            self._budget.release(file.size)
+        return self._fetch_described(job)
+
+    def _fetch_described(self, job: FileJob) -> tuple[FileJob, list[str] | None]:
+        """A described file: fetched here by one ranged read when it fits one write."""
         if not fits_one_write(job):
             return job, None
         prepare_whole(job)

@@ -16,7 +16,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from prefetch.pipeline.deadline import StallRule, Watch, Watchdog, watching
 from prefetch.pipeline.engine.config import ENGINE_LOGGER
@@ -24,6 +24,9 @@ from prefetch.pipeline.retry import RetryPolicy, gave_up
 from prefetch.pipeline.snapshot import RemoteFile
 from prefetch.sources.base import RangeReader
 from prefetch.support.errors import Cancelled, PrefetchError, TransientSourceError
+
+#: what a describe returns (the file described; with its bytes, for DescribesWhole)
+Described = TypeVar("Described")
 
 log = logging.getLogger(ENGINE_LOGGER)
 
@@ -120,8 +123,8 @@ def open_watched(
 
 
 def call_watched(
-    watchdog: Watchdog, what: str, fn: Callable[[RemoteFile], RemoteFile], file: RemoteFile
-) -> RemoteFile:
+    watchdog: Watchdog, what: str, fn: Callable[[RemoteFile], Described], file: RemoteFile
+) -> Described:
     """``fn(file)`` (a describe: a HEAD, or a small object's whole GET) under a new watch of
     ``watchdog``: a stop or the deadline interrupts its requests (the stall rule does not: its
     bytes are not counted)."""

@@ -2,8 +2,10 @@
 
 :class:`S3Describer` reads what S3 states of an object (the additional checksums, the ETag as
 MD5 when it is one, a multipart ETag or composite checksum with the part layout it needs) and
-checks it is still the listed object; a small object (:data:`SMALL_OBJECT`) is fetched whole
-instead of a HEAD, its body kept for its read (:mod:`prefetch.sources.s3.small`).
+checks it is still the listed object. :meth:`S3Describer.describe_whole` (the source's
+:class:`~prefetch.sources.base.DescribesWhole`) fetches a small object (:data:`SMALL_OBJECT`)
+whole instead of a HEAD (the GET answers the same checksum headers) and hands its bytes to the
+caller: a small file costs one request, and the engine writes the bytes without a read.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from prefetch.pipeline.verify import STRENGTH
 from prefetch.sources.base import shutdown_socket_of
 from prefetch.sources.http.transport import Response
 from prefetch.sources.s3.sender import S3Requests
-from prefetch.sources.s3.small import SMALL_OBJECT, SmallBodies
 from prefetch.support.errors import SourceChangedError, SourceError, TransientSourceError
 
 log = logging.getLogger("prefetch.sources.s3")  # the S3 source's log, as before the split
@@ -52,34 +53,36 @@ HEADER_FIELDS = (
     ("SSECustomerAlgorithm", "x-amz-server-side-encryption-customer-algorithm"),
 )
 
+#: Objects up to this size are described by one GET of the whole object (see the module's notes).
+SMALL_OBJECT = 1024 * 1024
 #: A small object's body must arrive within this many seconds (at least 17 KiB/s for 1 MiB).
 SMALL_GET_LIMIT = 60.0
 
 
 class S3Describer:
-    """Describes the objects of the bucket of ``uri`` through ``requests``; small bodies wait
-    in ``small`` for their read."""
+    """Describes the objects of the bucket of ``uri`` through ``requests``."""
 
-    def __init__(self, requests: S3Requests, uri: SourceURI, small: SmallBodies) -> None:
+    def __init__(self, requests: S3Requests, uri: SourceURI) -> None:
         self._requests = requests
         self._uri = uri
-        self._small = small
         #: Seconds a whole-object GET of a small object (see SMALL_OBJECT) may take.
         self.small_get_limit = SMALL_GET_LIMIT
 
-    def describe(self, file: RemoteFile) -> RemoteFile:
-        if file.described:
-            return file
+    def describe_whole(self, file: RemoteFile) -> tuple[RemoteFile, bytes | None]:
+        """A small object (:data:`SMALL_OBJECT`, one part) described by one GET of the whole
+        object, with its bytes; any other described by a HEAD (no bytes)."""
         if (
             0 < file.size <= SMALL_OBJECT
+            and not file.described
             and not _MULTIPART_ETAG.match(file.version)
-            and self._small.reserve(file.size)
         ):
-            try:
-                return self._describe_by_get(file)
-            except BaseException:
-                self._small.release(file.size)
-                raise
+            return self._describe_by_get(file)
+        return self.describe(file), None
+
+    def describe(self, file: RemoteFile) -> RemoteFile:
+        """``file`` with what a HEAD of the object states (its checksums, part layout)."""
+        if file.described:
+            return file
         bucket, key = self._uri.location, file.locator
         what = f"s3://{bucket}/{key}"
         head = self._requests.call(
@@ -136,7 +139,7 @@ class S3Describer:
             checksums=(*found, *file.checksums), described=True, version=etag or file.version
         )
 
-    def _describe_by_get(self, file: RemoteFile) -> RemoteFile:
+    def _describe_by_get(self, file: RemoteFile) -> tuple[RemoteFile, bytes]:
         bucket, key = self._uri.location, file.locator
         what = f"s3://{bucket}/{key}"
 
@@ -155,9 +158,7 @@ class S3Describer:
             raise TransientSourceError(
                 f"GET {what}: got {len(data)} bytes of the object, the listing says {file.size}"
             )
-        described = self._described(file, resp, what)
-        self._small.keep(key, described.version, data)
-        return described
+        return self._described(file, resp, what), data
 
     def _read_small_body(self, answer: Response, what: str) -> bytes:
         """The whole body of a small object's GET (then the connection is released). A

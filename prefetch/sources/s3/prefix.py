@@ -53,7 +53,7 @@ class S3PrefixSource:
             if probe
             else None
         )
-        self._serving: Source = self._objects
+        self._serving: S3Source | MirrorSource = self._objects
         self._lock = threading.Lock()
 
     @property
@@ -66,7 +66,7 @@ class S3PrefixSource:
         """The snapshot: the mirror's commit (its snapshot says it is published in the Hub's
         layout, under the repo id its metadata records) when the prefix is one, else the
         prefix's listing."""
-        serving: Source = self._objects
+        serving: S3Source | MirrorSource = self._objects
         if self._mirror is not None and self._mirror.is_mirror():
             serving = self._mirror
         with self._lock:
@@ -86,7 +86,7 @@ class S3PrefixSource:
         the prefix: the mirror sets up its signed path on its first read; the objects are
         read on the transport seam once one listing of a key has set it up, as a resolve's
         listing would (a listing the credentials may not make leaves them on botocore)."""
-        serving: Source = self._objects
+        serving: S3Source | MirrorSource = self._objects
         if resolved == "mirror" and self._mirror is not None:
             serving = self._mirror
         else:
@@ -99,6 +99,13 @@ class S3PrefixSource:
 
     def describe(self, file: RemoteFile) -> RemoteFile:
         return self.serving.describe(file)
+
+    def describe_whole(self, file: RemoteFile) -> tuple[RemoteFile, bytes | None]:
+        """(:class:`~prefetch.sources.base.DescribesWhole`) what serves it, describing a small
+        file by fetching it whole."""
+        with self._lock:
+            serving = self._serving
+        return serving.describe_whole(file)
 
     def open_range(self, file: RemoteFile, start: int, end: int) -> RangeReader:
         return self.serving.open_range(file, start, end)

@@ -33,7 +33,6 @@ from prefetch.sources.s3.errors import read_failure
 from prefetch.sources.s3.factory import LazyS3Client
 from prefetch.sources.s3.lister import S3Lister
 from prefetch.sources.s3.sender import S3Requests
-from prefetch.sources.s3.small import BytesReader, SmallBodies
 from prefetch.support.errors import PrefetchError, SourceChangedError
 
 if TYPE_CHECKING:  # imported where used: a pull with static keys never needs botocore's path
@@ -66,9 +65,8 @@ class S3Source:
         self._requests = S3Requests(
             client, uri, retry=retry or RetryPolicy(), pace=pace, ca_bundle=ca_bundle
         )
-        self._small = SmallBodies()
         self._lister = S3Lister(self._requests, uri)
-        self._describer = S3Describer(self._requests, uri, self._small)
+        self._describer = S3Describer(self._requests, uri)
 
     @property
     def pace(self) -> AdaptiveRate:
@@ -126,12 +124,14 @@ class S3Source:
     def describe(self, file: RemoteFile) -> RemoteFile:
         return self._describer.describe(file)
 
+    def describe_whole(self, file: RemoteFile) -> tuple[RemoteFile, bytes | None]:
+        """(:class:`~prefetch.sources.base.DescribesWhole`) an object up to SMALL_OBJECT bytes
+        described by one GET of the whole object, its bytes with it; others by a HEAD."""
+        return self._describer.describe_whole(file)
+
     # -- read --------------------------------------------------------------------------------
 
-    def open_range(self, file: RemoteFile, start: int, end: int) -> BodyReader | BytesReader:
-        small = self._small.take(file)
-        if small is not None and len(small) == file.size:
-            return BytesReader(memoryview(small)[start:end])
+    def open_range(self, file: RemoteFile, start: int, end: int) -> BodyReader:
         bucket, key = self._uri.location, file.locator
         what = f"s3://{bucket}/{key} bytes {start}-{end - 1}"
         headers = {"Range": f"bytes={start}-{end - 1}", **if_match(file.version)}

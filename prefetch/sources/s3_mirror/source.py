@@ -207,7 +207,20 @@ class MirrorSource:
         if file.described:
             return file
         self._prepare_signed_path()
-        seen = self._objects.describe(file.with_(version="", checksums=()))
+        return self._accept(file, self._objects.describe(file.with_(version="", checksums=())))
+
+    def describe_whole(self, file: RemoteFile) -> tuple[RemoteFile, bytes | None]:
+        """:meth:`describe`, a small blob fetched whole with it (as the S3 source does, see
+        :class:`~prefetch.sources.base.DescribesWhole`)."""
+        if file.described:
+            return file, None
+        self._prepare_signed_path()
+        seen, body = self._objects.describe_whole(file.with_(version="", checksums=()))
+        return self._accept(file, seen), body
+
+    def _accept(self, file: RemoteFile, seen: RemoteFile) -> RemoteFile:
+        """``file`` described, once what S3 states of its blob (``seen``) agrees with what the
+        mirror recorded (ChecksumMismatchError otherwise); the blob's ETag noted for its reads."""
         recorded = next((c for c in file.checksums if c.algorithm == "crc64nvme"), None)
         stated = next(
             (c for c in seen.checksums if c.algorithm == "crc64nvme" and not c.composite), None
