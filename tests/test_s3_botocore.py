@@ -190,8 +190,10 @@ def test_describe_before_any_listing_uses_botocore(s3_client, bucket):
     put(s3_client, bucket, "m/a.bin", b"abc")
     calls = _object_calls_through_botocore(s3_client)
     source = S3Source(s3_client, parse_source_uri(f"s3://{bucket}/m"))
-    described = source.describe(RemoteFile("a.bin", 3, locator="m/a.bin"))
-    assert described.described and calls == ["GetObject"]
+    described, body = source.describe_whole(RemoteFile("a.bin", 3, locator="m/a.bin"))
+    assert described.described and body == b"abc" and calls == ["GetObject"]
+    assert source.describe(RemoteFile("a.bin", 3, locator="m/a.bin")).described
+    assert calls == ["GetObject", "HeadObject"]
 
 
 def test_an_object_deleted_after_the_listing_is_a_changed_source(s3_client, bucket):
@@ -206,5 +208,5 @@ def test_an_object_deleted_after_the_listing_is_a_changed_source(s3_client, buck
         s3_client.delete_object(Bucket=bucket, Key=key)
     for path in ("small.bin", "large.bin"):  # a whole-object GET, then a HEAD
         with pytest.raises(SourceChangedError, match=r"disappeared|changed"):
-            source.describe(listed[path])
+            source.describe_whole(listed[path])
     assert calls == []
