@@ -8,11 +8,13 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import threading
 from pathlib import Path
 
 import pytest
 
 from prefetch.pipeline.engine import whole
+from prefetch.pipeline.engine.coordinator import Coordinator
 from prefetch.pipeline.engine.partial_file import DIRECT_MIN_SIZE
 from prefetch.pipeline.engine.transfer import Transfer, TransferConfig, TransferStats
 from prefetch.pipeline.engine.whole import BodyBudget
@@ -21,9 +23,11 @@ from prefetch.pipeline.retry import RetryPolicy
 from prefetch.pipeline.snapshot import Checksum, RemoteFile
 from prefetch.sources.base import DescribesWhole
 from prefetch.support.errors import (
+    Cancelled,
     ChecksumMismatchError,
     InsufficientSpaceError,
     MissingChecksumError,
+    SourceError,
 )
 from tests.fakes.memory import MemorySource, crc32_file, sha256_file
 
@@ -335,4 +339,81 @@ def test_a_full_disk_fails_the_write_cleanly(
         run(WholeMemorySource({"a.bin": data}), [sha256_file("a.bin", data)], tmp_path)
     monkeypatch.undo()
     assert set(os.listdir("/proc/self/fd")) <= before
+    assert list((tmp_path / "st").iterdir()) == []
+
+
+# -- one io task for a batch of small files ------------------------------------------------------
+
+
+def test_small_files_are_described_in_batches_one_task_each(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """40 small files on 2 io threads: 8 describe tasks (batches of up to SMALL_BATCH, smaller
+    near the end so every thread keeps a share), not 40."""
+    tasks: list[object] = []
+    real_submit = Coordinator.submit
+
+    def counting(self: Coordinator[object], pool: object, task: object, *args: object) -> None:
+        tasks.append(task)
+        real_submit(self, pool, task, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Coordinator, "submit", counting)
+    objects = {f"f{i:02}.json": os.urandom(1000 + i) for i in range(40)}
+    source = WholeMemorySource(objects)
+    stats = run(source, [sha256_file(p, d) for p, d in objects.items()], tmp_path, concurrency=2)
+    assert [len(t.files) for t in tasks] == [8, 8, 8, 8, 4, 2, 1, 1]  # type: ignore[attr-defined]
+    assert stats.files_verified == 40 and stats.chunks_downloaded == 40
+    assert {p: (tmp_path / "out" / p).read_bytes() for p in objects} == objects
+
+
+class _FailingOn(WholeMemorySource):
+    def __init__(self, objects: dict[str, bytes], failing: str) -> None:
+        super().__init__(objects)
+        self.failing = failing
+
+    def describe_whole(self, file: RemoteFile) -> tuple[RemoteFile, bytes | None]:
+        if file.path == self.failing:
+            raise SourceError(f"{file.path}: refused on purpose")
+        return super().describe_whole(file)
+
+
+def test_a_failure_in_a_batch_deletes_what_it_wrote_and_keeps_what_it_only_described(
+    tmp_path: Path,
+) -> None:
+    """Files a batch wrote before one failed are deleted (the coordinator never sees them; a
+    file of one write is never resumed); a file it only described keeps an earlier run's
+    partial and journal, to resume."""
+    resumable = os.urandom(200 * KiB)
+    big = sha256_file("m.bin", resumable)
+    pieces = {"chunk_size": 64 * KiB, "piece_size": 64 * KiB, "buffer_size": 64 * KiB}
+    with pytest.raises(SourceError, match="failed on purpose"):
+        run(MemorySource({"m.bin": resumable}, fail_after=100 * KiB), [big], tmp_path, **pieces)
+    staging = tmp_path / "st"
+    left = sorted(p.name for p in staging.iterdir())
+    objects = {f"s{i}.json": os.urandom(1000 + i) for i in range(3)}
+    objects["t.bin"] = os.urandom(300 * KiB)  # the largest: described last, and refused
+    files = [sha256_file(p, d) for p, d in objects.items()]
+    source = _FailingOn({**objects, "m.bin": resumable}, "t.bin")
+    with pytest.raises(SourceError, match="refused on purpose"):
+        run(source, [*files, big], tmp_path, concurrency=1, **pieces)
+    assert source.whole_calls == ["s0.json", "s1.json", "s2.json", "m.bin"]  # one batch
+    assert sorted(p.name for p in staging.iterdir()) == left  # m.bin's partial and journal
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_stop_is_seen_between_the_files_of_a_batch(tmp_path: Path) -> None:
+    stop = threading.Event()
+
+    class Stopping(WholeMemorySource):
+        def describe_whole(self, file: RemoteFile) -> tuple[RemoteFile, bytes | None]:
+            stop.set()  # as a signal handler would, while the first file is described
+            return super().describe_whole(file)
+
+    objects = {f"f{i}.json": os.urandom(1000 + i) for i in range(4)}
+    source = Stopping(objects)
+    cfg = TransferConfig(concurrency=1, retry=NO_RETRY)
+    transfer = Transfer(source, tmp_path / "st", lambda *a: None, cfg, stop=stop)
+    with pytest.raises(Cancelled):
+        transfer.run([sha256_file(p, d) for p, d in objects.items()])
+    assert source.whole_calls == ["f0.json"]
     assert list((tmp_path / "st").iterdir()) == []

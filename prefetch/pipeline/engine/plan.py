@@ -92,14 +92,14 @@ class FilePlanner:
         self, source: Source, watchdog: Watchdog, staging: Path, config: TransferConfig
     ) -> None:
         self._source = source
-        self._watchdog = watchdog
+        self.watchdog = watchdog
         self._staging = staging
         self._config = config
 
     def describe(self, file: RemoteFile) -> FileJob:
         """The source's description of ``file`` (under the watchdog: a stop or the deadline
         interrupts it), planned."""
-        return self.plan(call_watched(self._watchdog, file.path, self._source.describe, file))
+        return self.plan(call_watched(self.watchdog, file.path, self._source.describe, file))
 
     def plan(self, file: RemoteFile) -> FileJob:
         """How a described file is fetched and checked: every check it must pass, the one
@@ -122,7 +122,7 @@ class FilePlanner:
 
 def fits_one_write(job: FileJob) -> bool:
     """A file of at most one chunk, below the O_DIRECT size: fetched whole by one worker task
-    (``Transfer._describe_task``)."""
+    (:class:`~prefetch.pipeline.engine.describing.DescribeWorker`)."""
     return len(job.chunks) <= 1 and job.file.size < DIRECT_MIN_SIZE
 
 

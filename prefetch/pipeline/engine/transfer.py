@@ -6,11 +6,14 @@ journal records (:mod:`prefetch.pipeline.engine.resume`), run every missing chun
 ``concurrency`` threads (:mod:`prefetch.pipeline.engine.fetch`: ``readinto`` a reusable buffer,
 ``pwrite``, hash inline, journal), then seal, verify and let the layout publish it
 (:mod:`prefetch.pipeline.engine.finish`). A file of one chunk below the O_DIRECT size skips
-preallocation and journal: the io task that described it also writes, hashes and fsyncs it
-(``Transfer._describe_task``). This module is the coordinator that takes each file through
-those steps; :mod:`prefetch.pipeline.engine.partial_file` writes the partial files (O_DIRECT for
-large ones) and :mod:`prefetch.pipeline.engine.watched_read` holds the read and retry loops the
-engine shares with the mirror.
+preallocation and journal: the io task that described it also fetches, hashes, writes and
+fsyncs it, from the bytes its describe brought when the source has
+:class:`~prefetch.sources.base.DescribesWhole` (S3: :mod:`prefetch.pipeline.engine.whole`),
+else by one ranged read; one io task describes a batch of such files
+(:mod:`prefetch.pipeline.engine.describing`). This module is the coordinator that takes each
+file through those steps; :mod:`prefetch.pipeline.engine.partial_file` writes the partial files
+(O_DIRECT for large ones) and :mod:`prefetch.pipeline.engine.watched_read` holds the read and
+retry loops the engine shares with the mirror.
 
 A sequential checksum (sha256 of a Hub LFS file) is computed while the file downloads, by a hash
 worker reading back each newly contiguous run of chunks.
@@ -36,27 +39,32 @@ from typing import cast
 from prefetch.pipeline import verify
 from prefetch.pipeline.engine.config import TransferConfig, TransferStats
 from prefetch.pipeline.engine.coordinator import Coordinator
+from prefetch.pipeline.engine.describing import DescribeWorker
 from prefetch.pipeline.engine.fetch import ChunkFetcher
 from prefetch.pipeline.engine.finish import FileFinisher, PublishFn
 from prefetch.pipeline.engine.partial_file import DIRECT_MIN_SIZE
-from prefetch.pipeline.engine.plan import FileJob, FilePlanner, fits_one_write, group_chunks
+from prefetch.pipeline.engine.plan import FileJob, FilePlanner, group_chunks
 from prefetch.pipeline.engine.resume import Resumer, prepare_whole
-from prefetch.pipeline.engine.watched_read import call_watched, engine_watchdog
-from prefetch.pipeline.engine.whole import BodyBudget, WholeWriter
+from prefetch.pipeline.engine.watched_read import engine_watchdog
+from prefetch.pipeline.engine.whole import WholeWriter
 from prefetch.pipeline.progress import NullProgress, ProgressSink
 from prefetch.pipeline.snapshot import RemoteFile
-from prefetch.sources.base import DescribesWhole, Source
+from prefetch.sources.base import Source
 from prefetch.support.errors import Cancelled, DeadlineExceededError, TransferError
 from prefetch.support.logjson import inherit_context
+
+#: At most this many small files are described (and fetched) by one io task, one after another.
+SMALL_BATCH = 8
 
 # -- the coordinator's tasks (each names the work and what it is for) -------------------------
 
 
 @dataclass(slots=True)
 class _Describe:
-    """Describe and plan a file (an io worker; a small file is fetched whole by the same task)."""
+    """Describe and plan files, one after another (an io worker; a small file is fetched whole
+    by the same task): one file, or a batch of small ones (see _next_batch)."""
 
-    file: RemoteFile
+    files: list[RemoteFile]
 
 
 @dataclass(slots=True)
@@ -117,10 +125,10 @@ class Transfer:
             source, self._watchdog, config, self.stats, self._progress, self._stop
         )
         self._finisher = FileFinisher(publish, config, self.stats, self._progress)
-        #: the whole-object path (see prefetch.pipeline.engine.whole), for a source that has it
-        self._whole_source = source if isinstance(source, DescribesWhole) else None
-        self._budget = BodyBudget()
-        self._writer = WholeWriter(self.stats, self._progress, self._resumer.left_over)
+        self._describer = DescribeWorker(
+            source, self._planner, self._resumer, self._fetcher, self._finisher,
+            WholeWriter(self.stats, self._progress, self._resumer.left_over), self._stop,
+        )  # fmt: skip
         # the workers' log lines carry the caller's sync id (logjson.inherit_context); the
         # pools start their threads on the first task
         self._io = ThreadPoolExecutor(
@@ -189,8 +197,8 @@ class Transfer:
                 self._hashed_ahead(job, stop)
             case _Describe():
                 self._describing -= 1
-                job, actuals = cast("tuple[FileJob, list[str] | None]", result)
-                self._described(job, actuals)
+                for job, actuals in cast("list[tuple[FileJob, list[str] | None]]", result):
+                    self._described(job, actuals)
             case _Seal(job=job):
                 self._finish_verified(job, cast("list[str]", result))
             case _FetchWhole(job=job):
@@ -208,15 +216,27 @@ class Transfer:
             task.job.fail(exc)
 
     def _describe_more(self) -> None:
-        """Keep at most ``concurrency`` describes queued or running: a describe may hold a small
-        object's body in memory (S3) until it is written, by the same task for a file that fits
-        one write (:meth:`_describe_task`), by a chunk task otherwise; and a window (instead of
-        every file queued up front) lets each large file's download start right behind its
-        describe. (A window of twice as many saved no CPU on 1000 small files.)"""
+        """Keep at most ``concurrency`` describe tasks queued or running (each one file, or a
+        batch of small ones): a window (instead of every file queued up front) lets each large
+        file's download start right behind its describe. (A window of twice as many saved no
+        CPU on 1000 small files.)"""
         while self._to_describe and self._describing < self._config.concurrency:
-            f = self._to_describe.popleft()
-            self._tasks.submit(self._io, _Describe(f), self._describe_task, f)
+            batch = self._next_batch()
+            self._tasks.submit(self._io, _Describe(batch), self._describer.batch, batch)
             self._describing += 1
+
+    def _next_batch(self) -> list[RemoteFile]:
+        """The next file to describe, with up to SMALL_BATCH - 1 more small ones behind it
+        when there are enough files left to give every io thread a batch: one task (one
+        submit, one hand-off to the coordinator) for several small files."""
+        queue = self._to_describe
+        batch = [queue.popleft()]
+        if batch[0].size >= DIRECT_MIN_SIZE:
+            return batch
+        k = min(SMALL_BATCH, len(queue) // self._config.concurrency + 1)
+        while queue and len(batch) < k and queue[0].size < DIRECT_MIN_SIZE:
+            batch.append(queue.popleft())
+        return batch
 
     def _described(self, job: FileJob, actuals: list[str] | None) -> None:
         """A describe task's result: a small file already fetched and sealed (``actuals``, the
@@ -255,9 +275,9 @@ class Transfer:
 
     def _submit_whole(self, job: FileJob) -> None:
         """A small file fetched again (its first copy failed a check): one io task fetches,
-        writes, fsyncs and hashes it (:meth:`_fetch_whole`), as its describe task did."""
+        writes, fsyncs and hashes it (:meth:`DescribeWorker.fetch_whole`) by a ranged read."""
         prepare_whole(job)
-        self._tasks.submit(self._io, _FetchWhole(job), self._fetch_whole, job)
+        self._tasks.submit(self._io, _FetchWhole(job), self._describer.fetch_whole, job)
 
     def _file_complete(self, job: FileJob) -> None:
         if job.seq is not None and job.seq.busy:
@@ -312,70 +332,6 @@ class Transfer:
             self._file_complete(job)
             return
         self._submit(job, list(range(len(job.chunks))))
-
-    # -- workers (io threads) ----------------------------------------------------------------
-
-    def _describe_task(self, file: RemoteFile) -> tuple[FileJob, list[str] | None]:
-        """An io task: describe and plan a file and, when it fits one write, fetch it too, so
-        the coordinator sees a small file once, ready to check and publish (handing it back to
-        the coordinator in between cost each small file a second round trip through it, behind
-        the io threads for the GIL). A small file whose describe brought its bytes (a source
-        with DescribesWhole) is checked and written from them (:meth:`_describe_whole`); any
-        other by one ranged read (:meth:`_fetch_whole`). Returns the job and, for a file
-        fetched here, the value of each of its checks (None: the coordinator starts the file's
-        chunks)."""
-        whole = self._whole_source
-        if (
-            whole is not None
-            and 0 < file.size < DIRECT_MIN_SIZE
-            and self._budget.reserve(file.size)
-        ):
-            return self._describe_whole(whole, file)
-        return self._fetch_described(self._planner.describe(file))
-
-    def _describe_whole(
-        self, source: DescribesWhole, file: RemoteFile
-    ) -> tuple[FileJob, list[str] | None]:
-        """Describe a small file with its bytes (its size reserved in the budget, given back
-        once they are written) and check and write them (:class:`WholeWriter`); a file the
-        source described without them goes the generic way."""
-        try:
-            described, body = call_watched(self._watchdog, file.path, source.describe_whole, file)
-            job = self._planner.plan(described)
-            if body is not None and fits_one_write(job):
-                try:
-                    return job, self._writer.write(job, body)
-                except BaseException as exc:
-                    job.fail(exc)
-                    job.clean_up()
-                    raise
-        finally:
-            self._budget.release(file.size)
-        return self._fetch_described(job)
-
-    def _fetch_described(self, job: FileJob) -> tuple[FileJob, list[str] | None]:
-        """A described file: fetched here by one ranged read when it fits one write."""
-        if not fits_one_write(job):
-            return job, None
-        prepare_whole(job)
-        try:
-            return job, self._fetch_whole(job)
-        except BaseException as exc:
-            # the coordinator never sees this job: close (or, if its bytes cannot be trusted,
-            # delete) what it left; no other thread uses a whole file's descriptor
-            job.fail(exc)
-            job.clean_up()
-            raise
-
-    def _fetch_whole(self, job: FileJob) -> list[str]:
-        """Everything a small file needs before it can be published, on one io worker: the
-        partial file created empty, the one ranged read written and hashed as it arrives, then
-        sealed (fsync, the value of every check). Returns what :meth:`FileFinisher.seal`
-        returns."""
-        self._resumer.start_whole(job)
-        if job.chunks:
-            self._fetcher.fetch(job, [0])
-        return self._finisher.seal(job)
 
 
 __all__ = [
