@@ -156,8 +156,8 @@ def proxied_client(s3_server: Any, proxy: S3FaultProxy) -> Any:
 
 def test_small_objects_cost_one_request_each(test_ca, s3_server, s3_client, bucket, tmp_path):
     """Objects up to 1 MiB are described by one GET (checksum headers included) whose body the
-    engine writes (DescribesWhole): no HEAD, no second GET; larger ones get a HEAD and ranged GETs. Counted
-    where the requests arrive, whichever path sent them."""
+    engine writes (DescribesWhole): no HEAD, no second GET; larger ones get a HEAD and ranged
+    GETs. Counted where the requests arrive, whichever path sent them."""
     small = {f"m/s{i}.json": os.urandom(1000 * (i + 1)) for i in range(3)}
     for key, data in small.items():
         put(s3_client, bucket, key, data, ChecksumAlgorithm="SHA256")
