@@ -302,8 +302,9 @@ def ca_bundle(
     AWS profile (``aws_profile``, else ``AWS_PROFILE``), else the system's default store. A
     variable naming a public store (:func:`public_stores`) is passed over for a later one or
     the profile's, and chosen only when nothing else names a bundle. A bundle that is missing
-    or not PEM is a ConfigError naming the file and its origin. Hostname verification is never
-    affected: there is no way to turn verification off."""
+    or not PEM is a ConfigError naming the file and its origin (the public store is only checked
+    to exist: it is the system's own). Hostname verification is never affected: there is no way
+    to turn verification off."""
     env = _environ(environ)
     found: tuple[str, str] | None = (chosen, origin) if chosen else None
     named = [(env[n].strip(), n) for n in CA_BUNDLE_VARIABLES if env.get(n, "").strip()]
