@@ -11,7 +11,7 @@ the same headers in the same order, the same signature as before.
 from __future__ import annotations
 
 import datetime
-import gzip
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -79,19 +79,12 @@ def _handler(recorder: Recorder) -> type[BaseHTTPRequestHandler]:
                 time.sleep(1.5)  # past the read timeout the test gives
             if "list-type=2" in self.path:
                 body, headers = LISTING, {"Content-Length": str(len(LISTING))}
-            elif self.path.startswith("/short"):  # says 100 bytes more than it sends, then hangs up
-                headers = {"Content-Length": str(len(BODY) + 100), "Connection": "close"}
-            elif self.path.startswith("/gzip"):
-                body = gzip.compress(BODY)
-                headers = {"Content-Length": str(len(body)), "Content-Encoding": "gzip"}
             self.send_response(200)
             for name, value in headers.items():
                 self.send_header(name, value)
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(body)
-            if self.path.startswith("/short"):
-                self.close_connection = True
 
         do_HEAD = do_GET
 
@@ -170,6 +163,32 @@ def test_a_routes_read_timeout_is_the_callers_and_fails_as_sends(plain: Server) 
             request()
         failed.append(str(timed_out.value))
     assert failed[0] == failed[1] and "read timeout=0.3" in failed[1]
+
+
+def test_a_route_to_an_ipv6_literal_sends_what_send_sends() -> None:
+    """The origin's host is taken apart once (brackets off for the pool, on in Host)."""
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+
+    class V6Server(TLSThreadingHTTPServer):
+        address_family = socket.AF_INET6
+
+    recorder = Recorder()
+    try:
+        httpd = V6Server(("::1", 0), _handler(recorder))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://[::1]:{httpd.server_address[1]}"
+        pool = make_http_pool(4, proxies=Proxies({}))
+        assert _finish(send(pool, "GET", f"{url}/v6", headers={})) == BODY
+        assert _finish(Route(pool, url).send("GET", "/v6", headers={})) == BODY
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    old, new = recorder.seen
+    assert new == old and ("Host", url.split("://", 1)[1]) in new[1]
 
 
 class _CountingManager(urllib3.PoolManager):
