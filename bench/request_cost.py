@@ -7,12 +7,14 @@ time of the process (user+sys) per request is reported, body read included. ``se
 is the path the S3 source takes with botocore's credential chain (prefetch/sources/s3/sdk.py:
 botocore's signer, set up from a listing as the source sets it up, on the seam's pool);
 ``seam-static`` the one it takes with static keys (prefetch/sources/s3/direct.py: signed here,
-no botocore). Two floors, not paths the engine takes: ``http.client`` sends the same signed
-request on the standard library's connection (one per thread, no urllib3), and ``socket`` on a
-bare socket, the response head split by hand (issue 33: what a small-object fetcher that owns
-its connections could save per request).
+no botocore). Four floors, not paths the engine takes (see :func:`floors`): the same signed
+request on urllib3's pool and on urllib3's connection (what the seam cannot go below while it
+stays on urllib3), on the standard library's ``http.client`` (one connection per thread, no
+timeout), and on a bare socket, the response head split by hand (issue 33: what a
+small-object fetcher that owns its connections could save per request).
 
     python bench/request_cost.py --rounds 3
+    python bench/request_cost.py --rounds 5 --modes seam-static,"urllib3 pool"
 """
 
 from __future__ import annotations
@@ -75,24 +77,48 @@ def modes(client: Any, server: Any) -> dict[str, Callable[[str], None]]:
 
 
 def floors(bucket: S3Bucket, server: Any) -> dict[str, Callable[[str], None]]:
-    """The same signed GET on http.client, and on a bare socket with the head split by hand
-    (plain HTTP, keep-alive, one connection per thread; bench only: no TLS, no proxy, no
-    error handling)."""
+    """The same signed GET on urllib3's pool (``urlopen`` of the path, nothing of the seam's),
+    on urllib3's connection (``request`` and ``getresponse``, one connection per thread, no
+    pool), on http.client, and on a bare socket with the head split by hand (plain HTTP,
+    keep-alive; bench only: no TLS, no proxy, no error handling). The first two are what the
+    seam cannot go below while it stays on urllib3 (issue 33, round 2)."""
     import http.client
     import socket
     import threading
     from urllib.parse import urlsplit
+
+    import urllib3
 
     from prefetch.sources.s3.direct import StaticCredentials, StaticKeySigner
 
     signer = StaticKeySigner(StaticCredentials(server.access_key, server.secret_key))
     where = urlsplit(bucket.base_url)
     local = threading.local()
+    pool = urllib3.HTTPConnectionPool(where.hostname or "", where.port, maxsize=32)
+    no_retries = urllib3.Retry(total=False, redirect=False)
+    timeout = urllib3.Timeout(connect=10, read=60)
 
     def signed(key: str) -> tuple[str, dict[str, str]]:
         url = bucket.base_url + key
         headers = {"x-amz-checksum-mode": "ENABLED"}
         return urlsplit(url).path, signer.sign("GET", url, bucket.region, headers)
+
+    def pool_get(key: str) -> None:
+        path, headers = signed(key)
+        resp = pool.urlopen(
+            "GET", path, headers=headers, retries=no_retries, redirect=False, timeout=timeout,
+            preload_content=False, release_conn=False, decode_content=False,
+        )  # fmt: skip
+        resp.read(1 << 30)
+        resp.release_conn()
+
+    def connection_get(key: str) -> None:
+        if not hasattr(local, "u3"):
+            local.u3 = urllib3.connection.HTTPConnection(where.hostname or "", where.port)
+        path, headers = signed(key)
+        local.u3.timeout = 60
+        local.u3.request("GET", path, headers=headers, preload_content=False)
+        local.u3.getresponse().read(1 << 30)
 
     def stdlib_get(key: str) -> None:
         if not hasattr(local, "conn"):
@@ -119,7 +145,12 @@ def floors(bucket: S3Bucket, server: Any) -> dict[str, Callable[[str], None]]:
         while got < length:
             got += local.file.readinto(view[got:])
 
-    return {"http.client": stdlib_get, "socket": socket_get}
+    return {
+        "urllib3 pool": pool_get,
+        "urllib3 connection": connection_get,
+        "http.client": stdlib_get,
+        "socket": socket_get,
+    }
 
 
 def main() -> None:
@@ -129,6 +160,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=1000, help="GETs per mode and round")
     p.add_argument("--threads", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--modes", help="comma-separated modes to run (default: all)")
     args = p.parse_args()
 
     from prefetch.demo.locals3 import SeaweedS3
@@ -145,12 +177,14 @@ def main() -> None:
         with ThreadPoolExecutor(args.threads) as pool:
             for round_no in range(1, args.rounds + 1):
                 for name, get in modes(client, server).items():
+                    if args.modes and name not in args.modes.split(","):
+                        continue
                     list(pool.map(get, work[:50]))  # connections open, code warm
                     c0, t0 = time.process_time(), time.monotonic()
                     list(pool.map(get, work))
                     cpu, wall = time.process_time() - c0, time.monotonic() - t0
                     per_request.setdefault(name, []).append(1000 * cpu / len(work))
-                    print(f"round {round_no} {name:9s} {wall:6.2f}s wall, "
+                    print(f"round {round_no} {name:18s} {wall:6.2f}s wall, "
                           f"{1000 * cpu / len(work):.2f} ms CPU per request",
                           file=sys.stderr)  # fmt: skip
     print(f"`python bench/request_cost.py --rounds {args.rounds}` ({args.requests} GETs of "

@@ -51,7 +51,11 @@ def body_finished(response: object) -> bool:
     response at the end of its body; one with no body (a HEAD, a 204 or 304) has nothing left.
     A response with no ``http.client`` response under it cannot be told: true (the caller's
     word)."""
-    fp = http_client_response(response)
+    return _finished(http_client_response(response))
+
+
+def _finished(fp: http.client.HTTPResponse | None) -> bool:
+    """:func:`body_finished` of the ``http.client`` response ``fp`` (None: true)."""
     if fp is None or fp.isclosed():
         return True
     return not fp.chunked and fp.length == 0
@@ -154,7 +158,8 @@ class Response:
         self.error = error
 
     def read(self, limit: int) -> bytes:
-        """At most ``limit`` bytes of the body."""
+        """At most ``limit`` bytes of the body (urllib3's ``read(limit)`` of a body it does not
+        decode is one read of the ``http.client`` response: no buffer, no copy)."""
         return self.raw.read(limit) if self.raw is not None else b""
 
     def read_whole(self, limit: int, what: str) -> bytes:
@@ -176,10 +181,10 @@ class Response:
         if self.raw is None:
             return
         release = getattr(self.raw, "release_conn", None)
-        if release is None or not body_finished(self.raw):
+        fp = http_client_response(self.raw)
+        if release is None or not _finished(fp):
             self.discard()
             return
-        fp = http_client_response(self.raw)
         if fp is not None:
             # An answer with no body (a HEAD's) is finished but still open: http.client
             # refuses the connection's next request until it is closed ("ResponseNotReady").

@@ -5,6 +5,8 @@
   proxy the environment names (``HTTP(S)_PROXY``, bypassed per host by ``NO_PROXY``), on
   connections whose header wait a watch can interrupt (:func:`watched_pools`).
 * :func:`send`: one request on the pool, credentials only to their own origin.
+* :class:`Route`: the requests of one origin, sent by their path on its pool, held (no URL parse
+  or pool lookup per request: S3's object GETs).
 * :func:`redact_url`: a URL fit for a message (no credentials, no signed query string).
 
 The parts with a job of their own live beside it and are imported from here by every source
@@ -26,6 +28,7 @@ from typing import Any, Protocol, TypedDict, Unpack
 from urllib.parse import urlsplit
 
 import urllib3
+from urllib3.util.proxy import connection_requires_http_tunnel
 
 from prefetch.pipeline.deadline import attach_to_watches
 from prefetch.sources.base import shutdown_socket
@@ -51,6 +54,7 @@ from prefetch.sources.http.errors import (
     transport_error,
 )
 from prefetch.support import settings
+from prefetch.support.errors import TlsError
 from prefetch.support.redact import redact
 
 #: A redirect's body is read (so its connection goes back to the pool) only up to this size.
@@ -319,7 +323,8 @@ def send(
     the wait for the headers is interrupted by the calling thread's watch (see above).
 
     ``credentials`` (headers such as Authorization) go only to ``credentials_origin``'s scheme,
-    host and port: a redirect or a next-page link to another host never receives them."""
+    host and port: a redirect or a next-page link to another host never receives them.
+    (A caller that sends many requests to one origin holds a :class:`Route` instead.)"""
     if (
         credentials
         and credentials_origin is not None
@@ -337,19 +342,117 @@ def send(
         kwargs["timeout"] = timeout
     try:
         resp = http.request(method, url, **kwargs)
-    except urllib3.exceptions.SSLError as exc:
-        scheme, host, port = origin_of(url)
-        refused = tls_error(exc, f"{scheme}://{host}:{port}")
-        if refused is None:
-            raise
-        raise refused from exc
-    except urllib3.exceptions.ProxyError as exc:  # TLS to an https:// proxy itself, refused
-        proxy = _proxy_of(http, url)
-        refused = None if proxy is None else tls_error(exc, f"the proxy {proxy}")
+    except (urllib3.exceptions.SSLError, urllib3.exceptions.ProxyError) as exc:
+        refused = _tls_refusal(http, url, exc)
         if refused is None:
             raise
         raise refused from exc
     return Sent(resp)
+
+
+def _tls_refusal(http: HttpClient, url: str, exc: Exception) -> TlsError | None:
+    """A refused certificate (the origin's, or an https:// proxy's: urllib3's ``SSLError`` or
+    ``ProxyError``) as :class:`TlsError` naming who refused; None for any other failure."""
+    if isinstance(exc, urllib3.exceptions.SSLError):
+        scheme, host, port = origin_of(url)
+        return tls_error(exc, f"{scheme}://{host}:{port}")
+    proxy = _proxy_of(http, url)  # TLS to an https:// proxy itself, refused
+    return None if proxy is None else tls_error(exc, f"the proxy {proxy}")
+
+
+#: urllib3's retries and redirects, off (the callers do both): one object for every request
+#: (what urllib3 builds from ``retries=False, redirect=False`` per request; it never changes:
+#: ``Retry.increment`` returns a new one).
+NO_RETRIES = urllib3.Retry(total=False, redirect=False)
+
+
+class Route:
+    """The requests of one origin (``scheme://host[:port]``), sent by their target (path and
+    query) on the origin's connection pool, which the route holds: no URL parsed and no pool
+    looked up per request, the rest as :func:`send` (the same pool, connections, proxy, TLS,
+    watch and errors). For a source that sends many requests to one host (S3's object GETs).
+
+    The pool is the one ``http`` would use for the origin (its proxy decision included). A
+    request through a forwarding proxy (``http://`` via an HTTP proxy: the target in absolute
+    form, the proxy's headers added) and a client that is not urllib3's (a test's canned
+    one) go through ``http.request`` as :func:`send` sends them. The pool stays usable when the
+    manager drops it from its store (urllib3 2 keeps a dropped pool open); one closed
+    meanwhile (urllib3 1 closed the pools it evicted) is looked up again."""
+
+    def __init__(self, http: HttpClient, origin: str) -> None:
+        self._http = http
+        #: ``scheme://host[:port]`` as the caller wrote it: a whole URL is this plus a target
+        #: (as written, so a request through ``http.request`` is the one :func:`send` sends:
+        #: a default port written out would reach a forwarding proxy's Host header)
+        self.origin = origin.rstrip("/")
+        self._scheme, self._host, self._port = origin_of(origin)
+        self._pool: urllib3.HTTPConnectionPool | None = self._lookup()
+
+    def _lookup(self) -> urllib3.HTTPConnectionPool | None:
+        """The origin's pool in ``http``, or None when its requests go through ``request``."""
+        http = self._http
+        manager = http.manager_for(self.origin) if isinstance(http, ProxyRouter) else http
+        if not isinstance(manager, urllib3.PoolManager):
+            return None
+        if isinstance(manager, urllib3.ProxyManager) and not connection_requires_http_tunnel(
+            manager.proxy, manager.proxy_config, self._scheme
+        ):
+            return None  # forwarded in absolute form: the manager adds the proxy's headers
+        return manager.connection_from_host(self._host, self._port, self._scheme)
+
+    def send(
+        self,
+        method: str,
+        target: str,
+        *,
+        headers: Mapping[str, str],
+        timeout: urllib3.Timeout | float | None = None,
+        decode: bool = False,
+    ) -> Sent:
+        """:func:`send` of ``origin + target`` (``target``: the path, encoded as sent, and
+        any query string); ``headers`` are sent as given (not copied)."""
+        pool = self._pool
+        if pool is None:
+            return send(
+                self._http, method, self.origin + target, headers=headers, timeout=timeout,
+                decode=decode,
+            )  # fmt: skip
+        try:
+            try:
+                resp = self._urlopen(pool, method, target, headers, timeout, decode)
+            except urllib3.exceptions.ClosedPoolError:  # raised before anything was sent
+                self._pool = pool = self._lookup()
+                if pool is None:
+                    raise
+                resp = self._urlopen(pool, method, target, headers, timeout, decode)
+        except (urllib3.exceptions.SSLError, urllib3.exceptions.ProxyError) as exc:
+            refused = _tls_refusal(self._http, self.origin, exc)
+            if refused is None:
+                raise
+            raise refused from exc
+        return Sent(resp)
+
+    @staticmethod
+    def _urlopen(
+        pool: urllib3.HTTPConnectionPool,
+        method: str,
+        target: str,
+        headers: Mapping[str, str],
+        timeout: urllib3.Timeout | float | None,
+        decode: bool,
+    ) -> urllib3.BaseHTTPResponse:
+        """What ``PoolManager.request`` asks of the origin's pool for :func:`send`'s options."""
+        if timeout is None:
+            return pool.urlopen(
+                method, target, headers=headers, retries=NO_RETRIES, redirect=False,
+                assert_same_host=False, preload_content=False, release_conn=False,
+                decode_content=decode,
+            )  # fmt: skip
+        return pool.urlopen(
+            method, target, headers=headers, retries=NO_RETRIES, redirect=False,
+            assert_same_host=False, timeout=timeout, preload_content=False, release_conn=False,
+            decode_content=decode,
+        )  # fmt: skip
 
 
 def _proxy_of(http: HttpClient, url: str) -> str | None:
@@ -364,6 +467,7 @@ def _proxy_of(http: HttpClient, url: str) -> str | None:
 
 __all__ = [
     "NETWORK_HINT",
+    "NO_RETRIES",
     "PROXY_HINT",
     "TLS_HINT",
     "BodyReader",
@@ -372,6 +476,7 @@ __all__ = [
     "RequestOptions",
     "Response",
     "ResponseBody",
+    "Route",
     "Sent",
     "SupportsReadinto",
     "check_range_answer",

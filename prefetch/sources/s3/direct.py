@@ -27,13 +27,14 @@ import datetime
 import hashlib
 import hmac
 import re
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 from urllib.parse import SplitResult, quote, urlsplit
 
 from prefetch import __version__
-from prefetch.sources.http.transport import HttpClient, Response, send
+from prefetch.sources.http.transport import HttpClient, Response, Route
 from prefetch.sources.s3.listing import ListPage, parse_list_page
 from prefetch.support import settings
 
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 _USER_AGENT = f"model-prefetch/{__version__}"
+_AMZ_DATE = "%Y%m%dT%H%M%SZ"
 #: A plain bucket name that can be a DNS label (no dots: a dotted name breaks TLS).
 _VIRTUAL_HOSTABLE = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
 _REGION = re.compile(r"^[a-z0-9-]{1,40}$")
@@ -108,31 +110,50 @@ def sign_v4(
     signing keys by (secret, day, region) the caller keeps (the key changes once a day; deriving
     it is four HMACs per request otherwise)."""
     now = now or datetime.datetime.now(datetime.UTC)
-    amz_date = now.strftime("%Y%m%dT%H%M%SZ")
-    day = amz_date[:8]
     parts = urlsplit(url)
-    headers = {
-        **{name.lower(): " ".join(value.split()) for name, value in (headers or {}).items()},
-        "host": _host_header(parts),
-        "x-amz-content-sha256": _EMPTY_SHA256,
-        "x-amz-date": amz_date,
-    }
+    return signed_headers(
+        method, _host_header(parts), parts.path or "/", parts.query, credentials, region,
+        now.strftime(_AMZ_DATE), headers or {}, keys,
+    )  # fmt: skip
+
+
+def signed_headers(
+    method: str,
+    host: str,
+    path: str,
+    query: str,
+    credentials: StaticCredentials,
+    region: str,
+    amz_date: str,
+    headers: Mapping[str, str],
+    keys: dict[tuple[str, str, str], bytes] | None = None,
+) -> dict[str, str]:
+    """:func:`sign_v4` of a request already taken apart: ``host`` the Host header sent,
+    ``path`` and ``query`` as sent, ``amz_date`` its X-Amz-Date (``YYYYMMDDTHHMMSSZ``). One
+    dict is built: the canonical request is made from it and it is what goes on the wire (in
+    this order: ``headers``, the x-amz-* ones, Authorization; not Host)."""
+    day = amz_date[:8]
+    signed = {name.lower(): " ".join(value.split()) for name, value in headers.items()}
+    signed["host"] = host
+    signed["x-amz-content-sha256"] = _EMPTY_SHA256
+    signed["x-amz-date"] = amz_date
     if credentials.token:
-        headers["x-amz-security-token"] = credentials.token
-    names = sorted(headers)
+        signed["x-amz-security-token"] = credentials.token
+    names = sorted(signed)
+    listed = ";".join(names)
     canonical = "\n".join(
         [
             method,
-            parts.path or "/",
-            parts.query,
-            "".join(f"{n}:{headers[n]}\n" for n in names),
-            ";".join(names),
+            path,
+            query,
+            "".join([f"{n}:{signed[n]}\n" for n in names]),
+            listed,
             _EMPTY_SHA256,
         ]
     )
     scope = f"{day}/{region}/s3/aws4_request"
-    to_sign = "\n".join(
-        ["AWS4-HMAC-SHA256", amz_date, scope, hashlib.sha256(canonical.encode()).hexdigest()]
+    to_sign = (
+        f"AWS4-HMAC-SHA256\n{amz_date}\n{scope}\n{hashlib.sha256(canonical.encode()).hexdigest()}"
     )
     cached = (credentials.secret_key, day, region)
     key = keys.get(cached) if keys is not None else None
@@ -141,13 +162,13 @@ def sign_v4(
         if keys is not None:
             keys.clear()  # only today's (a day change drops yesterday's)
             keys[cached] = key
-    signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
-    headers["authorization"] = (
+    signature = hmac.digest(key, to_sign.encode(), "sha256").hex()
+    signed["authorization"] = (
         f"AWS4-HMAC-SHA256 Credential={credentials.access_key}/{scope}, "
-        f"SignedHeaders={';'.join(names)}, Signature={signature}"
+        f"SignedHeaders={listed}, Signature={signature}"
     )
-    del headers["host"]
-    return headers
+    del signed["host"]
+    return signed
 
 
 def signing_key(secret_key: str, day: str, region: str) -> bytes:
@@ -175,7 +196,8 @@ class Signer(Protocol):
 
 
 class StaticKeySigner:
-    """Static keys, signed here (:func:`sign_v4`): no botocore import."""
+    """Static keys, signed here (:func:`sign_v4`): no botocore import. What repeats between
+    requests is kept: the signing key (per day and region) and the X-Amz-Date (per second)."""
 
     def __init__(
         self,
@@ -186,14 +208,35 @@ class StaticKeySigner:
         self.credentials = credentials
         self._clock = clock  # tests: a fixed time (None: now)
         self.keys: dict[tuple[str, str, str], bytes] = {}  # today's signing key (sign_v4)
+        #: the second of the latest signature and its X-Amz-Date (strftime costs ~4 µs)
+        self._date: tuple[int, str] = (-1, "")
 
     def sign(
         self, method: str, url: str, region: str, headers: Mapping[str, str]
     ) -> dict[str, str]:
-        now = self._clock() if self._clock is not None else None
-        return sign_v4(
-            method, url, self.credentials, region, now=now, headers=headers, keys=self.keys
+        parts = urlsplit(url)
+        return self.sign_parts(
+            method, _host_header(parts), parts.path or "/", parts.query, region, headers
         )
+
+    def sign_parts(
+        self, method: str, host: str, path: str, query: str, region: str,
+        headers: Mapping[str, str],
+    ) -> dict[str, str]:  # fmt: skip
+        """:meth:`sign` of a request already taken apart (see :func:`signed_headers`)."""
+        return signed_headers(
+            method, host, path, query, self.credentials, region, self._amz_date(), headers,
+            self.keys,
+        )  # fmt: skip
+
+    def _amz_date(self) -> str:
+        now = self._clock() if self._clock is not None else None
+        second = int(now.timestamp()) if now is not None else int(time.time())
+        date = self._date
+        if date[0] != second:
+            text = time.strftime(_AMZ_DATE, time.gmtime(second))
+            self._date = date = (second, text)  # one tuple: a reader sees a pair, never half
+        return date[1]
 
 
 def bucket_base_url(bucket: str, endpoint_url: str | None, region: str) -> str:
@@ -229,6 +272,7 @@ class S3Bucket:
         self._http = http
         self._timeout = timeout
         self._on_error = on_error
+        self._at: _Where | None = None  # where base_url is (made again when it changes)
 
     @classmethod
     def static(
@@ -294,9 +338,10 @@ class S3Bucket:
         return parse_list_page(body)
 
     def _send(self, query: str) -> Response:
-        base = self.base_url
-        path_only = base[:-1] if base.endswith("/") and urlsplit(base).path != "/" else base
-        return self._request("GET", f"{path_only}?{query}", {})
+        region = self.region
+        at = self._where(region)
+        path = at.prefix[:-1] if at.prefix != "/" else at.prefix
+        return self._request(at, region, "GET", path, query, {})
 
     def send(
         self, method: str, key: str, *, headers: Mapping[str, str], query: str = ""
@@ -307,13 +352,50 @@ class S3Bucket:
         request than the one signed (see :func:`sends_as_signed`)."""
         if not sends_as_signed(key):
             raise ValueError(f"the key {key!r} has a segment a URL would normalize away")
-        url = self.base_url + _uri_encode(key, keep_slash=True)
-        return self._request(method, f"{url}?{query}" if query else url, headers)
+        region = self.region
+        at = self._where(region)
+        path = at.prefix + _uri_encode(key, keep_slash=True)
+        return self._request(at, region, method, path, query, headers)
 
-    def _request(self, method: str, url: str, headers: Mapping[str, str]) -> Response:
-        signed = self._signer.sign(method, url, self.region, headers)
+    def _where(self, region: str) -> _Where:
+        """Where the bucket's keys are in ``region`` (kept while the base URL stays)."""
+        base = self._base_url(region)
+        at = self._at
+        if at is None or at.base != base:
+            self._at = at = _Where.of(base, self._http)
+        return at
+
+    def _request(
+        self, at: _Where, region: str, method: str, path: str, query: str,
+        headers: Mapping[str, str],
+    ) -> Response:  # fmt: skip
+        """Sign for ``region`` and send ``method path?query`` (``path`` and ``query`` encoded
+        as sent) to ``at``."""
+        signer = self._signer
+        if isinstance(signer, StaticKeySigner):
+            signed = signer.sign_parts(method, at.host, path, query, region, headers)
+        else:
+            url = f"{at.origin}{path}?{query}" if query else at.origin + path
+            signed = signer.sign(method, url, region, headers)
         signed["user-agent"] = _USER_AGENT
-        return send(self._http, method, url, headers=signed, timeout=self._timeout)
+        target = f"{path}?{query}" if query else path
+        return at.route.send(method, target, headers=signed, timeout=self._timeout)
+
+
+class _Where(NamedTuple):
+    """A bucket's base URL taken apart once: what each of its requests needs."""
+
+    base: str  #: the base URL (``scheme://netloc/path/``)
+    origin: str  #: ``scheme://netloc``, as written
+    host: str  #: the Host header ``http.client`` sends there (signed)
+    prefix: str  #: the path of the base URL, ending with '/'
+    route: Route  #: the origin's pool, held
+
+    @classmethod
+    def of(cls, base: str, http: HttpClient) -> _Where:
+        parts = urlsplit(base)
+        origin = f"{parts.scheme}://{parts.netloc}"
+        return cls(base, origin, _host_header(parts), parts.path or "/", Route(http, origin))
 
 
 def sends_as_signed(key: str) -> bool:
