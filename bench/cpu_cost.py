@@ -13,6 +13,12 @@ into a fresh destination:
 
     python bench/cpu_cost.py --runs 5 --baseline /tmp/perf-base
     python bench/cpu_cost.py --what large --size 1GiB --runs 3 --baseline /tmp/perf-base
+    python bench/cpu_cost.py --tls --trust public ...  # HTTPS; the clients trust ~140 CAs
+
+``--tls`` puts SeaweedFS behind HTTPS with the tests' private CA (tests/tls.py); ``--trust``
+says which bundle every client is given (``SSL_CERT_FILE``, ``AWS_CA_BUNDLE``,
+``REQUESTS_CA_BUNDLE``, ``CURL_CA_BUNDLE``): that CA alone, or appended to the public store (as
+a pull from a public endpoint trusts ~140 certificates: a TLS client loads them per context).
 
 Both trees should be compiled first (``python -m compileall -q DIR/prefetch``): the venv sets
 PYTHONDONTWRITEBYTECODE here, and compiling on every start is most of a small pull's start-up.
@@ -39,6 +45,7 @@ from harness import MiB, say  # noqa: E402
 
 from prefetch.demo.locals3 import SeaweedS3  # noqa: E402
 from prefetch.support.units import parse_size  # noqa: E402
+from tests.tls import TestCA  # noqa: E402
 
 PREFETCH = "import sys; sys.argv[0] = 'prefetch'; from prefetch.cli import main; main()"
 
@@ -64,6 +71,32 @@ def curl_script(client: Any, keys: list[str], work: Path, streams: int = 8) -> P
     script = work / "curl.sh"
     script.write_text("\n".join(lines) + "\nwait\n")
     return script
+
+
+def tls_server(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """SeaweedS3's HTTPS arguments for ``--tls`` (the tests' CA and certificate), else none."""
+    if not args.tls:
+        return {}
+    ca = TestCA.create(work / "tls")
+    return {
+        "tls_cert": ca.cert_file,
+        "tls_key": ca.key_file,
+        "ca_file": ca.ca_file,
+        "host": ca.host_for("s3"),
+    }
+
+
+def trust_env(ca_file: Path, trust: str, work: Path) -> dict[str, str]:
+    """The variables naming the CA bundle every client verifies the server with: ``ca_file``
+    alone, or (``public``) appended to certifi's copy of the public store."""
+    bundle = ca_file
+    if trust == "public":
+        import certifi
+
+        bundle = work / "public-and-private.pem"
+        bundle.write_bytes(Path(certifi.where()).read_bytes() + ca_file.read_bytes())
+    names = ("SSL_CERT_FILE", "AWS_CA_BUNDLE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
+    return dict.fromkeys(names, str(bundle))
 
 
 def command(variant: str, uri: str, dest: Path, endpoint: str, curl: Path | None) -> list[str]:
@@ -99,14 +132,23 @@ def main() -> None:
     p.add_argument("--size", default="1GiB", help="the large shards' total (two shards)")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--baseline", help="a tree whose prefetch package is the 'base' row")
+    p.add_argument("--tls", action="store_true", help="SeaweedFS behind HTTPS (a private CA)")
+    p.add_argument(
+        "--trust",
+        choices=("private", "public"),
+        default="private",
+        help="with --tls: the clients' CA bundle: the private CA, or the public store + it",
+    )
     a = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="prefetch-cpu-"))
     try:
-        with SeaweedS3(data_dir=work / "s3") as server:
+        with SeaweedS3(data_dir=work / "s3", **tls_server(a, work)) as server:
             client = server.client()
             client.create_bucket(Bucket=BUCKET)
             env = dict(os.environ, **server.aws_env(work), AWS_REGION="us-east-1")
             env["AWS_EC2_METADATA_DISABLED"] = "true"
+            if server.ca_file is not None:
+                env.update(trust_env(server.ca_file, a.trust, work))
             (work / "aws-config").write_text("[default]\nregion = us-east-1\n")
             (work / "aws-credentials").write_text("")
             curl = None

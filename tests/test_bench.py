@@ -233,3 +233,23 @@ def test_cpu_cost_runs_the_package_its_variant_names_even_from_the_repository(
         cmd, cwd=REPO, env={"PYTHONPATH": str(other)}, capture_output=True, text=True, check=True
     ).stdout
     assert out.strip() == str(other / "prefetch" / "__init__.py")
+
+
+def test_cpu_cost_over_tls_gives_every_client_the_bundle_it_is_asked_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--tls --trust public``: the private CA appended to the public store (the size of
+    bundle a production pull trusts), named to prefetch, s5cmd and curl alike."""
+    import certifi
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    cpu_cost = importlib.import_module("cpu_cost")
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\nprivate\n-----END CERTIFICATE-----\n")
+    names = {"SSL_CERT_FILE", "AWS_CA_BUNDLE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE"}
+    private = cpu_cost.trust_env(ca, "private", tmp_path)
+    assert private == dict.fromkeys(names, str(ca))
+    public = cpu_cost.trust_env(ca, "public", tmp_path)
+    assert set(public) == names and len(set(public.values())) == 1
+    bundle = Path(public["SSL_CERT_FILE"]).read_text()
+    assert bundle.startswith(Path(certifi.where()).read_text()) and bundle.endswith(ca.read_text())

@@ -703,6 +703,41 @@ def test_a_variable_naming_the_public_store_gives_way_to_a_private_ca(
     assert ca_bundle(public, environ={"SSL_CERT_FILE": private}).path == public  # a flag: as is
 
 
+def test_a_variable_naming_the_public_store_is_not_parsed_at_start_up(
+    test_ca: TestCA, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The public store a variable names is the system's own file, like the default store: it
+    is checked to exist, not parsed (its ~140 certificates were ~35 ms of every pull's
+    start-up, issue 33); a private bundle is still parsed, with its one-line error."""
+    import certifi
+
+    from prefetch.support import settings
+    from prefetch.support.errors import ConfigError
+
+    parsed: list[str] = []
+    check = settings.check_ca_bundle
+
+    def counted(path: str, origin: str) -> str:
+        parsed.append(path)
+        return check(path, origin)
+
+    monkeypatch.setattr(settings, "check_ca_bundle", counted)
+    public = certifi.where()
+    assert settings.ca_bundle(environ={"REQUESTS_CA_BUNDLE": public}).path == public
+    assert parsed == []
+    private = str(test_ca.ca_file)
+    assert settings.ca_bundle(environ={"REQUESTS_CA_BUNDLE": public, "SSL_CERT_FILE": private})
+    assert parsed == [private]
+    not_pem = tmp_path / "not.pem"
+    not_pem.write_text("hello")
+    with pytest.raises(ConfigError, match=r"SSL_CERT_FILE: the CA bundle .* is not a PEM file"):
+        settings.ca_bundle(environ={"REQUESTS_CA_BUNDLE": public, "SSL_CERT_FILE": str(not_pem)})
+    missing = str(tmp_path / "gone.pem")  # a public store that is not there is still an error
+    monkeypatch.setattr(settings, "public_stores", lambda: frozenset({missing}))
+    with pytest.raises(ConfigError, match=r"REQUESTS_CA_BUNDLE: the CA bundle .* does not exist"):
+        settings.ca_bundle(environ={"REQUESTS_CA_BUNDLE": missing})
+
+
 def test_a_hub_pull_trusts_ssl_cert_file_beside_a_public_requests_ca_bundle(
     hub_tls: tuple[HubServer, TlsRelay, TlsRelay], test_ca: TestCA, tmp_path: Path
 ) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import click
 import pytest
 
 from prefetch.cli import main as cli_main
@@ -84,7 +85,7 @@ def test_the_mirror_args_are_accepted_by_the_cli(which: str) -> None:
     pod = _pod_specs()[0 if which == "job" else 1]
     args = _container(pod)["args"]
     assert args[0] == "mirror"
-    command = cli_main.commands["mirror"]
+    command = cli_main.get_command(click.Context(cli_main), "mirror")
     ctx = command.make_context("mirror", list(args[1:]), resilient_parsing=False)
     ctx.close()
     source, dest = parse_source_uri(args[1]), parse_source_uri(args[2])

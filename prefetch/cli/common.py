@@ -23,9 +23,6 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import click
 
 from prefetch.cli.help import HelpGroup
-from prefetch.pipeline.engine.transfer import TransferConfig
-from prefetch.pipeline.progress import ProgressSink
-from prefetch.pipeline.retry import RetryPolicy
 from prefetch.support import errors, settings
 from prefetch.support.errors import (
     ConfigError,
@@ -37,7 +34,10 @@ from prefetch.support.redact import printable, redact
 from prefetch.support.units import parse_duration, parse_size
 
 if TYPE_CHECKING:
-    pass
+    # the engine (and the HTTP stack below it) is imported by the commands that transfer: the
+    # group, `--help`, `verify`, `ls` and `status` start without it
+    from prefetch.pipeline.engine.transfer import TransferConfig
+    from prefetch.pipeline.progress import ProgressSink
 F = TypeVar("F", bound=Callable[..., Any])
 log = logging.getLogger("prefetch")
 
@@ -278,6 +278,9 @@ def make_config(
     stall_timeout: str = "30s",
     deadline: str = "off",
 ) -> TransferConfig:
+    from prefetch.pipeline.engine.transfer import TransferConfig
+    from prefetch.pipeline.retry import RetryPolicy
+
     size = size_option(chunk_size, "--chunk-size")
     assert size is not None
     rate = size_option(min_rate, "--min-rate")

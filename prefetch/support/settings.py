@@ -302,8 +302,9 @@ def ca_bundle(
     AWS profile (``aws_profile``, else ``AWS_PROFILE``), else the system's default store. A
     variable naming a public store (:func:`public_stores`) is passed over for a later one or
     the profile's, and chosen only when nothing else names a bundle. A bundle that is missing
-    or not PEM is a ConfigError naming the file and its origin. Hostname verification is never
-    affected: there is no way to turn verification off."""
+    or not PEM is a ConfigError naming the file and its origin (the public store is only checked
+    to exist: it is the system's own). Hostname verification is never affected: there is no way
+    to turn verification off."""
     env = _environ(environ)
     found: tuple[str, str] | None = (chosen, origin) if chosen else None
     named = [(env[n].strip(), n) for n in CA_BUNDLE_VARIABLES if env.get(n, "").strip()]
@@ -318,7 +319,12 @@ def ca_bundle(
         if section and section.get("ca_bundle"):
             found = (section["ca_bundle"], "the AWS profile's ca_bundle")
     if found is None and named:
-        found = named[0]  # the public store, named: botocore is given it (else its own bundle)
+        # the public store, named: botocore is given it (else its own bundle). It is the system's
+        # own file, as the default store (never parsed here either): its ~140 certificates are
+        # not parsed at start-up (~35 ms of a pull; a TLS connection loads them anyway), only its
+        # existence is checked.
+        path, where = named[0]
+        return CaBundle(existing_ca_bundle(path, where), where)
     if found is None:
         return CaBundle(None, "the system's default store")
     path, where = found
@@ -338,17 +344,24 @@ def public_stores() -> frozenset[str]:
     return frozenset(os.path.realpath(p) for p in paths if p)
 
 
-def check_ca_bundle(path: str, origin: str) -> str:
-    """``path`` (``~`` expanded) when it is a readable PEM bundle of CA certificates; else a
-    one-line ConfigError naming the file and ``origin``."""
-    import ssl  # only when a bundle is named (the CLI's startup)
-
+def existing_ca_bundle(path: str, origin: str) -> str:
+    """``path`` (``~`` expanded) when it is a file; else a one-line ConfigError naming the file
+    and ``origin``."""
     full = os.path.expanduser(path)
     if not os.path.isfile(full):
         raise ConfigError(
             f"{origin}: the CA bundle {path} does not exist (or is not a file)",
             hint="name a PEM file of CA certificates",
         )
+    return full
+
+
+def check_ca_bundle(path: str, origin: str) -> str:
+    """``path`` (``~`` expanded) when it is a readable PEM bundle of CA certificates; else a
+    one-line ConfigError naming the file and ``origin``."""
+    import ssl  # only when a bundle is named (the CLI's startup)
+
+    full = existing_ca_bundle(path, origin)
     try:
         ssl.create_default_context(cafile=full)
     except (ssl.SSLError, OSError, UnicodeError, ValueError) as exc:
