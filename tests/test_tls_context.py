@@ -6,6 +6,7 @@ changed on disk trusted by the next connection (a long-lived agent, a rotated bu
 
 from __future__ import annotations
 
+import socket
 import ssl
 import threading
 from collections.abc import Iterator
@@ -28,7 +29,7 @@ from prefetch.sources.http.transport import (
 from prefetch.support import settings
 from prefetch.support.errors import TlsError
 
-from .fakes.forward_proxy import ForwardProxy
+from .fakes.forward_proxy import ForwardProxy, _relay
 from .tls import TestCA
 
 CONNECTIONS = 8
@@ -170,3 +171,51 @@ def test_a_bundle_changed_on_disk_is_trusted_by_the_next_connection(
     rotated.write_bytes(bundle.read_bytes() + test_ca.ca_file.read_bytes())
     rotated.replace(bundle)
     assert send(pool, "GET", url, headers={}).raw.status == 200
+
+
+class _Connect(BaseHTTPRequestHandler):
+    """A CONNECT-only proxy: the tunnel's bytes relayed both ways."""
+
+    def do_CONNECT(self) -> None:
+        host, _, port = self.path.rpartition(":")
+        upstream = socket.create_connection((host, int(port)), timeout=30)
+        self.send_response_only(200, "Connection established")
+        self.end_headers()
+        self.wfile.flush()
+        try:
+            _relay(self.connection, upstream, lambda n: None)
+        finally:
+            upstream.close()
+            self.close_connection = True
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def test_an_https_proxy_is_verified_with_the_chosen_bundle(
+    https_port: int, test_ca: TestCA, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TLS to an https:// proxy itself trusts the user's bundle (urllib3 verifies it with the
+    system's store unless the pool gives it a context), the origin's TLS inside the tunnel too;
+    another CA's bundle refuses the proxy, naming it."""
+    monkeypatch.delenv("SSL_CERT_FILE")  # the system's store trusts no test server
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Connect)
+    server.daemon_threads = True
+    server.socket = test_ca.server_context().wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    other = tmp_path / "other-ca.pem"
+    trustme.CA(organization_name="not the test CA").cert_pem.write_to_path(str(other))
+    try:
+        proxy = test_ca.url(server.server_address[1], "proxy")
+        proxies = settings.proxies({"HTTPS_PROXY": proxy, "NO_PROXY": ""})
+        url = test_ca.url(https_port, "hub") + "/x"
+        pool = make_http_pool(4, proxies=proxies, ca_certs=str(test_ca.ca_file))
+        for _ in range(2):
+            assert send(pool, "GET", url, headers={}).raw.status == 200
+        refusing = make_http_pool(4, proxies=proxies, ca_certs=str(other))
+        with pytest.raises(TlsError, match=f"the proxy {proxy}.*certificate verify failed"):
+            send(refusing, "GET", url, headers={})
+    finally:
+        server.shutdown()
+        server.server_close()
