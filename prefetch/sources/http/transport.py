@@ -28,7 +28,6 @@ from typing import Any, Protocol, TypedDict, Unpack
 from urllib.parse import urlsplit
 
 import urllib3
-from urllib3.util import create_urllib3_context
 
 from prefetch.pipeline.deadline import attach_to_watches
 from prefetch.sources.base import shutdown_socket
@@ -132,7 +131,7 @@ def tls_context(ca_certs: str | None) -> ssl.SSLContext:
     version, ciphers, certificate and host name required...), with ``ca_certs`` (else the
     system's CA certificates) loaded into it; an unreadable bundle raises urllib3's
     ``SSLError``, as urllib3 does when it loads one."""
-    context = create_urllib3_context()
+    context = urllib3.util.create_urllib3_context()
     try:
         if ca_certs:
             context.load_verify_locations(cafile=ca_certs)
