@@ -22,6 +22,8 @@ The parts with a job of their own live beside it and are imported from here by e
 
 from __future__ import annotations
 
+import os
+import ssl
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypedDict, Unpack
@@ -83,7 +85,6 @@ class PoolOptions(TypedDict, total=False):
     maxsize: int
     block: bool
     retries: bool
-    ca_certs: str
 
 
 class HttpClient(Protocol):
@@ -119,15 +120,79 @@ def make_http_pool(
 ) -> HttpClient:
     """A urllib3 pool for ranged GETs: no urllib3 retries or redirects (done by the caller), and
     the proxies (default: the environment's, read now) honoured per host; ``ca_certs``: a CA
-    bundle to verify TLS with instead of the system's."""
+    bundle to verify TLS with instead of the system's (loaded once: :class:`TlsTrust`)."""
     kwargs: PoolOptions = {"num_pools": 8, "maxsize": size, "block": False, "retries": False}
-    if ca_certs:
-        kwargs["ca_certs"] = ca_certs
+    trust = TlsTrust(ca_certs)
     proxies = settings.proxies() if proxies is None else proxies
-    direct = watched_pools(urllib3.PoolManager(**kwargs))
+    direct = watched_pools(urllib3.PoolManager(**kwargs), trust)
     if not proxies.by_scheme:
         return direct
-    return ProxyRouter(direct, proxies, kwargs)
+    return ProxyRouter(direct, proxies, kwargs, trust)
+
+
+def tls_context(ca_certs: str | None) -> ssl.SSLContext:
+    """The context urllib3 would build for one HTTPS connection (its own options: minimum TLS
+    version, ciphers, certificate and host name required...), with ``ca_certs`` (else the
+    system's CA certificates) loaded into it; an unreadable bundle raises urllib3's
+    ``SSLError``, as urllib3 does when it loads one."""
+    context = urllib3.util.create_urllib3_context()
+    try:
+        if ca_certs:
+            context.load_verify_locations(cafile=ca_certs)
+        else:
+            context.load_default_certs()
+    except OSError as exc:
+        raise urllib3.exceptions.SSLError(exc) from exc
+    return context
+
+
+class TlsTrust:
+    """The TLS context every HTTPS connection of one pool (:func:`make_http_pool`, its proxies
+    included) verifies with, built on the first connection and shared by all.
+
+    Given ``ca_certs`` (or nothing: the system's store), urllib3 builds a context and loads the
+    bundle into it for every connection: some 30 ms of CPU with a bundle of a public store's
+    size. Here it is built once (under a lock: many threads connect at once) and built again
+    only when the bundle file changes on disk (its inode, size or time, looked at per
+    connection), so a long-lived agent still trusts a rotated bundle on its next connections,
+    as it did when urllib3 read the file per connection. urllib3 sets ``verify_mode`` on the
+    shared context per connection to the value it already has (CERT_REQUIRED: the connections
+    are given no ``cert_reqs``) and leaves ``check_hostname`` on (no ``assert_hostname`` or
+    fingerprint is given), so no connection weakens another's checks.
+    ``build``: how a context is made (default :func:`tls_context`)."""
+
+    def __init__(
+        self,
+        ca_certs: str | None,
+        build: Callable[[str | None], ssl.SSLContext] = tls_context,
+    ) -> None:
+        self._ca_certs = ca_certs
+        #: the file whose change rebuilds the context (the system store's file, if any)
+        self._file = ca_certs or ssl.get_default_verify_paths().cafile
+        self._build = build
+        self._lock = threading.Lock()
+        self._context: ssl.SSLContext | None = None
+        self._stamp: tuple[int, int, int] | None = None
+
+    def context(self) -> ssl.SSLContext:
+        """The context to verify the next connection with."""
+        stamp = _file_stamp(self._file)
+        with self._lock:
+            if self._context is None or stamp != self._stamp:
+                self._context = self._build(self._ca_certs)
+                self._stamp = stamp
+            return self._context
+
+
+def _file_stamp(path: str | None) -> tuple[int, int, int] | None:
+    """What tells a changed file: its inode, size and modification time (None: no such file)."""
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 # ---- stop and deadlines reach the header wait ----------------------------------------------------
@@ -200,7 +265,17 @@ class _WatchedHTTPSConnection(_WatchedHTTPConnection, urllib3.connection.HTTPSCo
     """:class:`_WatchedHTTPConnection` over TLS. It inherits the watched methods instead of
     copying them: their zero-argument ``super()`` then follows this class's MRO to
     HTTPSConnection (a method copied from the plain class stays bound to it and raises
-    ``TypeError``: every HTTPS request failed that way once)."""
+    ``TypeError``: every HTTPS request failed that way once). ``trust``: the pool's shared
+    context (:class:`TlsTrust`), taken at each connect."""
+
+    def __init__(self, *args: Any, trust: TlsTrust | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._trust = trust
+
+    def connect(self) -> None:
+        if self._trust is not None:
+            self.ssl_context = self._trust.context()
+        super().connect()
 
 
 class _WatchedHTTPPool(urllib3.HTTPConnectionPool):
@@ -211,24 +286,52 @@ class _WatchedHTTPSPool(urllib3.HTTPSConnectionPool):
     ConnectionCls = _WatchedHTTPSConnection
 
 
-def watched_pools(manager: urllib3.PoolManager) -> urllib3.PoolManager:
+def _trusting_pool(trust: TlsTrust) -> type[_WatchedHTTPSPool]:
+    """The HTTPS pool class whose connections verify with ``trust``'s context (passed to each
+    connection as a connection argument: urllib3's pool keys take no unknown options)."""
+
+    class _TrustingHTTPSPool(_WatchedHTTPSPool):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, trust=trust, **kwargs)
+
+    return _TrustingHTTPSPool
+
+
+def watched_pools(
+    manager: urllib3.PoolManager, trust: TlsTrust | None = None
+) -> urllib3.PoolManager:
     """``manager`` making connections whose header wait a watch can interrupt (urllib3's
-    documented per-scheme pool classes)."""
-    manager.pool_classes_by_scheme = {"http": _WatchedHTTPPool, "https": _WatchedHTTPSPool}
+    documented per-scheme pool classes); ``trust``: the TLS context its HTTPS connections share
+    (None: the one it already has, if any)."""
+    https = manager.pool_classes_by_scheme.get("https")
+    if trust is not None:
+        https = _trusting_pool(trust)
+    elif https is None or not issubclass(https, _WatchedHTTPSPool):
+        https = _WatchedHTTPSPool
+    manager.pool_classes_by_scheme = {"http": _WatchedHTTPPool, "https": https}
     return manager
 
 
 class ProxyRouter:
-    """Sends each request directly or through its scheme's proxy, as the proxy settings say."""
+    """Sends each request directly or through its scheme's proxy, as the proxy settings say
+    (``trust``: the TLS context of the origins and of an https:// proxy itself)."""
 
-    def __init__(self, direct: HttpClient, proxies: settings.Proxies, kwargs: PoolOptions) -> None:
+    def __init__(
+        self, direct: HttpClient, proxies: settings.Proxies, kwargs: PoolOptions, trust: TlsTrust
+    ) -> None:
         from prefetch.sources.http.proxy_auth import proxy_headers  # only with a proxy configured
 
         self._direct = direct
         self._proxies = proxies
         self._proxied = {
             url: watched_pools(
-                urllib3.ProxyManager(url, proxy_headers=proxy_headers(url), **kwargs)
+                urllib3.ProxyManager(
+                    url,
+                    proxy_headers=proxy_headers(url),
+                    proxy_ssl_context=_proxy_context(url, trust),
+                    **kwargs,
+                ),
+                trust,
             )
             for url in set(proxies.by_scheme.values())
         }
@@ -243,6 +346,12 @@ class ProxyRouter:
         self, method: str, url: str, **kwargs: Unpack[RequestOptions]
     ) -> urllib3.BaseHTTPResponse:
         return self.manager_for(url).request(method, url, **kwargs)
+
+
+def _proxy_context(url: str, trust: TlsTrust) -> ssl.SSLContext | None:
+    """The context TLS to an https:// proxy itself verifies with (urllib3 would otherwise build
+    one per connection, with the system's store: a private CA's proxy would not be trusted)."""
+    return trust.context() if urlsplit(url).scheme.lower() == "https" else None
 
 
 #: Does ``NO_PROXY`` exempt a host? (The rule lives in settings, beside the variables.)
