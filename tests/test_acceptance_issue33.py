@@ -1,0 +1,346 @@
+"""Issue 33's performance changes tried as a user would (QA): the CLI as a subprocess against
+SeaweedFS over HTTPS with the session CA, behind the fault proxy where a fault is needed.
+
+What these guard: the whole-object path of small S3 objects (a corrupted body, an object
+replaced between the listing and its GET, a stop in the middle of many small files, small files
+beside multipart ones at any concurrency, without verification), one TLS context per pool (a
+bundle rotated to one that no longer holds the CA is refused by the next connection), the CA
+variables (a variable naming the public store while the endpoint uses a private CA) and the
+lazily imported commands (every command's help, an unknown command).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trustme
+
+from prefetch.demo.locals3 import SeaweedS3
+from prefetch.sources.http.transport import make_http_pool, send
+from prefetch.support import settings
+from prefetch.support.errors import TlsError
+
+from .fakes.s3proxy import S3FaultProxy
+from .support import put, run_cli, wait_for
+from .tls import TestCA
+
+MiB = 1024 * 1024
+
+
+def small_files(n: int, prefix: str = "s", size: int = 700) -> dict[str, bytes]:
+    """``n`` distinct small files (their bytes differ from the first on)."""
+    return {f"{prefix}/f{i:04d}.json": i.to_bytes(4, "big") + os.urandom(size) for i in range(n)}
+
+
+def upload_all(client: Any, bucket: str, prefix: str, files: dict[str, bytes]) -> None:
+    for path, data in files.items():
+        put(client, bucket, f"{prefix}/{path}", data)
+
+
+def published(dest: Path) -> dict[str, bytes]:
+    """The files a user sees in a plain-layout destination (the tool's own folder left out)."""
+    return {
+        p.relative_to(dest).as_posix(): p.read_bytes()
+        for p in dest.rglob("*")
+        if p.is_file() and ".prefetch" not in p.relative_to(dest).parts
+    }
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("Error:")]
+
+
+def proxied_env(env: dict[str, str], proxy: S3FaultProxy) -> dict[str, str]:
+    return dict(env, AWS_ENDPOINT_URL=proxy.endpoint)
+
+
+# -- the whole-object path of small S3 objects ------------------------------------------------
+
+
+def test_a_small_object_corrupted_on_every_get_fails_the_pull_naming_it(
+    test_ca: TestCA, s3_server: SeaweedS3, s3_client: Any, bucket: str, s3_env: dict[str, str],
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    files = small_files(30)
+    upload_all(s3_client, bucket, "m", files)
+    bad = "s/f0007.json"
+    with S3FaultProxy(s3_server.endpoint, test_ca) as proxy:
+        proxy.faults.flip_key = f"m/{bad}"
+        proxy.faults.flip_offset = 100
+        dest = tmp_path / "d"
+        proc = run_cli("pull", f"s3://{bucket}/m", str(dest), env=proxied_env(s3_env, proxy))
+    assert proc.returncode != 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = error_lines(proc.stderr)
+    assert len(errors) == 1 and "f0007.json" in errors[0], proc.stderr
+    got = published(dest)
+    assert bad not in got  # never published
+    assert all(files[p] == data for p, data in got.items())  # what is there is right
+    assert not list(dest.rglob("f0007.json*")) or all(
+        ".prefetch" in p.parts for p in dest.rglob("f0007.json*")
+    )
+
+
+def test_a_small_object_corrupted_once_is_fetched_again_and_published(
+    test_ca: TestCA, s3_server: SeaweedS3, s3_client: Any, bucket: str, s3_env: dict[str, str],
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    files = small_files(20)
+    upload_all(s3_client, bucket, "m", files)
+    with S3FaultProxy(s3_server.endpoint, test_ca) as proxy:
+        proxy.faults.flip_key = "m/s/f0003.json"
+        proxy.faults.flip_offset = 5
+        proxy.faults.flip_times = 1
+        dest = tmp_path / "d"
+        proc = run_cli("pull", f"s3://{bucket}/m", str(dest), env=proxied_env(s3_env, proxy))
+        assert proxy.faults.flip_times == 0  # the corruption did happen
+    assert proc.returncode == 0, proc.stderr
+    assert published(dest) == files
+    assert run_cli("verify", str(dest), env=s3_env).returncode == 0
+
+
+def test_a_small_object_replaced_after_the_listing_is_never_mixed(
+    test_ca: TestCA, s3_server: SeaweedS3, s3_client: Any, bucket: str, s3_env: dict[str, str],
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    files = small_files(10)
+    upload_all(s3_client, bucket, "m", files)
+    key = "m/s/f0004.json"
+    new = b"replaced" + os.urandom(3000)
+    replaced = threading.Event()
+
+    def replace_on_first_get(method: str, path: str) -> None:
+        if method == "GET" and path.split("?")[0].endswith(key) and not replaced.is_set():
+            replaced.set()
+            put(s3_client, bucket, key, new)
+        return None
+
+    with S3FaultProxy(s3_server.endpoint, test_ca, gate=replace_on_first_get) as proxy:
+        dest = tmp_path / "d"
+        proc = run_cli("pull", f"s3://{bucket}/m", str(dest), env=proxied_env(s3_env, proxy))
+    assert replaced.is_set()
+    assert "Traceback" not in proc.stderr
+    got = published(dest)
+    if proc.returncode == 0:  # a consistent result: the new object, whole
+        assert got == {**files, "s/f0004.json": new}
+    else:  # a clear error naming the object, and never its old or mixed bytes published
+        errors = error_lines(proc.stderr)
+        assert len(errors) == 1 and "f0004.json" in errors[0], proc.stderr
+        assert got.get("s/f0004.json", new) == new
+        assert all(files[p] == d for p, d in got.items() if p != "s/f0004.json")
+    again = run_cli("pull", f"s3://{bucket}/m", str(dest), env=s3_env)
+    assert again.returncode == 0, again.stderr
+    assert published(dest) == {**files, "s/f0004.json": new}
+
+
+@pytest.mark.parametrize("options", [("--concurrency", "1"), ("--concurrency", "64"),
+                                     ("--no-verify",)])  # fmt: skip
+def test_small_files_beside_multipart_ones_at_any_concurrency(
+    s3_client: Any, bucket: str, s3_env: dict[str, str], tmp_path: Path, options: tuple[str, ...]
+) -> None:
+    files = small_files(60)
+    files["empty.txt"] = b""
+    files["exactly-1MiB.bin"] = os.urandom(MiB)
+    files["just-over.bin"] = os.urandom(MiB + 1)
+    upload_all(s3_client, bucket, "m", files)
+    big = os.urandom(11 * MiB + 5)
+    up = s3_client.create_multipart_upload(
+        Bucket=bucket, Key="m/big.bin", ChecksumAlgorithm="CRC64NVME", ChecksumType="FULL_OBJECT"
+    )
+    parts = []
+    for n, off in enumerate(range(0, len(big), 5 * MiB), 1):
+        r = s3_client.upload_part(
+            Bucket=bucket, Key="m/big.bin", UploadId=up["UploadId"], PartNumber=n,
+            Body=big[off : off + 5 * MiB], ChecksumAlgorithm="CRC64NVME",
+        )  # fmt: skip
+        parts.append({"PartNumber": n, "ETag": r["ETag"], "ChecksumCRC64NVME": r["ChecksumCRC64NVME"]})
+    s3_client.complete_multipart_upload(
+        Bucket=bucket, Key="m/big.bin", UploadId=up["UploadId"], MultipartUpload={"Parts": parts}
+    )
+    files["big.bin"] = big
+    dest = tmp_path / "d"
+    proc = run_cli("pull", f"s3://{bucket}/m", str(dest), *options, env=s3_env)
+    assert proc.returncode == 0, proc.stderr
+    assert published(dest) == files
+    assert not list((dest / ".prefetch").rglob("*.incomplete"))
+    if "--no-verify" not in options:
+        check = run_cli("verify", str(dest), env=s3_env)
+        assert check.returncode == 0, check.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_in_the_middle_of_many_small_files_then_the_next_run_completes(
+    test_ca: TestCA, s3_server: SeaweedS3, s3_client: Any, bucket: str, s3_env: dict[str, str],
+    tmp_path: Path, sig: signal.Signals,
+) -> None:  # fmt: skip
+    files = small_files(400, size=2000)
+    upload_all(s3_client, bucket, "m", files)
+    dest = tmp_path / "d"
+    with S3FaultProxy(s3_server.endpoint, test_ca) as proxy:
+        proxy.faults.throttle_bps = 40_000  # ~50 ms a file: the pull lasts long enough to stop
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "prefetch.cli", "pull", f"s3://{bucket}/m", str(dest),
+             "--concurrency", "4"],
+            env=proxied_env(s3_env, proxy), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            wait_for(lambda: len(list(dest.glob("s/*.json"))) >= 20, "20 files published")
+            proc.send_signal(sig)
+            _, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    stderr = err.decode()
+    assert proc.returncode == (130 if sig == signal.SIGINT else 143), stderr
+    assert "Traceback" not in stderr
+    got = published(dest)
+    assert 20 <= len(got) < len(files)
+    assert all(files[p] == data for p, data in got.items())  # nothing half-written shown
+    again = run_cli("pull", f"s3://{bucket}/m", str(dest), env=s3_env)
+    assert again.returncode == 0, again.stderr
+    assert published(dest) == files
+    assert not list((dest / ".prefetch").rglob("*.incomplete"))
+    assert run_cli("verify", str(dest), env=s3_env).returncode == 0
+
+
+# -- TLS trust ---------------------------------------------------------------------------------
+
+
+class _Closing(BaseHTTPRequestHandler):
+    """Answers every GET 200 and closes the connection: each request needs a new handshake."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(b"ok")
+        self.close_connection = True
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def closing_https(test_ca: TestCA) -> Iterator[int]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Closing)
+    server.daemon_threads = True
+    server.socket = test_ca.server_context().wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield int(server.server_address[1])
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_bundle_rotated_to_one_without_the_ca_refuses_the_next_connection(
+    closing_https: int, test_ca: TestCA, tmp_path: Path
+) -> None:
+    """A long-lived pool (the agent's) once trusting the CA stops trusting it when the bundle
+    on disk no longer holds it: the cached context is not kept (written in place, as an editor
+    or a copy does, and replaced by a new file, as a ConfigMap is)."""
+    bundle = tmp_path / "bundle.pem"
+    bundle.write_bytes(test_ca.ca_file.read_bytes())
+    pool = make_http_pool(4, proxies=settings.proxies({}), ca_certs=str(bundle))
+    url = test_ca.url(closing_https, "hub") + "/x"
+    for _ in range(2):
+        assert send(pool, "GET", url, headers={}).raw.status == 200
+    other = trustme.CA(organization_name="not the test CA").cert_pem.bytes()
+    bundle.write_bytes(other)  # in place: the same inode
+    with pytest.raises(TlsError, match="certificate verify failed"):
+        send(pool, "GET", url, headers={})
+    bundle.write_bytes(test_ca.ca_file.read_bytes())
+    assert send(pool, "GET", url, headers={}).raw.status == 200
+    rotated = tmp_path / "rotated.pem"
+    rotated.write_bytes(other)
+    rotated.replace(bundle)  # a new file
+    with pytest.raises(TlsError, match="certificate verify failed"):
+        send(pool, "GET", url, headers={})
+
+
+def test_a_public_store_named_while_the_endpoint_uses_a_private_ca_is_one_clear_line(
+    s3_client: Any, bucket: str, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    import certifi
+
+    put(s3_client, bucket, "m/config.json", b"{}")
+    env = {k: v for k, v in s3_env.items() if k not in ("SSL_CERT_FILE", "AWS_CA_BUNDLE")}
+    env["REQUESTS_CA_BUNDLE"] = certifi.where()
+    proc = run_cli("pull", f"s3://{bucket}/m", str(tmp_path / "d"), env=env)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    errors = error_lines(proc.stderr)
+    assert len(errors) == 1 and "certificate" in errors[0], proc.stderr
+    # the private CA named by a later variable is chosen over the public store
+    env["AWS_CA_BUNDLE"] = s3_env["AWS_CA_BUNDLE"]
+    ok = run_cli("pull", f"s3://{bucket}/m", str(tmp_path / "d"), env=env)
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_a_wrong_ca_bundle_is_refused_in_one_line(
+    s3_client: Any, bucket: str, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    put(s3_client, bucket, "m/config.json", b"{}")
+    other = tmp_path / "other.pem"
+    trustme.CA(organization_name="not the test CA").cert_pem.write_to_path(str(other))
+    proc = run_cli(
+        "pull", f"s3://{bucket}/m", str(tmp_path / "d"), "--ca-bundle", str(other), env=s3_env
+    )
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    errors = error_lines(proc.stderr)
+    assert len(errors) == 1 and "certificate verify failed" in errors[0], proc.stderr
+
+
+# -- the command line, its commands imported lazily -------------------------------------------
+
+
+def _commands(env: dict[str, str]) -> list[str]:
+    out = run_cli("--help", env=env).stdout
+    listed = out.split("Commands:", 1)[1].split("\n\n", 1)[0]
+    return [line.split()[0] for line in listed.splitlines() if line.strip()]
+
+
+def test_every_command_and_subcommand_has_its_help(tmp_path: Path) -> None:
+    env = dict(os.environ, HF_HOME=str(tmp_path))
+    commands = _commands(env)
+    assert {"pull", "agent", "mirror", "verify", "cache"} <= set(commands)
+    for name in commands:
+        proc = run_cli(name, "--help", env=env)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, (name, proc.stderr)
+        assert proc.stdout.startswith("Usage:"), name
+        if "Commands:" in proc.stdout:
+            for sub in proc.stdout.split("Commands:", 1)[1].split("\n\n", 1)[0].splitlines():
+                if sub.strip():
+                    inner = run_cli(name, sub.split()[0], "--help", env=env)
+                    assert inner.returncode == 0, (name, sub, inner.stderr)
+                    assert "Traceback" not in inner.stderr
+
+
+def test_an_unknown_command_and_a_malformed_uri_are_one_line(tmp_path: Path) -> None:
+    env = dict(os.environ, HF_HOME=str(tmp_path))
+    unknown = run_cli("frobnicate", env=env)
+    assert unknown.returncode == 2 and error_lines(unknown.stderr) == [
+        "Error: No such command 'frobnicate'."
+    ]
+    for uri in ("s3://", "nope://x", "hf://", "oci://"):
+        proc = run_cli("pull", uri, str(tmp_path / "d"), env=env)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, (uri, proc.stderr)
+        assert len(error_lines(proc.stderr)) == 1, (uri, proc.stderr)
+    version = run_cli("--version", env=env)
+    assert version.returncode == 0 and version.stdout.startswith("prefetch, version ")
