@@ -11,7 +11,10 @@ lazily imported commands (every command's help, an unknown command).
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +23,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import trustme
@@ -30,6 +34,7 @@ from prefetch.support import settings
 from prefetch.support.errors import TlsError
 
 from .fakes.s3proxy import S3FaultProxy
+from .fakes.tlsserver import TLSThreadingHTTPServer
 from .support import put, run_cli, wait_for
 from .tls import TestCA
 
@@ -238,6 +243,129 @@ def test_a_pull_lasting_several_seconds_is_signed_right_throughout(
     assert proc.returncode == 0, proc.stderr
     assert len(gets) == len(files)  # every one signed right the first time
     assert published(dest) == files
+
+
+@pytest.mark.slow
+def test_a_disk_filling_up_during_small_file_writes_is_one_clear_line(
+    test_ca: TestCA, s3_server: SeaweedS3, s3_client: Any, bucket: str, s3_env: dict[str, str],
+    small_fs: Path,
+) -> None:  # fmt: skip
+    """The disk fills (another writer) while small files are written whole: one error line,
+    only whole, right files visible; once room is made the next run completes."""
+    files = small_files(150, size=200 * 1024)
+    upload_all(s3_client, bucket, "m", files)
+    dest = small_fs / "d"
+    with S3FaultProxy(s3_server.endpoint, test_ca) as proxy:
+        proxy.faults.throttle_bps = 4 * MiB  # a body waits ~16 ms: time to fill the disk
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "prefetch.cli", "pull", f"s3://{bucket}/m", str(dest),
+             "--concurrency", "4"],
+            env=proxied_env(s3_env, proxy), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            wait_for(lambda: len(list(dest.glob("s/*.json"))) >= 10, "10 files published")
+            filler = small_fs / "filler"
+            with filler.open("wb") as out, contextlib.suppress(OSError):
+                while True:
+                    out.write(b"\0" * MiB)
+                    out.flush()
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    stderr = err.decode()
+    assert proc.returncode != 0, stderr
+    assert "Traceback" not in stderr
+    errors = error_lines(stderr)
+    assert len(errors) == 1 and "space" in errors[0].lower(), stderr
+    got = published(dest)
+    assert 10 <= len(got) < len(files)
+    assert all(files[p] == data for p, data in got.items())
+    filler.unlink()
+    again = run_cli("pull", f"s3://{bucket}/m", str(dest), env=s3_env)
+    assert again.returncode == 0, again.stderr
+    assert published(dest) == files
+
+
+class _RegionalFront(BaseHTTPRequestHandler):
+    """SeaweedFS as a bucket in eu-west-1: a request signed for another region is answered
+    as S3 does (``status``, x-amz-bucket-region), one signed for eu-west-1 is forwarded."""
+
+    protocol_version = "HTTP/1.1"
+    upstream: tuple[str, int] = ("", 0)
+    ca: TestCA
+    status = 301
+    seen: list[tuple[str, str, str]] = []
+
+    def _handle(self) -> None:
+        match = re.search(r"Credential=[^/]+/\d{8}/([^/]+)/", self.headers["Authorization"] or "")
+        region = match.group(1) if match else ""
+        type(self).seen.append((self.command, self.path, region))
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else None
+        if region != "eu-west-1":
+            answer = b"<Error><Code>PermanentRedirect</Code><Message>moved</Message></Error>"
+            self.send_response(self.status)
+            self.send_header("x-amz-bucket-region", "eu-west-1")
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(answer)
+            return
+        up = http.client.HTTPSConnection(*self.upstream, context=self.ca.client_context())
+        up.request(self.command, self.path, body=body, headers=dict(self.headers.items()))
+        resp = up.getresponse()
+        data = resp.read()
+        self.send_response(resp.status)
+        for k, v in resp.getheaders():
+            if k.lower() not in ("connection", "transfer-encoding", "content-length"):
+                self.send_header(k, v)
+        if self.command != "HEAD" or resp.getheader("Content-Length"):
+            self.send_header("Content-Length", resp.getheader("Content-Length") or str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+        up.close()
+
+    do_GET = do_HEAD = _handle
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("status", [301, 400])
+def test_a_bucket_in_another_region_is_pulled_signed_for_its_region(
+    test_ca: TestCA, s3_server: SeaweedS3, s3_client: Any, bucket: str, s3_env: dict[str, str],
+    tmp_path: Path, status: int,
+) -> None:  # fmt: skip
+    """Every request after the region redirect (the bucket's URL taken apart once, rebuilt)
+    is signed for the bucket's region: the listing, the small files' GETs, a large file's
+    HEAD and ranged GETs."""
+    files = small_files(12)
+    files["big.bin"] = os.urandom(3 * MiB + 7)
+    upload_all(s3_client, bucket, "m", files)
+    up = urlsplit(s3_server.endpoint)
+    handler = type(
+        "Front", (_RegionalFront,),
+        {"upstream": (up.hostname, up.port), "ca": test_ca, "status": status, "seen": []},
+    )  # fmt: skip
+    server = TLSThreadingHTTPServer(("127.0.0.1", 0), handler, test_ca.server_context())
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        env = dict(s3_env, AWS_ENDPOINT_URL=test_ca.url(server.server_address[1], "s3"))
+        env["AWS_DEFAULT_REGION"] = "us-east-1"
+        dest = tmp_path / "d"
+        proc = run_cli("pull", f"s3://{bucket}/m", str(dest), env=env)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert proc.returncode == 0, proc.stderr
+    assert published(dest) == files
+    regions = [r for _, _, r in handler.seen]
+    assert regions[0] == "us-east-1" and regions.count("us-east-1") == 1, handler.seen
+    assert len([1 for m, p, r in handler.seen if m == "GET" and "big.bin" in p]) >= 1
 
 
 # -- TLS trust ---------------------------------------------------------------------------------
