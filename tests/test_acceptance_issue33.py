@@ -12,7 +12,9 @@ lazily imported commands (every command's help, an unknown command).
 from __future__ import annotations
 
 import contextlib
+import gzip
 import http.client
+import json
 import os
 import re
 import signal
@@ -145,6 +147,39 @@ def test_a_small_object_replaced_after_the_listing_is_never_mixed(
     again = run_cli("pull", f"s3://{bucket}/m", str(dest), env=s3_env)
     assert again.returncode == 0, again.stderr
     assert published(dest) == {**files, "s/f0004.json": new}
+
+
+def test_a_small_object_stored_gzip_encoded_is_pulled_as_stored(
+    s3_client: Any, bucket: str, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    """An object uploaded with Content-Encoding: gzip (a web tool's habit for .json) is S3's
+    bytes as stored: the whole-object GET must not decode them (a ranged read would not)."""
+    raw = json.dumps({"vocab": list(range(3000))}).encode()
+    stored = gzip.compress(raw)
+    put(s3_client, bucket, "m/tokenizer.json", stored, ContentEncoding="gzip",
+        ContentType="application/json")  # fmt: skip
+    put(s3_client, bucket, "m/config.json", b'{"a": 1}')
+    head = s3_client.head_object(Bucket=bucket, Key="m/tokenizer.json")
+    assert head.get("ContentEncoding") == "gzip"  # the server does say so
+    dest = tmp_path / "d"
+    proc = run_cli("pull", f"s3://{bucket}/m", str(dest), env=s3_env)
+    assert proc.returncode == 0, proc.stderr
+    assert published(dest) == {"tokenizer.json": stored, "config.json": b'{"a": 1}'}
+
+
+@pytest.mark.slow
+def test_more_small_bytes_than_the_body_budget_at_a_high_concurrency(
+    s3_client: Any, bucket: str, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    """72 objects of exactly 1 MiB (the largest fetched whole) at --concurrency 64: more than
+    the 64 MiB the describes may hold, so some go the HEAD-and-ranged-read way; all arrive."""
+    files = {f"w/{i:03d}.bin": i.to_bytes(2, "big") + os.urandom(MiB - 2) for i in range(72)}
+    upload_all(s3_client, bucket, "m", files)
+    dest = tmp_path / "d"
+    proc = run_cli("pull", f"s3://{bucket}/m", str(dest), "--concurrency", "64", env=s3_env)
+    assert proc.returncode == 0, proc.stderr
+    assert published(dest) == files
+    assert run_cli("verify", str(dest), env=s3_env).returncode == 0
 
 
 @pytest.mark.parametrize("options", [("--concurrency", "1"), ("--concurrency", "64"),
