@@ -35,6 +35,7 @@ from prefetch.sources.http.transport import make_http_pool, send
 from prefetch.support import settings
 from prefetch.support.errors import TlsError
 
+from .fakes.forward_proxy import ForwardProxy
 from .fakes.s3proxy import S3FaultProxy
 from .fakes.tlsserver import TLSThreadingHTTPServer
 from .support import put, run_cli, wait_for
@@ -462,13 +463,61 @@ def test_a_bundle_rotated_to_one_without_the_ca_refuses_the_next_connection(
         send(pool, "GET", url, headers={})
 
 
+@pytest.mark.parametrize("trust", ["AWS_CA_BUNDLE", "--ca-bundle"])
+def test_an_s3_pull_through_an_https_proxy_trusts_the_chosen_bundle_for_it(
+    test_ca: TestCA, s3_client: Any, bucket: str, s3_env: dict[str, str], tmp_path: Path,
+    trust: str,
+) -> None:  # fmt: skip
+    """HTTPS_PROXY=https://... with a certificate from the private CA, the CA named only by
+    AWS_CA_BUNDLE or --ca-bundle (no SSL_CERT_FILE): the proxy and the server are both verified
+    with it, the listing's requests as the objects'."""
+    files = small_files(5)
+    files["big.bin"] = os.urandom(2 * MiB + 3)
+    upload_all(s3_client, bucket, "m", files)
+    proxy = ForwardProxy()
+    server = proxy._server  # (the test fake's own server, given TLS: an https:// proxy)
+    server.socket = test_ca.server_context().wrap_socket(server.socket, server_side=True)
+    env = {
+        k: v
+        for k, v in s3_env.items()
+        if k not in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
+    }
+    ca = env.pop("AWS_CA_BUNDLE")
+    args = ("--ca-bundle", ca) if trust == "--ca-bundle" else ()
+    if not args:
+        env["AWS_CA_BUNDLE"] = ca
+    with proxy:
+        port = server.server_address[1]
+        env.update(HTTPS_PROXY=test_ca.url(port, "proxy"), NO_PROXY="")
+        env = {k: v for k, v in env.items() if k.lower() not in ("http_proxy", "no_proxy")}
+        dest = tmp_path / "d"
+        proc = run_cli("pull", f"s3://{bucket}/m", str(dest), *args, env=env)
+        assert proc.returncode == 0, proc.stderr
+        assert proxy.through(s3_client.meta.endpoint_url) >= 1
+        other = tmp_path / "other.pem"  # a bundle without the CA: the proxy refused, named
+        trustme.CA(organization_name="not the test CA").cert_pem.write_to_path(str(other))
+        env.pop("AWS_CA_BUNDLE", None)
+        refused = run_cli(
+            "pull", f"s3://{bucket}/m", str(tmp_path / "e"), "--ca-bundle", str(other), env=env
+        )
+    assert published(dest) == files
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    errors = error_lines(refused.stderr)
+    assert len(errors) == 1 and "certificate verify failed" in errors[0], refused.stderr
+    assert "proxy" in errors[0], refused.stderr
+
+
 def test_a_public_store_named_while_the_endpoint_uses_a_private_ca_is_one_clear_line(
     s3_client: Any, bucket: str, s3_env: dict[str, str], tmp_path: Path
 ) -> None:
     import certifi
 
     put(s3_client, bucket, "m/config.json", b"{}")
-    env = {k: v for k, v in s3_env.items() if k not in ("SSL_CERT_FILE", "AWS_CA_BUNDLE")}
+    env = {
+        k: v
+        for k, v in s3_env.items()
+        if k not in ("SSL_CERT_FILE", "AWS_CA_BUNDLE", "CURL_CA_BUNDLE")
+    }
     env["REQUESTS_CA_BUNDLE"] = certifi.where()
     proc = run_cli("pull", f"s3://{bucket}/m", str(tmp_path / "d"), env=env)
     assert proc.returncode != 0
