@@ -582,3 +582,15 @@ def test_an_unknown_command_and_a_malformed_uri_are_one_line(tmp_path: Path) -> 
         assert len(error_lines(proc.stderr)) == 1, (uri, proc.stderr)
     version = run_cli("--version", env=env)
     assert version.returncode == 0 and version.stdout.startswith("prefetch, version ")
+
+
+@pytest.mark.parametrize(("typo", "meant"), [("pul", "pull"), ("verfy", "verify"),
+                                             ("agnet", "agent")])  # fmt: skip
+def test_a_mistyped_command_still_suggests_the_command_meant(
+    tmp_path: Path, typo: str, meant: str
+) -> None:
+    """click's "Did you mean" looks among the commands the group holds: the lazily imported
+    ones must be among them (before issue 33 every command was)."""
+    proc = run_cli(typo, env=dict(os.environ, HF_HOME=str(tmp_path)))
+    assert proc.returncode == 2
+    assert error_lines(proc.stderr) == [f"Error: No such command '{typo}'. Did you mean '{meant}'?"]

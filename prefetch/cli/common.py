@@ -205,6 +205,18 @@ class LazyGroup(_Group):
             self.add_command(command, cmd_name)
         return command
 
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        """click's, with a mistyped name's "Did you mean" looked for among the lazy commands
+        too (click looks only among those the group holds, imported)."""
+        try:
+            return super().resolve_command(ctx, args)
+        except click.NoSuchCommand:
+            raise click.NoSuchCommand(
+                str(args[0]), possibilities=self.list_commands(ctx), ctx=ctx
+            ) from None
+
 
 _NUMBER = re.compile(r"\d+(\.\d+)?")
 
