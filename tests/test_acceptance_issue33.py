@@ -404,6 +404,31 @@ def test_a_bucket_in_another_region_is_pulled_signed_for_its_region(
     assert len([1 for m, p, r in handler.seen if m == "GET" and "big.bin" in p]) >= 1
 
 
+@pytest.mark.parametrize("spelling", ["upper", "slash"])
+def test_an_endpoint_written_another_way_is_signed_as_sent(
+    s3_server: SeaweedS3, s3_client: Any, bucket: str, s3_env: dict[str, str], tmp_path: Path,
+    spelling: str,
+) -> None:  # fmt: skip
+    """The bucket's URL taken apart once: an endpoint in capitals or with a trailing slash
+    still signs the Host header and path that go on the wire (SeaweedFS checks them)."""
+    files = small_files(4)
+    files["big.bin"] = os.urandom(2 * MiB + 1)
+    upload_all(s3_client, bucket, "m", files)
+    endpoint = s3_server.endpoint
+    if spelling == "upper":
+        scheme, rest = endpoint.split("://", 1)
+        host, port = rest.rsplit(":", 1)
+        endpoint = f"{scheme.upper()}://{host.upper()}:{port}"
+    else:
+        endpoint += "/"
+    dest = tmp_path / "d"
+    proc = run_cli(
+        "pull", f"s3://{bucket}/m", str(dest), env=dict(s3_env, AWS_ENDPOINT_URL=endpoint)
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert published(dest) == files
+
+
 # -- TLS trust ---------------------------------------------------------------------------------
 
 
