@@ -183,6 +183,33 @@ def test_more_small_bytes_than_the_body_budget_at_a_high_concurrency(
     assert run_cli("verify", str(dest), env=s3_env).returncode == 0
 
 
+@pytest.mark.parametrize("fault", ["cut", "refuse"])
+def test_a_small_objects_get_failing_once_is_retried_and_published(
+    test_ca: TestCA, s3_server: SeaweedS3, s3_client: Any, bucket: str, s3_env: dict[str, str],
+    tmp_path: Path, fault: str,
+) -> None:  # fmt: skip
+    """The one GET that describes a small object, cut mid-body or refused with 503 SlowDown:
+    retried, and the object published whole."""
+    files = small_files(6, size=40_000)
+    upload_all(s3_client, bucket, "m", files)
+    key = "m/s/f0002.json"
+    with S3FaultProxy(s3_server.endpoint, test_ca) as proxy:
+        f = proxy.faults
+        if fault == "cut":
+            f.cut_key, f.cut_after, f.cut_times = key, 1000, 1
+        elif fault == "refuse":
+            f.refuse_key, f.refuse_times, f.refuse_retry_after = key, 2, "0"
+        else:
+            f.trickle_key, f.trickle, f.trickle_times = key, (1000, 1.0), 1
+        dest = tmp_path / "d"
+        args = ("--stall-timeout", "2s") if fault == "trickle" else ()
+        proc = run_cli("pull", f"s3://{bucket}/m", str(dest), *args, env=proxied_env(s3_env, proxy))
+        gets = [r for r in proxy.requests if r[0] == "GET" and r[1] == key]
+    assert proc.returncode == 0, proc.stderr
+    assert published(dest) == files
+    assert len(gets) >= 2  # the fault did happen
+
+
 @pytest.mark.parametrize("options", [("--concurrency", "1"), ("--concurrency", "64"),
                                      ("--no-verify",), ("--processes", "2")])  # fmt: skip
 def test_small_files_beside_multipart_ones_at_any_concurrency(
