@@ -248,11 +248,15 @@ def test_small_files_beside_multipart_ones_at_any_concurrency(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize(
+    ("sig", "processes"), [(signal.SIGINT, 1), (signal.SIGTERM, 1), (signal.SIGINT, 2)]
+)
 def test_a_stop_in_the_middle_of_many_small_files_then_the_next_run_completes(
     test_ca: TestCA, s3_server: SeaweedS3, s3_client: Any, bucket: str, s3_env: dict[str, str],
-    tmp_path: Path, sig: signal.Signals,
+    tmp_path: Path, sig: signal.Signals, processes: int,
 ) -> None:  # fmt: skip
+    """The signal goes to the whole process group, as a terminal's Ctrl-C does (with
+    --processes 2, the children get it too)."""
     files = small_files(400, size=2000)
     upload_all(s3_client, bucket, "m", files)
     dest = tmp_path / "d"
@@ -260,12 +264,13 @@ def test_a_stop_in_the_middle_of_many_small_files_then_the_next_run_completes(
         proxy.faults.throttle_bps = 1_300_000  # a body waits ~50 ms: the pull lasts to be stopped
         proc = subprocess.Popen(
             [sys.executable, "-m", "prefetch.cli", "pull", f"s3://{bucket}/m", str(dest),
-             "--concurrency", "4"],
+             "--concurrency", "4", "--processes", str(processes)],
             env=proxied_env(s3_env, proxy), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True,
         )  # fmt: skip
         try:
             wait_for(lambda: len(list(dest.glob("s/*.json"))) >= 20, "20 files published")
-            proc.send_signal(sig)
+            os.killpg(proc.pid, sig)
             _, err = proc.communicate(timeout=30)
         finally:
             if proc.poll() is None:
