@@ -90,10 +90,16 @@ def test_a_small_object_corrupted_on_every_get_fails_the_pull_naming_it(
         proxy.faults.flip_offset = 100
         dest = tmp_path / "d"
         proc = run_cli("pull", f"s3://{bucket}/m", str(dest), env=proxied_env(s3_env, proxy))
+        as_json = run_cli(
+            "pull", f"s3://{bucket}/m", str(tmp_path / "j"), "--json",
+            env=proxied_env(s3_env, proxy),
+        )  # fmt: skip
     assert proc.returncode != 0, proc.stderr
     assert "Traceback" not in proc.stderr
     errors = error_lines(proc.stderr)
     assert len(errors) == 1 and "f0007.json" in errors[0], proc.stderr
+    summary = json.loads(as_json.stdout)  # a script reads why
+    assert as_json.returncode != 0 and summary["error_reason"] == "checksum_mismatch", summary
     got = published(dest)
     assert bad not in got  # never published
     assert all(files[p] == data for p, data in got.items())  # what is there is right
