@@ -53,6 +53,25 @@ def small_files(n: int, prefix: str = "s", size: int = 700) -> dict[str, bytes]:
     return {f"{prefix}/f{i:04d}.json": i.to_bytes(4, "big") + os.urandom(size) for i in range(n)}
 
 
+def put_multipart(client: Any, bucket: str, key: str, data: bytes) -> None:
+    """A multipart upload in parts of 5 MiB, with a full-object CRC64NVME."""
+    up = client.create_multipart_upload(
+        Bucket=bucket, Key=key, ChecksumAlgorithm="CRC64NVME", ChecksumType="FULL_OBJECT"
+    )
+    parts = []
+    for n, off in enumerate(range(0, len(data), 5 * MiB), 1):
+        r = client.upload_part(
+            Bucket=bucket, Key=key, UploadId=up["UploadId"], PartNumber=n,
+            Body=data[off : off + 5 * MiB], ChecksumAlgorithm="CRC64NVME",
+        )  # fmt: skip
+        parts.append(
+            {"PartNumber": n, "ETag": r["ETag"], "ChecksumCRC64NVME": r["ChecksumCRC64NVME"]}
+        )
+    client.complete_multipart_upload(
+        Bucket=bucket, Key=key, UploadId=up["UploadId"], MultipartUpload={"Parts": parts}
+    )
+
+
 def upload_all(client: Any, bucket: str, prefix: str, files: dict[str, bytes]) -> None:
     for path, data in files.items():
         put(client, bucket, f"{prefix}/{path}", data)
@@ -229,23 +248,13 @@ def test_small_files_beside_multipart_ones_at_any_concurrency(
     files["exactly-1MiB.bin"] = os.urandom(MiB)
     files["just-over.bin"] = os.urandom(MiB + 1)
     upload_all(s3_client, bucket, "m", files)
-    big = os.urandom(11 * MiB + 5)
-    up = s3_client.create_multipart_upload(
-        Bucket=bucket, Key="m/big.bin", ChecksumAlgorithm="CRC64NVME", ChecksumType="FULL_OBJECT"
-    )
-    parts = []
-    for n, off in enumerate(range(0, len(big), 5 * MiB), 1):
-        r = s3_client.upload_part(
-            Bucket=bucket, Key="m/big.bin", UploadId=up["UploadId"], PartNumber=n,
-            Body=big[off : off + 5 * MiB], ChecksumAlgorithm="CRC64NVME",
-        )  # fmt: skip
-        parts.append(
-            {"PartNumber": n, "ETag": r["ETag"], "ChecksumCRC64NVME": r["ChecksumCRC64NVME"]}
-        )
-    s3_client.complete_multipart_upload(
-        Bucket=bucket, Key="m/big.bin", UploadId=up["UploadId"], MultipartUpload={"Parts": parts}
-    )
-    files["big.bin"] = big
+    # multipart: a large one, and a small one of one part (its ETag "...-1": described by a HEAD)
+    for name, data in (
+        ("big.bin", os.urandom(11 * MiB + 5)),
+        ("one-part.bin", os.urandom(300_000)),
+    ):
+        put_multipart(s3_client, bucket, f"m/{name}", data)
+        files[name] = data
     dest = tmp_path / "d"
     proc = run_cli("pull", f"s3://{bucket}/m", str(dest), *options, env=s3_env)
     assert proc.returncode == 0, proc.stderr
