@@ -18,12 +18,11 @@ import pytest
 import trustme
 import urllib3
 
+from prefetch.sources.http.tls_trust import TlsTrust, tls_context
 from prefetch.sources.http.transport import (
     HttpClient,
-    TlsTrust,
     make_http_pool,
     send,
-    tls_context,
     watched_pools,
 )
 from prefetch.support import settings
