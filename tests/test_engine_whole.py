@@ -44,10 +44,14 @@ class WholeMemorySource(MemorySource):
         super().__init__(objects, **kwargs)
         self.bodies: dict[str, bytes] = {}
         self.whole_calls: list[str] = []
+        self.within: dict[str, float | None] = {}
 
-    def describe_whole(self, file: RemoteFile) -> tuple[RemoteFile, bytes | None]:
+    def describe_whole(
+        self, file: RemoteFile, *, within: float | None = None
+    ) -> tuple[RemoteFile, bytes | None]:
         with self.lock:
             self.whole_calls.append(file.path)
+            self.within[file.path] = within
         return file, self.bodies.get(file.path, self.objects[file.path])
 
 
@@ -80,7 +84,7 @@ def run(
         dest.mkdir(exist_ok=True)
         os.replace(staged, dest / file.path)
 
-    cfg = TransferConfig(**{"concurrency": 4, "retry": NO_RETRY, **config})  # type: ignore[arg-type]
+    cfg = TransferConfig(**{"concurrency": 4, "retry": NO_RETRY, **config})  # type: ignore[arg-type]  # the test passes TransferConfig's fields as objects
     return Transfer(source, tmp / "st", publish, cfg, progress=progress).run(files)
 
 
@@ -98,7 +102,7 @@ def test_a_small_file_described_with_its_bytes_costs_one_create_write_fsync_and_
     real_open, real_write, real_fsync, real_pwrite = os.open, os.write, os.fsync, os.pwrite
 
     def spy_open(path: object, *args: object, **kwargs: object) -> int:
-        fd = real_open(path, *args, **kwargs)  # type: ignore[arg-type]
+        fd = real_open(path, *args, **kwargs)  # type: ignore[arg-type]  # a spy forwards os.open's own arguments
         names[fd] = str(path)
         if str(path).endswith(".incomplete"):
             calls.append(("open", str(path)))
@@ -108,7 +112,7 @@ def test_a_small_file_described_with_its_bytes_costs_one_create_write_fsync_and_
         def call(fd: int, *args: object) -> object:
             if names.get(fd, "").endswith(".incomplete"):
                 calls.append((name, names[fd]))
-            return real(fd, *args)  # type: ignore[operator]
+            return real(fd, *args)  # type: ignore[operator]  # the spied os function, called as it was
 
         return call
 
@@ -330,7 +334,7 @@ def test_a_full_disk_fails_the_write_cleanly(
     def full(fd: int, data: object) -> int:
         if os.readlink(f"/proc/self/fd/{fd}").endswith(".incomplete"):
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_write(fd, data)  # type: ignore[arg-type]
+        return real_write(fd, data)  # type: ignore[arg-type]  # a spy forwards os.write's arguments
 
     data = os.urandom(20 * KiB)
     before = set(os.listdir("/proc/self/fd"))
@@ -355,13 +359,13 @@ def test_small_files_are_described_in_batches_one_task_each(
 
     def counting(self: Coordinator[object], pool: object, task: object, *args: object) -> None:
         tasks.append(task)
-        real_submit(self, pool, task, *args)  # type: ignore[arg-type]
+        real_submit(self, pool, task, *args)  # type: ignore[arg-type]  # a spy forwards submit's arguments
 
     monkeypatch.setattr(Coordinator, "submit", counting)
     objects = {f"f{i:02}.json": os.urandom(1000 + i) for i in range(40)}
     source = WholeMemorySource(objects)
     stats = run(source, [sha256_file(p, d) for p, d in objects.items()], tmp_path, concurrency=2)
-    assert [len(t.files) for t in tasks] == [8, 8, 8, 8, 4, 2, 1, 1]  # type: ignore[attr-defined]
+    assert [len(t.files) for t in tasks] == [8, 8, 8, 8, 4, 2, 1, 1]  # type: ignore[attr-defined]  # only batch tasks are recorded
     assert stats.files_verified == 40 and stats.chunks_downloaded == 40
     assert {p: (tmp_path / "out" / p).read_bytes() for p in objects} == objects
 
@@ -371,10 +375,12 @@ class _FailingOn(WholeMemorySource):
         super().__init__(objects)
         self.failing = failing
 
-    def describe_whole(self, file: RemoteFile) -> tuple[RemoteFile, bytes | None]:
+    def describe_whole(
+        self, file: RemoteFile, *, within: float | None = None
+    ) -> tuple[RemoteFile, bytes | None]:
         if file.path == self.failing:
             raise SourceError(f"{file.path}: refused on purpose")
-        return super().describe_whole(file)
+        return super().describe_whole(file, within=within)
 
 
 def test_a_failure_in_a_batch_deletes_what_it_wrote_and_keeps_what_it_only_described(
@@ -405,9 +411,11 @@ def test_a_stop_is_seen_between_the_files_of_a_batch(tmp_path: Path) -> None:
     stop = threading.Event()
 
     class Stopping(WholeMemorySource):
-        def describe_whole(self, file: RemoteFile) -> tuple[RemoteFile, bytes | None]:
+        def describe_whole(
+            self, file: RemoteFile, *, within: float | None = None
+        ) -> tuple[RemoteFile, bytes | None]:
             stop.set()  # as a signal handler would, while the first file is described
-            return super().describe_whole(file)
+            return super().describe_whole(file, within=within)
 
     objects = {f"f{i}.json": os.urandom(1000 + i) for i in range(4)}
     source = Stopping(objects)
@@ -417,3 +425,17 @@ def test_a_stop_is_seen_between_the_files_of_a_batch(tmp_path: Path) -> None:
         transfer.run([sha256_file(p, d) for p, d in objects.items()])
     assert source.whole_calls == ["f0.json"]
     assert list((tmp_path / "st").iterdir()) == []
+
+
+def test_a_small_files_whole_get_is_given_the_time_the_stall_rule_allows_its_bytes(
+    tmp_path: Path,
+) -> None:
+    """--stall-timeout plus the file's size at --min-rate: what a ranged read of the same bytes
+    would be allowed; with the rule off, nothing (the source's own bound holds)."""
+    data = os.urandom(128 * KiB)
+    source = WholeMemorySource({"a.bin": data})
+    run(source, [sha256_file("a.bin", data)], tmp_path, stall_window=3.0, min_rate=64 * KiB)
+    assert source.within == {"a.bin": 3.0 + 2.0}
+    source = WholeMemorySource({"a.bin": data})
+    run(source, [sha256_file("a.bin", data)], tmp_path / "off", min_rate=0)
+    assert source.within == {"a.bin": None}

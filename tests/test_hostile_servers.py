@@ -539,6 +539,29 @@ def test_a_trickling_small_object_get_is_cut_and_retried(s3: MisbehavingS3, tmp_
     assert [m for m, k, _ in s3.requests if k == "m/tokenizer.json"] == ["GET", "GET"]
 
 
+def test_a_trickling_small_object_get_is_held_to_the_stall_rule_the_pull_was_given(
+    s3: MisbehavingS3, tmp_path: Path
+) -> None:
+    """The engine's --stall-timeout and --min-rate bound a small object's whole GET too (not
+    only the source's fixed 60 s): QUICK's 1 s window and 64 KiB/s give a 64 KiB body 2 s."""
+    data = os.urandom(64 * 1024)
+    s3.put(BUCKET, "m/tokenizer.json", data, md5_etag=True)
+    s3.misbehave(key="m/tokenizer.json", trickle=(64, 0.5), count=1)  # 8 minutes of body
+    spec = ModelSpec(source=parse_source_uri(f"s3://{BUCKET}/m/"))
+    source = S3Source(s3.client(), spec.source, retry=QUICK.retry)
+    assert source.small_get_limit == 60.0  # the source's own bound is not what cuts it here
+    results: list[SyncResult] = []
+    worker = threading.Thread(
+        target=lambda: results.append(sync(spec, source, PlainLayout(tmp_path / "dest"), QUICK)),
+        daemon=True,
+    )
+    worker.start()
+    worker.join(40)  # with the source's 60 s bound it would still be waiting
+    assert results, "the pull is still held by the trickling GET"
+    assert (tmp_path / "dest" / "tokenizer.json").read_bytes() == data
+    assert [m for m, k, _ in s3.requests if k == "m/tokenizer.json"] == ["GET", "GET"]
+
+
 def test_a_trickling_model_is_bounded_by_its_sync_deadline_and_a_healthy_one_gets_ready(
     s3: MisbehavingS3, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

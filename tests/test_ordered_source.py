@@ -88,7 +88,7 @@ class Serving:
     def __init__(self, whole: bool) -> None:
         self.file = RemoteFile("a.bin", 3, version="v")
         if whole:
-            self.describe_whole = lambda f: (f.with_(described=True), b"abc")
+            self.describe_whole = lambda f, within=None: (f.with_(described=True), b"abc")
 
     def resolve(self, spec: ModelSpec) -> Snapshot:
         return Snapshot("x://", "rev", (self.file,))

@@ -255,8 +255,8 @@ def test_require_checksum_refuses_files_without_one(s3_client, bucket, tmp_path)
     source = S3Source(s3_client, source_spec.source)
     real_describe = source.describe_whole  # (a small object: described with its bytes)
 
-    def no_checksums(f):  # type: ignore[no-untyped-def]
-        described, body = real_describe(f)
+    def no_checksums(f, *, within=None):  # type: ignore[no-untyped-def]
+        described, body = real_describe(f, within=within)
         return described.with_(checksums=()), body
 
     source.describe_whole = no_checksums  # type: ignore[method-assign]

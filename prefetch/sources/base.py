@@ -67,11 +67,15 @@ class DescribesWhole(Protocol):
     and writes those bytes as they are (one write, no ranged read), see
     :mod:`prefetch.pipeline.engine.whole`. Any other source is described, then read in ranges."""
 
-    def describe_whole(self, file: RemoteFile) -> tuple[RemoteFile, bytes | None]:
+    def describe_whole(
+        self, file: RemoteFile, *, within: float | None = None
+    ) -> tuple[RemoteFile, bytes | None]:
         """``describe(file)`` and, when the source fetched the file whole to describe it, its
         bytes: exactly ``file.size`` of them, of the version the description states. None: it
         was only described (too large to fetch in one request here, a multipart object...).
-        The caller asks only for files it can hold in memory."""
+        The caller asks only for files it can hold in memory. ``within``: the seconds the
+        bytes of such a fetch may take to arrive (the engine's stall rule for a body of the
+        file's size; None: the source's own bound)."""
         ...
 
 

@@ -98,12 +98,14 @@ class OrderedSource:
     def describe(self, file: RemoteFile) -> RemoteFile:
         return self._owner(file).describe(file)
 
-    def describe_whole(self, file: RemoteFile) -> tuple[RemoteFile, bytes | None]:
+    def describe_whole(
+        self, file: RemoteFile, *, within: float | None = None
+    ) -> tuple[RemoteFile, bytes | None]:
         """The owner's :class:`~prefetch.sources.base.DescribesWhole` when it has it, else
         its describe (no bytes)."""
         owner = self._owner(file)
         if isinstance(owner, DescribesWhole):
-            return owner.describe_whole(file)
+            return owner.describe_whole(file, within=within)
         return owner.describe(file), None
 
     def open_range(self, file: RemoteFile, start: int, end: int) -> RangeReader:

@@ -8,15 +8,17 @@ and publish. A small file whose describe brought its bytes (a source with
 
 from __future__ import annotations
 
+import functools
 import threading
 
+from prefetch.pipeline.deadline import StallRule
 from prefetch.pipeline.engine.fetch import ChunkFetcher
 from prefetch.pipeline.engine.finish import FileFinisher
 from prefetch.pipeline.engine.partial_file import DIRECT_MIN_SIZE
 from prefetch.pipeline.engine.plan import FileJob, FilePlanner, fits_one_write
 from prefetch.pipeline.engine.resume import Resumer, prepare_whole
 from prefetch.pipeline.engine.watched_read import call_watched
-from prefetch.pipeline.engine.whole import BodyBudget, WholeWriter
+from prefetch.pipeline.engine.whole import BodyBudget, WholeWriter, body_time_limit
 from prefetch.pipeline.snapshot import RemoteFile
 from prefetch.sources.base import DescribesWhole, Source
 from prefetch.support.errors import Cancelled
@@ -34,6 +36,7 @@ class DescribeWorker:
         finisher: FileFinisher,
         writer: WholeWriter,
         stop: threading.Event,
+        stall: StallRule,
     ) -> None:
         self._planner = planner
         self._resumer = resumer
@@ -41,6 +44,7 @@ class DescribeWorker:
         self._finisher = finisher
         self._writer = writer
         self._stop = stop
+        self._stall = stall  #: the stall rule a small file's whole GET is held to
         #: the whole-object path, for a source that has it; the bodies it holds are bounded
         self._whole = source if isinstance(source, DescribesWhole) else None
         self._budget = BodyBudget()
@@ -87,8 +91,12 @@ class DescribeWorker:
         once they are written) and check and write them (:class:`WholeWriter`); a file the
         source described without them goes the generic way."""
         try:
+            within = body_time_limit(self._stall, file.size)
             described, body = call_watched(
-                self._planner.watchdog, file.path, source.describe_whole, file
+                self._planner.watchdog,
+                file.path,
+                functools.partial(source.describe_whole, within=within),
+                file,
             )
             job = self._planner.plan(described)
             if body is not None and fits_one_write(job):

@@ -128,6 +128,7 @@ class Transfer:
         self._describer = DescribeWorker(
             source, self._planner, self._resumer, self._fetcher, self._finisher,
             WholeWriter(self.stats, self._progress, self._resumer.left_over), self._stop,
+            config,
         )  # fmt: skip
         # the workers' log lines carry the caller's sync id (logjson.inherit_context); the
         # pools start their threads on the first task

@@ -22,6 +22,7 @@ import os
 import threading
 
 from prefetch.pipeline import verify
+from prefetch.pipeline.deadline import StallRule
 from prefetch.pipeline.engine.config import TransferStats
 from prefetch.pipeline.engine.plan import FileJob
 from prefetch.pipeline.progress import ProgressSink
@@ -29,6 +30,16 @@ from prefetch.pipeline.progress import ProgressSink
 #: At most this many bytes of small files fetched whole by describe are in memory at any time.
 WHOLE_BUDGET = 64 * 1024 * 1024
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+
+
+def body_time_limit(rule: StallRule, size: int) -> float | None:
+    """The seconds a small file's whole body (``size`` bytes, fetched by its describe) may take
+    to arrive under the stall rule (``--stall-timeout`` plus the time ``--min-rate`` allows for
+    its bytes: a ranged read of them would be abandoned by then). None with the rule off (the
+    source's own bound then holds)."""
+    if not rule.min_rate:
+        return None
+    return rule.stall_window + size / rule.min_rate
 
 
 class BodyBudget:

@@ -68,7 +68,9 @@ class S3Describer:
         #: Seconds a whole-object GET of a small object (see SMALL_OBJECT) may take.
         self.small_get_limit = SMALL_GET_LIMIT
 
-    def describe_whole(self, file: RemoteFile) -> tuple[RemoteFile, bytes | None]:
+    def describe_whole(
+        self, file: RemoteFile, *, within: float | None = None
+    ) -> tuple[RemoteFile, bytes | None]:
         """A small object (:data:`SMALL_OBJECT`, one part) described by one GET of the whole
         object, with its bytes; any other described by a HEAD (no bytes)."""
         if (
@@ -76,7 +78,7 @@ class S3Describer:
             and not file.described
             and not _MULTIPART_ETAG.match(file.version)
         ):
-            return self._describe_by_get(file)
+            return self._describe_by_get(file, within)
         return self.describe(file), None
 
     def describe(self, file: RemoteFile) -> RemoteFile:
@@ -139,7 +141,9 @@ class S3Describer:
             checksums=(*found, *file.checksums), described=True, version=etag or file.version
         )
 
-    def _describe_by_get(self, file: RemoteFile) -> tuple[RemoteFile, bytes]:
+    def _describe_by_get(
+        self, file: RemoteFile, within: float | None = None
+    ) -> tuple[RemoteFile, bytes]:
         bucket, key = self._uri.location, file.locator
         what = f"s3://{bucket}/{key}"
 
@@ -148,7 +152,7 @@ class S3Describer:
                 "GET", key, f"GET {what}",
                 headers={"x-amz-checksum-mode": "ENABLED", **if_match(file.version)},
             )  # fmt: skip
-            data = self._read_small_body(answer, what)
+            data = self._read_small_body(answer, what, within)
             return answer.status, fields_of(answer), data
 
         status, resp, data = self._requests.call(f"GET {what}", get)
@@ -160,17 +164,19 @@ class S3Describer:
             )
         return self._described(file, resp, what), data
 
-    def _read_small_body(self, answer: Response, what: str) -> bytes:
+    def _read_small_body(self, answer: Response, what: str, within: float | None) -> bytes:
         """The whole body of a small object's GET (then the connection is released). A
         trickling server would hold this read for ever (each byte resets the socket's read
-        timeout), and the engine's stall rule only watches ranged reads: so the read is bounded
-        by ``small_get_limit``."""
+        timeout), and the engine's stall rule counts the bytes of ranged reads only: so the read
+        is bounded by ``within`` (the engine's rule for a body of this size), else by
+        ``small_get_limit``."""
         body = answer.raw
         watch = Watch(f"GET {what}")
         watch.attach(lambda: shutdown_socket_of(body))
-        limit = self.small_get_limit
+        limit = self.small_get_limit if within is None else within
         too_slow = TransientSourceError(
-            f"GET {what}: the body took longer than {limit:g}s (a stalled server)"
+            f"GET {what}: the body took longer than {limit:g}s (a stalled server; "
+            "--min-rate, --stall-timeout)"
         )
         alarm = self._requests.alarms.schedule(limit, lambda: watch.abort(too_slow))
         clean = False

@@ -100,12 +100,14 @@ class S3PrefixSource:
     def describe(self, file: RemoteFile) -> RemoteFile:
         return self.serving.describe(file)
 
-    def describe_whole(self, file: RemoteFile) -> tuple[RemoteFile, bytes | None]:
+    def describe_whole(
+        self, file: RemoteFile, *, within: float | None = None
+    ) -> tuple[RemoteFile, bytes | None]:
         """(:class:`~prefetch.sources.base.DescribesWhole`) what serves it, describing a small
         file by fetching it whole."""
         with self._lock:
             serving = self._serving
-        return serving.describe_whole(file)
+        return serving.describe_whole(file, within=within)
 
     def open_range(self, file: RemoteFile, start: int, end: int) -> RangeReader:
         return self.serving.open_range(file, start, end)

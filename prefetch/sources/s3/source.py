@@ -124,10 +124,12 @@ class S3Source:
     def describe(self, file: RemoteFile) -> RemoteFile:
         return self._describer.describe(file)
 
-    def describe_whole(self, file: RemoteFile) -> tuple[RemoteFile, bytes | None]:
+    def describe_whole(
+        self, file: RemoteFile, *, within: float | None = None
+    ) -> tuple[RemoteFile, bytes | None]:
         """(:class:`~prefetch.sources.base.DescribesWhole`) an object up to SMALL_OBJECT bytes
         described by one GET of the whole object, its bytes with it; others by a HEAD."""
-        return self._describer.describe_whole(file)
+        return self._describer.describe_whole(file, within=within)
 
     # -- read --------------------------------------------------------------------------------
 

@@ -209,13 +209,17 @@ class MirrorSource:
         self._prepare_signed_path()
         return self._accept(file, self._objects.describe(file.with_(version="", checksums=())))
 
-    def describe_whole(self, file: RemoteFile) -> tuple[RemoteFile, bytes | None]:
+    def describe_whole(
+        self, file: RemoteFile, *, within: float | None = None
+    ) -> tuple[RemoteFile, bytes | None]:
         """:meth:`describe`, a small blob fetched whole with it (as the S3 source does, see
         :class:`~prefetch.sources.base.DescribesWhole`)."""
         if file.described:
             return file, None
         self._prepare_signed_path()
-        seen, body = self._objects.describe_whole(file.with_(version="", checksums=()))
+        seen, body = self._objects.describe_whole(
+            file.with_(version="", checksums=()), within=within
+        )
         return self._accept(file, seen), body
 
     def _accept(self, file: RemoteFile, seen: RemoteFile) -> RemoteFile:
